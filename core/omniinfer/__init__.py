@@ -1,0 +1,35 @@
+"""omniinfer: one LLM inference engine, device plugins for every vendor.
+
+The heavy names (`LLM`, `SamplingParams`, ...) import torch; they are resolved lazily so
+that `import omniinfer` and `omniinfer --version` stay fast.
+"""
+
+from omniinfer.version import __version__
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "LLMEngine",
+    "EngineArgs",
+    "__version__",
+]
+
+_LAZY = {
+    "LLM": "omniinfer.entrypoints.llm",
+    "SamplingParams": "omniinfer.sampling.params",
+    "RequestOutput": "omniinfer.engine.outputs",
+    "CompletionOutput": "omniinfer.engine.outputs",
+    "LLMEngine": "omniinfer.engine.llm_engine",
+    "EngineArgs": "omniinfer.config",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'omniinfer' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

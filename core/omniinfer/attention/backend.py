@@ -1,0 +1,233 @@
+"""The attention-backend contract: a descriptor, a metadata builder and an implementation.
+
+* :class:`AttentionBackend` (descriptor): a name, what it supports, the KV-cache layout,
+  and ``validate(spec)`` returning the reasons it cannot serve a configuration.
+* :class:`AttentionMetadataBuilder`: sees the batch one sequence at a time (plain data:
+  token counts and block tables, never the runner) and builds the backend's
+  :class:`AttentionMetadata` with every tensor on the CPU.
+* :class:`AttentionImpl`: ``forward(query, key, value, kv_cache, metadata)`` for one layer.
+
+Batch layout every backend shares: prefill sequences first, decode sequences after; a
+"decode" is a sequence with exactly one new token and something already cached. All
+tokens of the step are flattened into one dimension in that order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """What a backend needs to know to accept or refuse a configuration (plain data)."""
+
+    device_type: str  # torch device type of the selected platform
+    platform_name: str
+    dtype: torch.dtype  # model / KV-cache dtype
+    head_size: int
+    num_heads: int  # query heads on one rank
+    num_kv_heads: int  # KV heads on one rank
+    block_size: int
+    sliding_window: int | None = None
+    device_capability: tuple[int, int] | None = None  # e.g. (9, 0) for an H100; None off-GPU
+
+
+class AttentionBackend:
+    """Descriptor of one attention backend. Subclasses set the class attributes."""
+
+    name: ClassVar[str] = ""
+    supported_device_types: ClassVar[tuple[str, ...]] = ()
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
+    supported_head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
+    supports_sliding_window: ClassVar[bool] = True
+
+    @classmethod
+    def validate(cls, spec: AttentionSpec) -> list[str]:
+        """Reasons this backend cannot serve `spec`; empty when it can."""
+        reasons = []
+        if spec.device_type not in cls.supported_device_types:
+            reasons.append(f"runs on {'/'.join(cls.supported_device_types)}, not {spec.device_type}")
+        if spec.dtype not in cls.supported_dtypes:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in cls.supported_dtypes)
+            reasons.append(f"dtype {str(spec.dtype).removeprefix('torch.')} not supported (supports {allowed})")
+        if cls.supported_head_sizes is not None and spec.head_size not in cls.supported_head_sizes:
+            reasons.append(f"head size {spec.head_size} not supported "
+                           f"(supports {', '.join(map(str, cls.supported_head_sizes))})")
+        if spec.sliding_window and not cls.supports_sliding_window:
+            reasons.append("sliding-window attention not supported")
+        return reasons + cls.extra_reasons(spec)
+
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
+        """Backend-specific refusals (library missing, compute capability...)."""
+        return []
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int) -> tuple[int, ...]:
+        """Shape of one layer's cache. Default: [2 (key, value), blocks, block_size, kv heads, head]."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        raise NotImplementedError
+
+    @classmethod
+    def get_impl_cls(cls) -> type[AttentionImpl]:
+        raise NotImplementedError
+
+    @staticmethod
+    def swap_blocks(src_cache: torch.Tensor, dst_cache: torch.Tensor,
+                    src_to_dst: torch.Tensor) -> None:
+        """Copy blocks between two caches of one layer (swap in/out); src_to_dst: [n, 2] int64."""
+        if src_to_dst.numel() == 0:
+            return
+        src = src_to_dst[:, 0].to(src_cache.device)
+        dst = src_to_dst[:, 1].to(dst_cache.device)
+        dst_cache[:, dst] = src_cache[:, src].to(dst_cache.device)
+
+    @staticmethod
+    def copy_blocks(kv_caches: list[torch.Tensor], src_to_dst: torch.Tensor) -> None:
+        """Copy-on-write inside each layer's cache; src_to_dst: [n, 2] int64 on the cache device."""
+        if src_to_dst.numel() == 0:
+            return
+        src, dst = src_to_dst[:, 0], src_to_dst[:, 1]
+        for cache in kv_caches:
+            cache[:, dst] = cache[:, src]
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs shared by every backend (subclasses add their own fields).
+
+    Tensors are built on the CPU and moved with :meth:`to`. Sequence order: prefills, then
+    decodes. Token order: the same, flattened.
+    """
+
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot (block * block_size + offset) per token
+    seq_lens: list[int]  # per sequence: tokens in the cache after this step (host copy)
+    seq_lens_tensor: torch.Tensor  # [num_seqs] int32, same values
+    query_lens: list[int]  # per sequence: new tokens this step (host copy)
+    context_lens_tensor: torch.Tensor  # [num_seqs] int32: tokens already cached before this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32: cumulative query_lens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_decodes(self) -> int:
+        return self.num_seqs - self.num_prefills
+
+    @cached_property
+    def prefill_metadata(self) -> AttentionMetadata | None:
+        """A view of the prefill part (None when the batch has no prefills)."""
+        if self.num_prefills == 0:
+            return None
+        return self._slice(0, self.num_prefills, 0, self.num_prefill_tokens)
+
+    @cached_property
+    def decode_metadata(self) -> AttentionMetadata | None:
+        """A view of the decode part (None when the batch has no decodes)."""
+        if self.num_decode_tokens == 0:
+            return None
+        return self._slice(self.num_prefills, self.num_seqs, self.num_prefill_tokens,
+                           self.num_prefill_tokens + self.num_decode_tokens)
+
+    def _slice(self, s0: int, s1: int, t0: int, t1: int) -> AttentionMetadata:
+        qsl = self.query_start_loc[s0:s1 + 1]
+        query_lens = self.query_lens[s0:s1]
+        seq_lens = self.seq_lens[s0:s1]
+        changes = dict(
+            num_prefills=self.num_prefills if s0 == 0 else 0,
+            num_prefill_tokens=self.num_prefill_tokens if s0 == 0 else 0,
+            num_decode_tokens=0 if s0 == 0 else self.num_decode_tokens,
+            slot_mapping=self.slot_mapping[t0:t1],
+            seq_lens=seq_lens,
+            seq_lens_tensor=self.seq_lens_tensor[s0:s1],
+            query_lens=query_lens,
+            context_lens_tensor=self.context_lens_tensor[s0:s1],
+            query_start_loc=qsl - qsl[0],
+            block_tables=self.block_tables[s0:s1],
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(changes)
+        return type(self)(**values)
+
+    # ---- moving and broadcasting ------------------------------------------------------------
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        values = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            values[f.name] = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        return type(self)(**values)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat dict of tensors and plain values (for `broadcast_tensor_dict`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> AttentionMetadata:
+        return cls(**values)
+
+
+class AttentionMetadataBuilder:
+    """Builds one step's metadata from plain per-sequence data.
+
+    The input builder calls :meth:`add_seq` once per scheduled sequence, prefills first, then
+    :meth:`build`. The default builds :class:`AttentionMetadata` with the shared helpers in
+    ``attention/common.py``; a backend with other needs subclasses this (FlashAttention's
+    builder is self-contained).
+    """
+
+    metadata_cls: ClassVar[type[AttentionMetadata]] = AttentionMetadata
+
+    def __init__(self, block_size: int, sliding_window: int | None = None):
+        self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.reset()
+
+    def reset(self) -> None:
+        from omniinfer.attention.common import CommonMetadataState
+
+        self.state = CommonMetadataState(self.block_size)
+
+    def add_seq(self, *, context_len: int, query_len: int, block_table: list[int],
+                is_prefill: bool) -> None:
+        self.state.add(context_len, query_len, block_table, is_prefill)
+
+    def build(self) -> AttentionMetadata:
+        return self.state.build(self.metadata_cls)
+
+
+class AttentionImpl:
+    """One layer's attention computation for a backend."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
+                 sliding_window: int | None = None):
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.sliding_window = sliding_window
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """query [T, num_heads * head], key/value [T, num_kv_heads * head] -> [T, num_heads * head].
+
+        Writes this step's keys and values into `kv_cache` at `metadata.slot_mapping` first,
+        then attends over everything cached for each sequence (causal within the step).
+        """
+        raise NotImplementedError

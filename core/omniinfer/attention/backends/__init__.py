@@ -1,0 +1,1 @@
+"""Attention backends that need nothing but torch (every platform can list them)."""

@@ -1,0 +1,82 @@
+"""TORCH_SDPA: torch's scaled_dot_product_attention over the paged cache.
+
+Prefill sequences run one SDPA call each (with their cached context gathered when a chunk
+or a prefix-cache hit left one); all decodes run as one batched SDPA call over their
+gathered blocks with a length mask.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from omniinfer.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+from omniinfer.attention.ops import causal_mask, gather_kv, write_to_kv_cache
+
+
+class TorchSDPAImpl(AttentionImpl):
+    def forward(self, query, key, value, kv_cache, metadata):
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_size)
+        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        write_to_kv_cache(k, v, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        if (prefill := metadata.prefill_metadata) is not None:
+            self._prefill(q, k, v, kv_cache, prefill, out)
+        if (decode := metadata.decode_metadata) is not None:
+            t0 = metadata.num_prefill_tokens
+            out[t0:] = self._decode(q[t0:], kv_cache, decode)
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def _prefill(self, q, k, v, kv_cache, md, out) -> None:
+        qsl = md.query_start_loc.tolist()
+        for i, seq_len in enumerate(md.seq_lens):
+            q0, q1 = qsl[i], qsl[i + 1]
+            query_len = q1 - q0
+            context_len = seq_len - query_len
+            qi = q[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, heads, q, head]
+            if context_len == 0 and not self.sliding_window:
+                ki, vi = k[q0:q1], v[q0:q1]
+                mask, is_causal = None, True
+            else:
+                ki, vi = gather_kv(kv_cache, md.block_tables[i], seq_len)
+                mask = causal_mask(context_len, query_len, seq_len, self.sliding_window, q.device)
+                is_causal = False
+            ki = ki.transpose(0, 1).unsqueeze(0).to(q.dtype)
+            vi = vi.transpose(0, 1).unsqueeze(0).to(q.dtype)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=is_causal,
+                                               scale=self.scale, enable_gqa=True)
+            out[q0:q1] = o[0].transpose(0, 1)
+
+    def _decode(self, q, kv_cache, md) -> torch.Tensor:
+        num_seqs = q.shape[0]
+        block_size = kv_cache.shape[2]
+        max_blocks = (md.max_seq_len + block_size - 1) // block_size
+        tables = md.block_tables[:, :max_blocks].long()
+        # [seqs, blocks, block_size, kv_heads, head] -> [seqs, kv_heads, max_len, head]
+        k = kv_cache[0][tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        v = kv_cache[1][tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        positions = torch.arange(k.shape[2], device=q.device)
+        seq_lens = md.seq_lens_tensor.to(q.device).long()[:, None]
+        mask = positions[None, :] < seq_lens
+        if self.sliding_window:
+            mask &= positions[None, :] >= seq_lens - self.sliding_window
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
+                                           scale=self.scale, enable_gqa=True)
+        return o.view(num_seqs, self.num_heads, self.head_size)
+
+
+class TorchSDPABackend(AttentionBackend):
+    name: ClassVar[str] = "TORCH_SDPA"
+    supported_device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda", "xpu")
+
+    @classmethod
+    def get_builder_cls(cls):
+        return AttentionMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls):
+        return TorchSDPAImpl

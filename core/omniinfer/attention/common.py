@@ -1,0 +1,92 @@
+"""Helpers shared by the metadata builders: slot mapping, padded block tables, lengths.
+
+Everything here is numpy on the host; the result is a set of CPU tensors.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def positions_for(context_lens: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
+    """Absolute positions of every new token, flattened: ctx_i, ..., ctx_i + q_i - 1 per sequence."""
+    total = int(query_lens.sum())
+    starts = np.cumsum(query_lens) - query_lens
+    return np.arange(total, dtype=np.int64) + np.repeat(context_lens - starts, query_lens)
+
+
+def padded_block_tables(block_tables: list[list[int]], min_width: int = 1) -> np.ndarray:
+    """[num_seqs, max_blocks] int32, each row padded with 0 (never read past seq_len)."""
+    width = max(min_width, max((len(t) for t in block_tables), default=0))
+    out = np.zeros((len(block_tables), width), dtype=np.int32)
+    for i, table in enumerate(block_tables):
+        out[i, : len(table)] = table
+    return out
+
+
+def slot_mapping_for(tables: np.ndarray, context_lens: np.ndarray, query_lens: np.ndarray,
+                     block_size: int) -> np.ndarray:
+    """Cache slot of every new token: block_tables[seq, pos // block_size] * block_size + pos % block_size."""
+    positions = positions_for(context_lens, query_lens)
+    seq_index = np.repeat(np.arange(len(query_lens)), query_lens)
+    blocks = tables[seq_index, positions // block_size].astype(np.int64)
+    return blocks * block_size + positions % block_size
+
+
+def sliding_window_start(seq_len: int, window: int | None) -> int:
+    """First key position the last query of a sequence may see (0 without a window)."""
+    return 0 if not window else max(0, seq_len - window)
+
+
+class CommonMetadataState:
+    """Collects per-sequence data and builds the common :class:`AttentionMetadata` fields."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.context_lens: list[int] = []
+        self.query_lens: list[int] = []
+        self.block_tables: list[list[int]] = []
+        self.num_prefills = 0
+        self.num_prefill_tokens = 0
+
+    def add(self, context_len: int, query_len: int, block_table: list[int], is_prefill: bool) -> None:
+        if is_prefill:
+            assert self.num_prefills == len(self.query_lens), "prefills must come before decodes"
+            self.num_prefills += 1
+            self.num_prefill_tokens += query_len
+        self.context_lens.append(context_len)
+        self.query_lens.append(query_len)
+        self.block_tables.append(block_table)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        ctx = np.asarray(self.context_lens, dtype=np.int64)
+        q = np.asarray(self.query_lens, dtype=np.int64)
+        tables = padded_block_tables(self.block_tables)
+        qsl = np.zeros(len(q) + 1, dtype=np.int32)
+        np.cumsum(q, out=qsl[1:])
+        return dict(context_lens=ctx, query_lens=q, seq_lens=ctx + q, block_tables=tables,
+                    query_start_loc=qsl,
+                    slot_mapping=slot_mapping_for(tables, ctx, q, self.block_size))
+
+    def common_fields(self) -> dict:
+        a = self.arrays()
+        seq_lens = a["seq_lens"].tolist()
+        query_lens = self.query_lens
+        return dict(
+            num_prefills=self.num_prefills,
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_tokens=int(a["query_lens"].sum()) - self.num_prefill_tokens,
+            slot_mapping=torch.from_numpy(a["slot_mapping"]),
+            seq_lens=seq_lens,
+            seq_lens_tensor=torch.from_numpy(a["seq_lens"].astype(np.int32)),
+            query_lens=list(query_lens),
+            context_lens_tensor=torch.from_numpy(a["context_lens"].astype(np.int32)),
+            query_start_loc=torch.from_numpy(a["query_start_loc"]),
+            block_tables=torch.from_numpy(a["block_tables"]),
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+        )
+
+    def build(self, metadata_cls):
+        return metadata_cls(**self.common_fields())

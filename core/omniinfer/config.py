@@ -1,0 +1,298 @@
+"""Engine configuration: plain dataclasses, validated where they are built.
+
+`EngineArgs` is the flat, user-facing set of arguments (`LLM(...)` keywords, CLI flags).
+`EngineArgs.create_engine_config()` reads the checkpoint's config.json, resolves defaults
+and returns an `EngineConfig` made of one dataclass per concern.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+PREEMPTION_MODES = ("recompute", "swap")
+_DTYPES = {
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+}
+GiB = 1 << 30
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_int(name: str, value: Any, *, minimum: int, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name}={value} is not allowed; it must be >= {minimum}")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """The checkpoint, as the engine needs it (read from config.json, not from transformers)."""
+
+    model: str
+    tokenizer: str
+    dtype: torch.dtype
+    max_model_len: int
+    seed: int
+    architecture: str
+    hf_config: dict  # config.json as loaded
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    eos_token_ids: list[int] = field(default_factory=list)  # from generation_config.json / config.json
+    generation_config: dict = field(default_factory=dict)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def sliding_window(self) -> int | None:
+        cfg = self.hf_config
+        if cfg.get("model_type") == "qwen2" and not cfg.get("use_sliding_window", False):
+            return None
+        window = cfg.get("sliding_window")
+        return int(window) if window else None
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # forced number of device blocks (else from memory)
+    kv_cache_memory_bytes: int | None = None  # device bytes for the KV cache (else platform default)
+    swap_space: float = 4.0  # GiB of host memory for swap preemption
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"block_size={self.block_size!r} is not supported; "
+                             f"allowed: {', '.join(map(str, SUPPORTED_BLOCK_SIZES))}")
+        _check_int("num_kv_blocks", self.num_kv_blocks, minimum=1, allow_none=True)
+        _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1, allow_none=True)
+        if not isinstance(self.swap_space, (int, float)) or not math.isfinite(self.swap_space) \
+                or self.swap_space < 0:
+            raise ValueError(f"swap_space={self.swap_space!r} GiB is not allowed; it must be a "
+                             "finite number >= 0")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    preemption_mode: str = "recompute"
+    num_lookahead_slots: int = 0  # extra KV slots reserved per decode (speculative decoding)
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} is not supported; "
+                             f"allowed: {', '.join(map(repr, PREEMPTION_MODES))}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} cannot hold one sequence of "
+                f"max_model_len={self.max_model_len} tokens with chunked prefill disabled; raise "
+                "max_num_batched_tokens, lower max_model_len or set enable_chunked_prefill=True")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than "
+                f"max_num_seqs={self.max_num_seqs}: one step could not give every running "
+                "sequence a token; raise max_num_batched_tokens or lower max_num_seqs")
+
+
+@dataclass(slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None  # "uniprocess", "mp", "ray"; None = pick
+
+    def __post_init__(self) -> None:
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        _check_int("pipeline_parallel_size", self.pipeline_parallel_size, minimum=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(slots=True)
+class DeviceConfig:
+    device: str | None = None  # platform name; None = the best available
+    attention_backend: str | None = None  # backend name; None = the platform's first usable
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+    device: DeviceConfig
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _rope_theta(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def rope_scaling(cfg: dict) -> dict | None:
+    """The rope scaling dict in either spelling (transformers 4 `rope_scaling`, 5 `rope_parameters`)."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
+    if not params:
+        return None
+    params = dict(params)
+    kind = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = kind
+    return None if kind == "default" else params
+
+
+def rope_theta(cfg: dict) -> float:
+    return _rope_theta(cfg)
+
+
+def _eos_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.dtype,
+                      max_model_len: int | None, seed: int) -> ModelConfig:
+    if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
+        raise ValueError(f"model={model!r} is not a checkpoint directory (omniinfer loads local "
+                         "Hugging Face checkpoint directories: config.json + safetensors)")
+    model = os.fspath(model)
+    config_path = os.path.join(model, "config.json")
+    if not os.path.isfile(config_path):
+        raise ValueError(f"model={model!r} has no config.json")
+    cfg = _read_json(config_path)
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ValueError(f"{config_path} names no architecture ('architectures' is empty)")
+    gen_path = os.path.join(model, "generation_config.json")
+    gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype == "auto":
+        name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        resolved = _DTYPES.get(str(name), torch.float32)
+    elif isinstance(dtype, str) and dtype in _DTYPES:
+        resolved = _DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: 'auto', 'float32', "
+                         "'bfloat16', 'float16'")
+
+    derived_len = int(cfg.get("max_position_embeddings", 2048))
+    if max_model_len is None:
+        max_model_len = derived_len
+    _check_int("max_model_len", max_model_len, minimum=1)
+    if max_model_len > derived_len:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={derived_len} ({config_path})")
+
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return ModelConfig(
+        model=model,
+        tokenizer=os.fspath(tokenizer) if tokenizer else model,
+        dtype=resolved,
+        max_model_len=max_model_len,
+        seed=seed,
+        architecture=archs[0],
+        hf_config=cfg,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_size=int(cfg.get("head_dim") or hidden // num_heads),
+        eos_token_ids=_eos_ids(gen.get("eos_token_id", cfg.get("eos_token_id"))),
+        generation_config=gen,
+    )
+
+
+@dataclass
+class EngineArgs:
+    """Every engine argument, flat, with its default (the `LLM(...)` keywords)."""
+
+    model: str
+    tokenizer: str | None = None
+    device: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    swap_space: float = 4.0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    preemption_mode: str = "recompute"
+    attention_backend: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def create_engine_config(self) -> EngineConfig:
+        _check_int("seed", self.seed, minimum=0)
+        _check_int("block_size", self.block_size, minimum=1)
+        model = load_model_config(self.model, tokenizer=self.tokenizer, dtype=self.dtype,
+                                  max_model_len=self.max_model_len, seed=self.seed)
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = max(2048, self.max_num_seqs)
+            if not self.enable_chunked_prefill:
+                budget = max(budget, model.max_model_len)
+        return EngineConfig(
+            model=model,
+            cache=CacheConfig(
+                block_size=self.block_size,
+                num_kv_blocks=self.num_kv_blocks,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                swap_space=self.swap_space,
+                enable_prefix_caching=bool(self.enable_prefix_caching),
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=budget,
+                max_model_len=model.max_model_len,
+                enable_chunked_prefill=bool(self.enable_chunked_prefill),
+                preemption_mode=self.preemption_mode,
+            ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=self.tensor_parallel_size,
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                distributed_executor_backend=self.distributed_executor_backend,
+            ),
+            device=DeviceConfig(device=self.device, attention_backend=self.attention_backend),
+        )

@@ -1,0 +1,43 @@
+"""Incremental detokenization and stop-string handling."""
+
+from __future__ import annotations
+
+_CONTEXT_TOKENS = 6  # prompt tokens kept as left context (spacing of the first output token)
+
+
+class IncrementalDetokenizer:
+    """Turns tokens into text as they arrive, holding back incomplete UTF-8 sequences.
+
+    Decodes a small sliding window (from `prefix` to the end) and emits what it adds beyond
+    the text of `prefix..read`, so the cost per token does not grow with the output.
+    """
+
+    __slots__ = ("tokenizer", "ids", "prefix", "read", "skip_special_tokens")
+
+    def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix = 0
+        self.read = len(self.ids)
+        self.skip_special_tokens = skip_special_tokens
+
+    def add(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip_special_tokens)
+        after = decode(self.ids[self.prefix:], skip_special_tokens=self.skip_special_tokens)
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.prefix, self.read = self.read, len(self.ids)
+            return after[len(before):]
+        return ""
+
+
+def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:
+    """(index, stop string) of the earliest stop string that ends in the last `new_len` chars."""
+    best = None
+    for stop in stops:
+        start = max(0, len(text) - new_len - len(stop) + 1)
+        i = text.find(stop, start)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best

@@ -1,0 +1,314 @@
+"""LLMEngine: requests in, RequestOutputs out, one `step()` at a time.
+
+    step():  schedule  ->  execute on the workers  ->  append tokens, detokenize, stop
+
+Everything before `execute` is plain Python over sequences and block ids; everything
+vendor-specific sits behind the executor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+
+from omniinfer.attention.backend import AttentionSpec
+from omniinfer.attention.selector import select_attention_backend
+from omniinfer.config import EngineArgs, EngineConfig, dtype_name
+from omniinfer.engine.detokenizer import IncrementalDetokenizer, find_stop
+from omniinfer.engine.outputs import CompletionOutput, RequestOutput
+from omniinfer.engine.scheduler import Scheduler, SchedulerOutput
+from omniinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from omniinfer.executor.base import executor_class
+from omniinfer.logger import init_logger
+from omniinfer.platforms.registry import get_registry
+from omniinfer.sampling.params import SamplingParams
+from omniinfer.sampling.sampler import SamplerOutput
+from omniinfer.worker.model_input import ExecuteModelRequest
+
+logger = init_logger(__name__)
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ValueError(f"tokenizer={path!r} could not be loaded: {type(e).__name__}: {e}") from e
+
+
+def torch_build(platform) -> str:
+    import torch
+
+    build = platform.build_info()
+    return f"torch {torch.__version__}" + (f" ({build})" if build else "")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, progress: bool = True):
+        self.config = config
+        registry = get_registry()
+        self.platform = registry.select_platform(config.device.device)
+        reasons = self.platform.verify_config(config)
+        if reasons:
+            raise ValueError(f"platform {self.platform.name} cannot run this configuration: "
+                             + "; ".join(reasons))
+        m = config.model
+        tp = config.parallel.tensor_parallel_size
+        spec = AttentionSpec(
+            device_type=self.platform.device_type, platform_name=self.platform.name,
+            dtype=m.dtype, head_size=m.head_size, num_heads=m.num_heads // tp,
+            num_kv_heads=max(1, m.num_kv_heads // tp), block_size=config.cache.block_size,
+            sliding_window=m.sliding_window, device_capability=self.platform.device_capability())
+        self.attn_backend = select_attention_backend(self.platform, spec, registry.backends,
+                                                     config.device.attention_backend)
+        logger.info("platform %s (plugin %s %s), %s, devices: %s; attention backend %s; dtype %s",
+                    self.platform.name, self.platform.plugin_name, self.platform.plugin_version,
+                    torch_build(self.platform), ", ".join(self.platform.device_names()) or "-",
+                    self.attn_backend.name, dtype_name(m.dtype))
+        self.tokenizer = load_tokenizer(m.tokenizer)
+        self.eos_token_ids = list(m.eos_token_ids)
+        if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids = [self.tokenizer.eos_token_id]
+        self.executor = executor_class(config)(config, self.platform, self.attn_backend,
+                                               progress=progress)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_device_blocks,
+                                   self.executor.num_host_blocks)
+        self.groups: dict[str, SequenceGroup] = {}
+        self._seq_ids = itertools.count()
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_finished = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs) -> LLMEngine:
+        return cls(args.create_engine_config(), **kwargs)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt: a string or {"prompt_token_ids": [...]}; checked."""
+        vocab = self.config.model.vocab_size
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty; give at least one character or token")
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)):
+                raise TypeError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+            if not ids:
+                raise ValueError("prompt_token_ids is empty; give at least one token")
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise TypeError(f"prompt_token_ids must hold ints, got {t!r} ({type(t).__name__})")
+                if not 0 <= t < vocab:
+                    raise ValueError(f"prompt_token_ids holds token id {t}; allowed: 0 <= id < "
+                                     f"vocab size {vocab}")
+            return prompt.get("prompt"), list(ids)
+        raise TypeError(f"prompt must be a string or a dict with 'prompt_token_ids', got "
+                        f"{type(prompt).__name__}")
+
+    def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        limit = self.config.model.max_model_len
+        if params.max_tokens is None:
+            if num_prompt_tokens >= limit:
+                raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len={limit} "
+                                 "leaves no room to generate")
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + params.max_tokens > limit:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens and max_tokens="
+                             f"{params.max_tokens}: {num_prompt_tokens + params.max_tokens} exceeds "
+                             f"max_model_len={limit}")
+        return params.max_tokens
+
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. Raises ValueError/TypeError (and changes nothing) on bad input."""
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        if request_id in self.groups:
+            raise ValueError(f"request_id={request_id!r} is already in use by an unfinished request")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self.tokenize_prompt(prompt)
+        max_tokens = self.resolve_max_tokens(len(ids), params)
+        group = SequenceGroup(request_id, text, ids, params,
+                              arrival_time=arrival_time or time.monotonic(),
+                              max_tokens=max_tokens, eos_token_ids=self.eos_token_ids)
+        seq = Sequence(next(self._seq_ids), group, 0, list(ids), len(ids), self.config.cache.block_size)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        group.seqs.append(seq)
+        self.groups[request_id] = group
+        self.scheduler.add(seq)
+        self.num_prompt_tokens += len(ids)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop requests and free everything they hold; unknown or finished ids are ignored."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            group = self.groups.pop(rid, None)
+            if group is None:
+                continue
+            for seq in group.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.groups)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; returns the requests that progressed or finished."""
+        sched = self.scheduler.schedule()
+        touched: dict[str, SequenceGroup] = {}
+        for seq in sched.rejected:
+            self._finish_group_with_error(seq.group)
+            touched[seq.request_id] = seq.group
+        if not sched.is_empty:
+            result = self.executor.execute_model(self._request(sched))
+            self.scheduler.update_after_step(sched)
+            self._process(sched, result, touched)
+        outputs = [self._output(g) for g in touched.values()]
+        for group in touched.values():
+            if group.is_finished:
+                self.groups.pop(group.request_id, None)
+                self.num_finished += 1
+        return outputs
+
+    def _request(self, sched: SchedulerOutput) -> ExecuteModelRequest:
+        return ExecuteModelRequest(sched.scheduled, self.scheduler.blocks.tables,
+                                   sched.blocks_to_swap_in, sched.blocks_to_swap_out,
+                                   sched.blocks_to_copy)
+
+    def _process(self, sched: SchedulerOutput, result: SamplerOutput,
+                 touched: dict[str, SequenceGroup]) -> None:
+        now = time.monotonic()
+        for request_id, (first, entries) in result.prompt_logprobs.items():
+            group = self.groups[request_id]
+            if group.prompt_logprobs is None:
+                group.prompt_logprobs = [None]
+            if len(group.prompt_logprobs) == first:
+                group.prompt_logprobs += entries
+        for s in sched.scheduled:
+            seq = s.seq
+            touched[seq.request_id] = seq.group
+            sample = result.samples.get(seq.seq_id)
+            if sample is None or seq.is_finished:
+                continue
+            group = seq.group
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            group.metrics.last_token_time = now
+            targets = [seq]
+            if len(sample.token_ids) > 1 and not group.is_forked:
+                targets += self._fork(seq, len(sample.token_ids))
+            for k, target in enumerate(targets):
+                lp = None if sample.logprobs is None else sample.logprobs[k]
+                top = None if sample.top_logprobs is None else sample.top_logprobs[k]
+                self._append(target, sample.token_ids[k], lp, top)
+            if group.params.n > 1:
+                group.is_forked = True
+
+    def _fork(self, parent: Sequence, n: int) -> list[Sequence]:
+        children = []
+        after = parent
+        for k in range(1, n):
+            child = parent.fork(next(self._seq_ids), k)
+            child.detok = IncrementalDetokenizer(self.tokenizer, parent.group.prompt_token_ids,
+                                                 parent.group.params.skip_special_tokens)
+            self.scheduler.blocks.fork(parent, child)
+            self.scheduler.add_running(child, after=after)
+            parent.group.seqs.append(child)
+            children.append(child)
+            after = child
+        return children
+
+    def _append(self, seq: Sequence, token: int, logprob: float | None, top) -> None:
+        group = seq.group
+        p = group.params
+        seq.append_token(token)
+        self.num_generation_tokens += 1
+        if logprob is not None:
+            seq.cumulative_logprob += logprob
+            if seq.output_logprobs is None:
+                seq.output_logprobs = []
+            for tid, entry in top.items():
+                entry.decoded_token = self.tokenizer.decode([tid])
+            seq.output_logprobs.append(top)
+        new_text = seq.detok.add(token)
+        seq.output_text += new_text
+        status = None
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in group.eos_token_ids:
+                status = SequenceStatus.FINISHED_STOPPED
+            elif token in p.stop_token_ids:
+                status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+            elif p.stop and new_text:
+                hit = find_stop(seq.output_text, len(new_text), p.stop)
+                if hit is not None:
+                    index, stop = hit
+                    end = index + len(stop) if p.include_stop_str_in_output else index
+                    seq.output_text = seq.output_text[:end]
+                    status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+        if status is None and (seq.num_output_tokens >= group.max_tokens
+                               or seq.num_tokens >= self.config.model.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(seq, status)
+            group.metrics.finished_time = time.monotonic()
+
+    def _finish_group_with_error(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+        logger.warning("request %s finished with an error: %s", group.request_id, group.error)
+
+    # ---- outputs ---------------------------------------------------------------------------------------
+    def _output(self, group: SequenceGroup) -> RequestOutput:
+        finished = group.is_finished
+        holdback = max((len(s) for s in group.params.stop), default=1) - 1
+        completions = []
+        for seq in group.seqs:
+            text = seq.output_text
+            if holdback and not seq.is_finished:  # might still become a stop string
+                text = text[: max(0, len(text) - holdback)]
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=text,
+                token_ids=seq.output_token_ids,
+                cumulative_logprob=seq.cumulative_logprob if seq.output_logprobs is not None else None,
+                logprobs=seq.output_logprobs,
+                finish_reason=seq.status.finish_reason,
+                stop_reason=seq.stop_reason,
+                error=group.error if seq.status == SequenceStatus.FINISHED_ERROR else None,
+            ))
+        completions.sort(key=lambda c: c.index)
+        m = group.metrics
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            prompt_logprobs=group.prompt_logprobs,
+            outputs=completions,
+            finished=finished,
+            error=group.error,
+            metrics={"arrival_time": m.arrival_time, "first_scheduled_time": m.first_scheduled_time,
+                     "first_token_time": m.first_token_time, "last_token_time": m.last_token_time,
+                     "finished_time": m.finished_time},
+        )
+
+    # ---- introspection ----------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        out = self.scheduler.stats()
+        out.update(num_prompt_tokens=self.num_prompt_tokens,
+                   num_generation_tokens=self.num_generation_tokens,
+                   num_finished_requests=self.num_finished)
+        return out
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,234 @@
+"""Continuous batching over the paged KV cache, counting tokens rather than modes.
+
+Every step the scheduler hands out a token budget (`max_num_batched_tokens`): first to
+running sequences that decode (one token each), then to running sequences still in their
+prompt, then to waiting sequences in arrival order. A sequence scheduled for fewer tokens
+than it has left is being prefilled in chunks; only the step that reaches its last token
+samples. When blocks run out, the most recently arrived running sequence is preempted
+(recomputed later, or swapped to host memory).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from omniinfer.config import CacheConfig, SchedulerConfig
+from omniinfer.engine.block_manager import BlockManager
+from omniinfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def is_sampling(self) -> bool:
+        """Whether this step reaches the sequence's last known token (and so samples)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens >= self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    num_batched_tokens: int = 0
+    num_preempted: int = 0
+    rejected: list[Sequence] = field(default_factory=list)  # finished with an error this step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_device_blocks: int, num_host_blocks: int):
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.blocks = BlockManager(cache_config.block_size, num_device_blocks, num_host_blocks,
+                                   cache_config.enable_prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in arrival order
+        self.swapped: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    # ---- queues -----------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence, after: Sequence) -> None:
+        """A forked child runs right after its parent (same arrival)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.insert(self.running.index(after) + 1, seq)
+
+    def finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Take a sequence out of every queue and free its blocks (no-op if already out)."""
+        for queue in (self.running, self.waiting, self.swapped):
+            if seq in queue:
+                queue.remove(seq)
+                break
+        seq.status = status
+        self.blocks.free(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        lookahead = self.config.num_lookahead_slots
+        scheduled: dict[int, ScheduledSeq] = {}
+        self._copies: dict[int, list[tuple[int, int]]] = {}  # this step's copy-on-writes per seq
+        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens != 1]
+        for seq in decodes + prefills:
+            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                continue
+            extra = lookahead if num_new == 1 else 0
+            while not self._allocate(seq, num_new + extra):
+                victim = self._pick_victim(seq)
+                if victim is seq:
+                    self._preempt(seq, out)
+                    break
+                if victim.seq_id in scheduled:
+                    budget += scheduled.pop(victim.seq_id).num_new_tokens
+                self._preempt(victim, out)
+            else:
+                scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
+                budget -= num_new
+
+        if out.num_preempted == 0:
+            budget = self._schedule_swapped(out, scheduled, budget)
+        if out.num_preempted == 0 and not self.swapped:
+            self._schedule_waiting(out, scheduled, budget)
+        out.scheduled = list(scheduled.values())
+        out.blocks_to_copy = [c for copies in self._copies.values() for c in copies]
+        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        now = time.monotonic()
+        for s in out.scheduled:
+            metrics = s.seq.group.metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
+        return out
+
+    def _allocate(self, seq: Sequence, num_tokens: int, computed: list[int] | None = None) -> bool:
+        copies: list[tuple[int, int]] = []
+        ok = self.blocks.allocate_slots(seq, num_tokens, computed=computed, copies=copies)
+        if copies:
+            self._copies.setdefault(seq.seq_id, []).extend(copies)
+        return ok
+
+    def _pick_victim(self, seq: Sequence) -> Sequence:
+        """The running sequence that arrived last (possibly `seq` itself)."""
+        for victim in reversed(self.running):
+            if victim.status == SequenceStatus.RUNNING:
+                return victim
+        return seq
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        out.num_preempted += 1
+        self.num_preemptions += 1
+        seq.num_preemptions += 1
+        # A copy-on-write made for this sequence earlier in the step will not run; swap out
+        # from its source instead (the worker swaps out before it copies).
+        undo = {dst: src for src, dst in self._copies.pop(seq.seq_id, [])}
+        if self.config.preemption_mode == "swap" and self.blocks.can_swap_out(seq):
+            out.blocks_to_swap_out += [(undo.get(d, d), h) for d, h in self.blocks.swap_out(seq)]
+            seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(seq)
+            return
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _schedule_swapped(self, out: SchedulerOutput, scheduled: dict[int, ScheduledSeq],
+                          budget: int) -> int:
+        while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            extra = self.config.num_lookahead_slots if num_new == 1 else 0
+            if not self.blocks.can_swap_in(seq, num_new + extra):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in += self.blocks.swap_in(seq)
+            ok = self._allocate(seq, num_new + extra)
+            assert ok, "can_swap_in promised room"
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
+            budget -= num_new
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, scheduled: dict[int, ScheduledSeq],
+                          budget: int) -> None:
+        chunked = self.config.enable_chunked_prefill
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            reason = self._never_fits(seq)
+            if reason:
+                self.waiting.popleft()
+                seq.group.error = reason
+                out.rejected.append(seq)
+                continue
+            computed = [] if seq.group.wants_prompt_logprobs else self.blocks.computed_prefix(seq)
+            seq.num_computed_tokens = len(computed) * self.block_size
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if not chunked and remaining > budget:
+                seq.num_computed_tokens = 0
+                break
+            num_new = min(remaining, budget)
+            if not self._allocate(seq, num_new, computed):
+                seq.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
+            budget -= num_new
+
+    def _never_fits(self, seq: Sequence) -> str | None:
+        most = seq.num_prompt_tokens + seq.group.max_tokens + self.config.num_lookahead_slots
+        need = self.blocks.blocks_for(min(most, self.config.max_model_len + self.config.num_lookahead_slots))
+        if need > self.blocks.num_total_blocks:
+            return (f"request needs up to {need} KV-cache blocks ({most} tokens of "
+                    f"{self.block_size}) but the cache has only {self.blocks.num_total_blocks} "
+                    "blocks; raise num_kv_blocks / kv_cache_memory_bytes or lower max_tokens")
+        if not self.config.enable_chunked_prefill and seq.num_tokens > self.config.max_num_batched_tokens:
+            return (f"prompt of {seq.num_tokens} tokens exceeds max_num_batched_tokens="
+                    f"{self.config.max_num_batched_tokens} with chunked prefill disabled")
+        return None
+
+    # ---- after the model ran -------------------------------------------------------------------------
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counts and publish newly full blocks to the prefix cache."""
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.status != SequenceStatus.RUNNING:
+                continue
+            seq.num_computed_tokens += s.num_new_tokens
+            self.blocks.cache_full_blocks(seq)
+
+    def stats(self) -> dict:
+        return {
+            "num_running": len(self.running),
+            "num_waiting": len(self.waiting),
+            "num_swapped": len(self.swapped),
+            "num_preemptions": self.num_preemptions,
+            "num_total_kv_blocks": self.blocks.num_total_blocks,
+            "num_free_kv_blocks": self.blocks.num_free_blocks,
+            "kv_cache_usage": self.blocks.usage,
+            "prefix_cache_hit_rate": self.blocks.prefix_cache_hit_rate,
+        }

@@ -1,0 +1,159 @@
+"""Requests and their sequences: plain Python state owned by the engine and the scheduler.
+
+A request (`SequenceGroup`) holds one prompt and its sampling parameters. It starts with
+one `Sequence`; a request with n > 1 forks into n sequences once its prompt is computed,
+the children sharing the prompt's KV blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from omniinfer.sampling.params import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {3: "stop", 4: "length", 5: "abort", 6: "error"}.get(int(self))
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 = most likely
+    decoded_token: str | None = None
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """Content hash of a full KV block: its tokens and everything before it."""
+    return hash((parent, tokens))
+
+
+class Sequence:
+    """One stream of tokens: the prompt and what has been generated after it."""
+
+    __slots__ = (
+        "seq_id", "group", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
+        "status", "block_hashes", "block_size", "cumulative_logprob", "output_logprobs",
+        "output_text", "detok", "stop_reason", "num_preemptions",
+    )
+
+    def __init__(self, seq_id: int, group: SequenceGroup, index: int, token_ids: list[int],
+                 num_prompt_tokens: int, block_size: int):
+        self.seq_id = seq_id
+        self.group = group
+        self.index = index  # sample index within the request (0..n-1)
+        self.token_ids = token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed_tokens = 0  # tokens whose keys/values are in the cache
+        self.status = SequenceStatus.WAITING
+        self.block_size = block_size
+        self.block_hashes: list[int] = []  # chained hash of every full block of token_ids
+        self.cumulative_logprob = 0.0
+        self.output_logprobs: list[dict[int, Logprob]] | None = None
+        self.output_text = ""
+        self.detok = None  # incremental detokenizer state (engine-owned)
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self._extend_hashes()
+
+    @property
+    def request_id(self) -> str:
+        return self.group.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if len(self.token_ids) % self.block_size == 0:
+            self._extend_hashes()
+
+    def _extend_hashes(self) -> None:
+        bs = self.block_size
+        while (len(self.block_hashes) + 1) * bs <= len(self.token_ids):
+            i = len(self.block_hashes)
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(chain_hash(parent, tuple(self.token_ids[i * bs:(i + 1) * bs])))
+
+    def fork(self, seq_id: int, index: int) -> Sequence:
+        child = Sequence.__new__(Sequence)
+        for name in Sequence.__slots__:
+            setattr(child, name, getattr(self, name))
+        child.seq_id, child.index = seq_id, index
+        child.token_ids = list(self.token_ids)
+        child.block_hashes = list(self.block_hashes)
+        child.output_logprobs = None if self.output_logprobs is None else list(self.output_logprobs)
+        return child
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, {self.status.name})")
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request: a prompt, its sampling parameters and its n sequences."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    seqs: list[Sequence] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None
+    is_forked: bool = False
+    max_tokens: int = 0  # resolved budget of generated tokens
+    eos_token_ids: list[int] = field(default_factory=list)
+    generators: dict = field(default_factory=dict)  # sample index -> torch.Generator (seeded)
+    metrics: RequestMetrics | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(self.arrival_time)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.error is not None or all(s.is_finished for s in self.seqs)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.params.prompt_logprobs is not None and (
+            self.prompt_logprobs is None or len(self.prompt_logprobs) < len(self.prompt_token_ids))

@@ -1,0 +1,48 @@
+"""The `omniinfer` command. `--version` answers without importing torch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from omniinfer.version import __version__
+
+
+def _env(args: argparse.Namespace) -> int:
+    from omniinfer.entrypoints.env_report import collect, format_report
+
+    report = collect()
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omniinfer", description="omniinfer: LLM inference on "
+                                     "any vendor's hardware through device plugins")
+    parser.add_argument("--version", "-V", action="version", version=f"omniinfer {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    env = sub.add_parser("env", help="report the torch build, plugins, platforms and hardware")
+    env.add_argument("--json", action="store_true", help="machine-readable output")
+    env.set_defaults(func=_env)
+    from omniinfer.entrypoints import cli_generate
+
+    cli_generate.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv in (["--version"], ["-V"]):  # answered before anything imports torch
+        print(f"omniinfer {__version__}")
+        return 0
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return args.func(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

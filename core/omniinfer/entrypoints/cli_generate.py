@@ -1,0 +1,65 @@
+"""`omniinfer generate`: prompts in, text out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from omniinfer.entrypoints.engine_flags import add_engine_args, engine_kwargs
+
+DEMO_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "demo", "model")
+
+
+def default_model() -> str | None:
+    """The shipped demo model, when this installation has it."""
+    return DEMO_MODEL if os.path.isfile(os.path.join(DEMO_MODEL, "config.json")) else None
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for prompts (arguments or a file)")
+    p.add_argument("prompts", nargs="*", help="prompts (default: a few demo prompts)")
+    p.add_argument("--model", default=os.environ.get("OMNIINFER_MODEL") or default_model(),
+                   help="checkpoint directory (default: the shipped demo model)")
+    p.add_argument("--prompts-file", help="a file with one prompt per line ('-' for stdin)")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def _prompts(args) -> list[str]:
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        f = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")
+        with f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    return prompts or ["Return the", "This module provides", "def "]
+
+
+def run(args: argparse.Namespace) -> int:
+    from omniinfer import LLM, SamplingParams
+
+    if not args.model:
+        print("error: no --model given and no demo model is installed", file=sys.stderr)
+        return 2
+    prompts = _prompts(args)
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, n=args.n, seed=args.sampling_seed)
+    outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+    for out in outputs:
+        if args.json:
+            print(json.dumps({"prompt": out.prompt, "outputs": [
+                {"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                for c in out.outputs]}))
+        else:
+            for c in out.outputs:
+                print(f"{out.prompt!r} -> {c.text!r}")
+    return 0

@@ -1,0 +1,59 @@
+"""Every engine argument as a command-line flag that also reads OMNIINFER_<NAME>."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import types
+import typing
+
+from omniinfer.config import EngineArgs
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _base_type(annotation) -> type:
+    hints = typing.get_type_hints(EngineArgs)
+    tp = hints[annotation] if isinstance(annotation, str) else annotation
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and args:
+        return args[0]
+    return tp
+
+
+def env_name(field: str) -> str:
+    return "OMNIINFER_" + field.upper()
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ("model",)) -> None:
+    group = parser.add_argument_group("engine arguments (each also read from OMNIINFER_<NAME>)")
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
+        base = _base_type(f.name)
+        flag = "--" + f.name.replace("_", "-")
+        kind = _parse_bool if base is bool else base
+        env = os.environ.get(env_name(f.name))
+        default = f.default
+        if env is not None:
+            try:
+                default = kind(env)
+            except (ValueError, argparse.ArgumentTypeError) as e:
+                parser.error(f"{env_name(f.name)}={env!r}: {e}")
+        extra = {"nargs": "?", "const": True} if base is bool else {}
+        group.add_argument(flag, dest=f.name, type=kind, default=default, metavar=f.name.upper()
+                           if base is not bool else None, **extra,
+                           help=f"default: {default!r}")
+
+
+def engine_kwargs(args: argparse.Namespace, *, skip: tuple[str, ...] = ("model",)) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
+            if f.name not in skip and hasattr(args, f.name)}

@@ -1,0 +1,97 @@
+"""`omniinfer env`: the report users paste into bug reports."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from omniinfer.platforms.host import cpu_info, memory_info
+from omniinfer.version import PLUGIN_API_VERSION, __version__
+
+def collect() -> dict:
+    import torch
+
+    from omniinfer.attention.backend import AttentionSpec
+    from omniinfer.attention.selector import select_attention_backend
+    from omniinfer.platforms.registry import get_registry
+
+    registry = get_registry()
+    verdicts = registry.availability()
+    report = {
+        "omniinfer": __version__,
+        "plugin_api": PLUGIN_API_VERSION,
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "torch_builds": {},
+        "plugins": [],
+        "platforms": {},
+        "selected_platform": None,
+        "selected_attention_backend": None,
+        "attention_backends": sorted(registry.backends),
+        "cpu": cpu_info(),
+        "memory": memory_info(),
+        "environment": {k: v for k, v in os.environ.items() if k.startswith("OMNIINFER_")},
+    }
+    for r in registry.records:
+        report["plugins"].append({"name": r.name, "distribution": r.distribution, "version": r.version,
+                                  "loaded": r.is_loaded, "error": r.error or None,
+                                  "platforms": r.platform_names, "attention_backends": r.backend_names})
+    for name, cls in sorted(registry.platforms.items()):
+        try:
+            build = cls.build_info()
+        except Exception as e:  # a report must never fail on one plugin
+            build = f"unknown ({type(e).__name__}: {e})"
+        if build:
+            report["torch_builds"][name] = build
+        entry = {"available": verdicts[name].is_available, "reason": verdicts[name].reason,
+                 "priority": cls.priority, "device_type": cls.device_type,
+                 "attention_backend_preferences": list(cls.attention_backend_preferences)}
+        if verdicts[name]:
+            entry["devices"] = cls.device_names()
+        report["platforms"][name] = entry
+    try:
+        chosen = registry.select_platform(None)
+        report["selected_platform"] = chosen.name
+        spec = AttentionSpec(device_type=chosen.device_type, platform_name=chosen.name,
+                             dtype=torch.bfloat16 if chosen.device_type != "cpu" else torch.float32,
+                             head_size=128, num_heads=32, num_kv_heads=8, block_size=16,
+                             device_capability=chosen.device_capability())
+        backend = select_attention_backend(chosen, spec, registry.backends)
+        report["selected_attention_backend"] = (f"{backend.name} (for {str(spec.dtype)[6:]}, head "
+                                                f"size {spec.head_size})")
+    except Exception as e:
+        report["selection_error"] = str(e)
+    return report
+
+
+def format_report(r: dict) -> str:
+    lines = [f"omniinfer {r['omniinfer']} (plugin API {r['plugin_api']}), Python {r['python']}",
+             f"torch {r['torch']}" + "".join(f"; {k}: {v}" for k, v in r["torch_builds"].items())]
+    lines.append("plugins:")
+    for p in r["plugins"] or [{"name": "(none installed)", "loaded": False, "error": None,
+                               "distribution": "", "version": "", "platforms": [],
+                               "attention_backends": []}]:
+        state = "loaded" if p["loaded"] else f"FAILED: {p['error']}" if p["error"] else ""
+        provides = ", ".join(p["platforms"] + p["attention_backends"])
+        lines.append(f"  {p['name']:<10} {p['distribution']} {p['version']}  {state}"
+                     + (f"  [{provides}]" if provides and p["loaded"] else ""))
+    lines.append("platforms:")
+    for name, p in r["platforms"].items():
+        verdict = "available" if p["available"] else "unavailable"
+        devices = f" devices: {', '.join(p['devices'])}" if p.get("devices") else ""
+        lines.append(f"  {name:<6} {verdict:<11} priority {p['priority']:<3} {p['reason']}{devices}")
+    lines.append(f"selected platform: {r['selected_platform']}")
+    lines.append(f"selected attention backend: {r['selected_attention_backend']}")
+    if r.get("selection_error"):
+        lines.append(f"selection error: {r['selection_error']}")
+    lines.append(f"attention backends installed: {', '.join(r['attention_backends'])}")
+    cpu = r["cpu"]
+    lines.append(f"cpu: {cpu['model'] or cpu['machine']}, {cpu['usable_cpus']}/{cpu['logical_cpus']} "
+                 f"usable CPUs, ISA: {' '.join(cpu['isa_flags']) or '-'}")
+    mem = r["memory"]
+    if mem:
+        lines.append(f"memory: {mem.get('memtotal_bytes', 0) / 2**30:.1f} GiB total, "
+                     f"{mem.get('memavailable_bytes', 0) / 2**30:.1f} GiB available")
+    if r["environment"]:
+        lines.append("environment: " + " ".join(f"{k}={v}" for k, v in sorted(r["environment"].items())))
+    return "\n".join(lines)

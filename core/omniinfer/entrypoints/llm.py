@@ -1,0 +1,93 @@
+"""The offline Python API: `LLM(model, ...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from omniinfer.config import EngineArgs
+from omniinfer.engine.llm_engine import LLMEngine
+from omniinfer.engine.outputs import RequestOutput
+from omniinfer.sampling.params import SamplingParams
+
+
+class LLM:
+    """An engine for offline batched generation.
+
+    Keyword arguments are the engine arguments (see `omniinfer.config.EngineArgs`): device,
+    dtype, seed, block_size, num_kv_blocks, kv_cache_memory_bytes, swap_space,
+    max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
+    enable_prefix_caching, preemption_mode, attention_backend, tensor_parallel_size,
+    pipeline_parallel_size, distributed_executor_backend.
+    """
+
+    def __init__(self, model: str, **kwargs):
+        allowed = set(EngineArgs.field_names()) - {"model"}
+        unknown = sorted(set(kwargs) - allowed)
+        if unknown:
+            raise TypeError(f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                            f"allowed: {', '.join(sorted(allowed))}")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for one prompt or a list; returns one RequestOutput per prompt, in order.
+
+        A prompt is a string or {"prompt_token_ids": [...]}. Every prompt is checked before any
+        is queued, so a bad one raises without starting the others."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompts))
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts; "
+                             "give one, or one per prompt")
+        engine = self.llm_engine
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(p).__name__}")
+            try:
+                text, ids = engine.tokenize_prompt(prompt)
+                engine.resolve_max_tokens(len(ids), p)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompts[{i}]: {e}") from None
+            checked.append({"prompt": text, "prompt_token_ids": ids})
+        request_ids = [f"llm-{next(self._ids)}" for _ in checked]
+        for rid, prompt, p in zip(request_ids, checked, params):
+            engine.add_request(rid, prompt, p)
+        try:
+            finished = self._run(set(request_ids), len(request_ids), use_tqdm)
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+        return [finished[rid] for rid in request_ids]
+
+    def _run(self, pending: set[str], total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        from tqdm.auto import tqdm
+
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        start = time.perf_counter()
+        num_in = num_out = 0
+        with tqdm(total=total, desc="Processed prompts", unit="prompt", disable=not use_tqdm,
+                  dynamic_ncols=True) as bar:
+            while pending:
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        pending.discard(out.request_id)
+                        finished[out.request_id] = out
+                        num_in += len(out.prompt_token_ids)
+                        num_out += sum(len(c.token_ids) for c in out.outputs)
+                        elapsed = max(time.perf_counter() - start, 1e-9)
+                        bar.set_postfix_str(f"in: {num_in / elapsed:.0f} tok/s, "
+                                            f"out: {num_out / elapsed:.0f} tok/s", refresh=False)
+                        bar.update(1)
+        return finished

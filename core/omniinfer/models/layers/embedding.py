@@ -1,0 +1,48 @@
+"""Vocabulary-parallel embedding and LM head: each TP rank holds a contiguous vocab range."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omniinfer.distributed import parallel_state as ps
+from omniinfer.models.layers.weights import WeightShapeError, copy_checked, narrow, shape_of
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.tp_size, self.tp_rank = ps.get_tp_size(), ps.get_tp_rank()
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // self.tp_size)  # padded: last rank may hold fewer real rows
+        self.start = self.tp_rank * self.per_rank
+        self.num_real = max(0, min(self.per_rank, vocab_size - self.start))
+        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        shape = shape_of(loaded)
+        if shape[0] != self.vocab_size or shape[1] != param.shape[1]:
+            raise WeightShapeError(f"expected shape ({self.vocab_size}, {param.shape[1]}), "
+                                   f"checkpoint has {shape}")
+        copy_checked(param.data[: self.num_real], narrow(loaded, 0, self.start, self.num_real), "weight")
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.num_real)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside[:, None], 0)
+        return ps.tp_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits = hidden @ W^T over this rank's vocab range, gathered to the full vocabulary."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = ps.tp_all_gather(logits, dim=-1)
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,138 @@
+"""Linear layers split for tensor parallelism (Megatron style).
+
+Weights are [out, in] like the checkpoint. Column-parallel layers split `out` across the
+TP ranks; row-parallel layers split `in` and all-reduce their output. Each parameter
+has a `weight_loader(param, loaded, shard_id)` that copies this rank's part of a
+checkpoint tensor, reading only that part from disk.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omniinfer.distributed import parallel_state as ps
+from omniinfer.models.layers.weights import WeightShapeError, copy_checked, narrow, shape_of
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what}={n} is not divisible by tensor_parallel_size={d}")
+    return n // d
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id=None) -> None:
+        copy_checked(param, narrow(loaded, 0, 0, shape_of(loaded)[0]), "weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    pass
+
+
+class ColumnParallelLinear(LinearBase):
+    """Y = X W^T with W's rows (outputs) split across TP ranks; outputs stay split."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        self.tp_size, self.tp_rank = ps.get_tp_size(), ps.get_tp_rank()
+        self.out_per_rank = _divide(out_features, self.tp_size, "output size")
+        super().__init__(in_features, self.out_per_rank, bias)
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        rows = shape_of(loaded)[0]
+        if rows != self.out_per_rank * self.tp_size:
+            raise WeightShapeError(f"expected {self.out_per_rank * self.tp_size} rows, checkpoint "
+                                   f"has shape {shape_of(loaded)}")
+        copy_checked(param, narrow(loaded, 0, self.tp_rank * self.out_per_rank, self.out_per_rank),
+                     "weight")
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs fused in one weight (gate_proj + up_proj)."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(in_features, sum(output_sizes), bias)
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        tp = self.tp_size
+        size = _divide(self.output_sizes[shard_id], tp, "output size")
+        offset = sum(self.output_sizes[:shard_id]) // tp
+        if shape_of(loaded)[0] != self.output_sizes[shard_id]:
+            raise WeightShapeError(f"expected {self.output_sizes[shard_id]} rows, checkpoint has "
+                                   f"shape {shape_of(loaded)}")
+        copy_checked(param.data.narrow(0, offset, size), narrow(loaded, 0, self.tp_rank * size, size),
+                     f"shard {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; heads split across ranks, KV heads replicated when
+    there are fewer KV heads than ranks."""
+
+    def __init__(self, hidden_size: int, head_size: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False):
+        tp = ps.get_tp_size()
+        self.head_size = head_size
+        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            self.kv_replicas = _divide(tp, num_kv_heads, "tensor_parallel_size / num_key_value_heads")
+            self.num_kv_heads = 1
+        self.total_kv_heads = num_kv_heads
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_size * tp
+        super().__init__(hidden_size, out, bias)
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        if shard_id == "q":
+            offset, size, start = 0, q_size, self.tp_rank * q_size
+            expected = q_size * self.tp_size
+        else:
+            offset = q_size + (kv_size if shard_id == "v" else 0)
+            size, start = kv_size, (self.tp_rank // self.kv_replicas) * kv_size
+            expected = self.total_kv_heads * self.head_size
+        if shape_of(loaded)[0] != expected:
+            raise WeightShapeError(f"expected {expected} rows for {shard_id}, checkpoint has shape "
+                                   f"{shape_of(loaded)}")
+        copy_checked(param.data.narrow(0, offset, size), narrow(loaded, 0, start, size),
+                     f"shard {shard_id}")
+
+
+class RowParallelLinear(LinearBase):
+    """Y = X W^T with W's columns (inputs) split; partial outputs are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        self.tp_size, self.tp_rank = ps.get_tp_size(), ps.get_tp_rank()
+        self.in_per_rank = _divide(in_features, self.tp_size, "input size")
+        super().__init__(self.in_per_rank, out_features, bias)
+
+    def weight_loader(self, param, loaded, shard_id=None) -> None:
+        if param.dim() == 1:  # bias: not split
+            copy_checked(param, narrow(loaded, 0, 0, shape_of(loaded)[0]), "bias")
+            return
+        shape = shape_of(loaded)
+        if len(shape) != 2 or shape[1] != self.in_per_rank * self.tp_size:
+            raise WeightShapeError(f"expected {self.in_per_rank * self.tp_size} columns, "
+                                   f"checkpoint has shape {shape}")
+        copy_checked(param, narrow(loaded, 1, self.tp_rank * self.in_per_rank, self.in_per_rank),
+                     "weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = ps.tp_all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias

@@ -1,0 +1,54 @@
+"""A checkpoint tensor that is read only as far as a rank needs it."""
+
+from __future__ import annotations
+
+import torch
+
+
+class CheckpointTensor:
+    """One tensor of a safetensors file, read lazily: `narrow` reads just one shard's rows."""
+
+    def __init__(self, name: str, path: str, handle, dtype: torch.dtype | None = None):
+        self.name = name
+        self.path = path
+        self._handle = handle  # an open safetensors file (safe_open)
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = [slice(None)] * len(self.shape)
+        index[dim] = slice(start, start + length)
+        return self._slice[tuple(index)]
+
+    def full(self) -> torch.Tensor:
+        return self._handle.get_tensor(self.name)
+
+
+def tensor_of(loaded) -> torch.Tensor:
+    return loaded.full() if isinstance(loaded, CheckpointTensor) else loaded
+
+
+def narrow(loaded, dim: int, start: int, length: int) -> torch.Tensor:
+    if isinstance(loaded, CheckpointTensor):
+        return loaded.narrow(dim, start, length)
+    return loaded.narrow(dim, start, length)
+
+
+def shape_of(loaded) -> tuple[int, ...]:
+    return tuple(loaded.shape)
+
+
+class WeightShapeError(ValueError):
+    pass
+
+
+def copy_checked(param: torch.Tensor, value: torch.Tensor, what: str) -> None:
+    if tuple(param.shape) != tuple(value.shape):
+        raise WeightShapeError(f"{what}: expected shape {tuple(param.shape)}, "
+                               f"checkpoint has {tuple(value.shape)}")
+    param.data.copy_(value)
+
+
+def default_weight_loader(param: torch.Tensor, loaded, shard_id=None) -> None:
+    """Copy a whole, unsplit tensor (norms, replicated parameters)."""
+    copy_checked(param, tensor_of(loaded), "tensor")

@@ -1,0 +1,93 @@
+"""Build a model for this rank and fill it from a Hugging Face safetensors checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from tqdm.auto import tqdm
+
+from omniinfer.config import ModelConfig
+from omniinfer.logger import init_logger
+from omniinfer.models.layers.weights import CheckpointTensor, WeightShapeError
+from omniinfer.models.registry import model_class
+
+logger = init_logger(__name__)
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match the model: names the file and the tensor."""
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
+        if missing:
+            raise CheckpointError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
+        return [os.path.join(model_dir, f) for f in files]
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        bins = [f for f in os.listdir(model_dir) if f.endswith(".bin")]
+        hint = " (found PyTorch .bin files; convert them to safetensors)" if bins else ""
+        raise CheckpointError(f"no *.safetensors weights in {model_dir}{hint}")
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def iterate_checkpoint(files: list[str], progress: bool = True) -> Iterator[tuple[str, CheckpointTensor]]:
+    from safetensors import safe_open
+
+    with tqdm(total=len(files), desc="Loading safetensors shards", unit="shard",
+              disable=not progress) as bar:
+        for path in files:
+            with safe_open(path, framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                    yield name, CheckpointTensor(name, path, handle)
+            bar.update(1)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(config: ModelConfig, attn_backend, device: torch.device, progress: bool = True):
+    """This rank's part of the model, on `device`, in `config.dtype`, weights loaded."""
+    cls = model_class(config.architecture, os.path.join(config.model, "config.json"))
+    with _default_dtype(config.dtype), torch.device(device):
+        model = cls(config, attn_backend)
+    files = safetensors_files(config.model)
+    where = {}
+
+    def tracked():
+        for name, tensor in iterate_checkpoint(files, progress):
+            where[name] = tensor.path
+            yield name, tensor
+
+    try:
+        loaded = model.load_weights(tracked())
+    except WeightShapeError as e:
+        name = next(reversed(where))
+        raise CheckpointError(f"tensor {name!r} in {where[name]} has the wrong shape: {e}") from None
+    except KeyError as e:
+        name = e.args[0]
+        raise CheckpointError(f"tensor {name!r} in {where.get(name, config.model)} does not belong "
+                              f"to {config.architecture}") from None
+    missing = [n for n, _ in model.named_parameters() if n not in loaded]
+    if missing:
+        wanted = model.expected_checkpoint_names(missing[0])
+        raise CheckpointError(f"tensor(s) {', '.join(map(repr, wanted))} missing from the checkpoint "
+                              f"in {config.model} ({len(missing)} parameter(s) not loaded)")
+    return model.eval()

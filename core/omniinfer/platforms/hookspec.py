@@ -1,0 +1,51 @@
+"""Every hook a device plugin can implement, in one place.
+
+A plugin is a module (or object) registered under the entry-point group
+``omniinfer.plugins``. It marks its functions with :data:`hookimpl`::
+
+    from omniinfer.platforms.hookspec import hookimpl
+
+    PLUGIN_API_VERSION = "1.0"
+
+    @hookimpl
+    def omniinfer_platforms():
+        from omniinfer_acme.platform import AcmePlatform
+        return [AcmePlatform]
+
+Hooks are called once per process, after all plugins are loaded. They must be cheap:
+import the plugin's heavy modules lazily inside the function, never create a device
+context, never import a vendor library just to answer.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+PROJECT_NAME = "omniinfer"
+ENTRY_POINT_GROUP = "omniinfer.plugins"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def omniinfer_platforms() -> list[type]:
+    """The :class:`~omniinfer.platforms.interface.Platform` subclasses this plugin provides.
+
+    Called once when the registry is built. Every plugin's result is collected (this is
+    not a first-result hook). Return an empty list or ``None`` when the plugin provides no
+    platform (for example a plugin that only adds an attention backend). Two platforms
+    with the same ``name`` are an error reported at load, naming both plugins.
+    """
+
+
+@hookspec
+def omniinfer_attention_backends() -> list[type]:
+    """The :class:`~omniinfer.attention.backend.AttentionBackend` subclasses this plugin provides.
+
+    Called once when the registry is built; every plugin's result is collected. A backend
+    says which device types it runs on (``supported_device_types``); a platform uses it
+    when the platform lists its ``name`` among its preferences, or when the user names it
+    (``attention_backend=`` / ``OMNIINFER_ATTENTION_BACKEND``). This is how a third-party
+    plugin adds a kernel library to an existing platform. ``None`` means none.
+    """

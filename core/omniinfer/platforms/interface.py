@@ -1,0 +1,167 @@
+"""What a device plugin must describe: the :class:`Platform` contract.
+
+A platform is one kind of device (CUDA GPUs, ROCm GPUs, Intel GPUs, CPUs). Subclasses
+state only what differs; everything here has a sensible default except the identity
+attributes and :meth:`Platform.is_available`.
+
+Rules for implementers:
+
+* Class attributes and ``is_available()`` must be cheap: no device context, no vendor
+  library import unless the vendor's torch build is present (``torch`` itself is fine).
+* Methods that touch the device (``set_device``, ``kv_cache_memory_bytes``...) are only
+  called on the selected platform, after selection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from omniinfer.config import EngineConfig
+
+
+ENV_GPU_MEMORY_UTILIZATION = "OMNIINFER_GPU_MEMORY_UTILIZATION"
+
+
+def accelerator_kv_budget(config: EngineConfig, free_bytes: int, total_bytes: int) -> int:
+    """KV-cache bytes on an accelerator, measured after the model is loaded.
+
+    Use up to `OMNIINFER_GPU_MEMORY_UTILIZATION` (default 0.9) of the device's total memory,
+    counting what is already taken (weights, other processes), and keep room for the
+    step's activations: the largest batch's hidden and MLP tensors and the logits.
+    """
+    import os
+
+    utilization = float(os.environ.get(ENV_GPU_MEMORY_UTILIZATION, "0.9"))
+    if not 0 < utilization <= 1:
+        raise ValueError(f"{ENV_GPU_MEMORY_UTILIZATION}={utilization} is not allowed; it must be in (0, 1]")
+    m, s = config.model, config.scheduler
+    itemsize = m.dtype_bytes
+    intermediate = int(m.hf_config.get("intermediate_size", 4 * m.hidden_size))
+    activations = s.max_num_batched_tokens * (6 * m.hidden_size + 3 * intermediate) * itemsize
+    logits = s.max_num_seqs * m.vocab_size * 4 * 3
+    used = total_bytes - free_bytes
+    budget = int(utilization * total_bytes) - used - activations - logits
+    if budget <= 0:
+        raise ValueError(f"no device memory left for the KV cache: {free_bytes / 2**30:.2f} GiB free of "
+                         f"{total_bytes / 2**30:.2f} GiB with {ENV_GPU_MEMORY_UTILIZATION}={utilization}; "
+                         "lower max_num_batched_tokens / max_num_seqs or use a smaller model")
+    return budget
+
+
+@dataclass(frozen=True, slots=True)
+class Availability:
+    """The answer of :meth:`Platform.is_available`: a verdict and why."""
+
+    is_available: bool
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.is_available
+
+
+class Platform:
+    """One kind of device, described for the engine.
+
+    Identity (class attributes, override in every subclass):
+
+    * ``name``: the user-facing name (``device="cuda"``, ``OMNIINFER_DEVICE=cuda``).
+    * ``device_type``: the torch device type string (ROCm also uses ``"cuda"``).
+    * ``priority``: higher wins when several platforms are available.
+    * ``dist_backend``: the ``torch.distributed`` backend name.
+    * ``attention_backend_preferences``: backend names, best first.
+    * ``supported_dtypes``: the model dtypes this platform can run.
+    """
+
+    name: ClassVar[str] = ""
+    device_type: ClassVar[str] = ""
+    priority: ClassVar[int] = 0
+    dist_backend: ClassVar[str] = "gloo"
+    attention_backend_preferences: ClassVar[tuple[str, ...]] = ("TORCH_SDPA", "REFERENCE")
+    supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
+
+    # Set by the registry: which plugin (entry-point name) and distribution provided it.
+    plugin_name: ClassVar[str] = ""
+    plugin_version: ClassVar[str] = ""
+
+    # ---- detection -------------------------------------------------------------------
+    @classmethod
+    def is_available(cls) -> Availability:
+        """Whether this machine can run this platform, and a human-readable reason."""
+        raise NotImplementedError
+
+    @classmethod
+    def build_info(cls) -> str:
+        """The vendor toolkit torch was built with, e.g. "cuda 12.4" ("" when not applicable)."""
+        return ""
+
+    @classmethod
+    def device_capability(cls) -> tuple[int, int] | None:
+        """(major, minor) of device 0 where the vendor has such a notion (CUDA), else None."""
+        return None
+
+    @classmethod
+    def device_names(cls) -> list[str]:
+        """Names of the devices found (for logs and `omniinfer env`); cheap."""
+        return []
+
+    # ---- what the engine asks of the selected platform ---------------------------------
+    @classmethod
+    def model_runner_cls(cls) -> type:
+        """The ModelRunner subclass to use (imported lazily)."""
+        from omniinfer.worker.model_runner import ModelRunner
+
+        return ModelRunner
+
+    @classmethod
+    def device(cls, local_rank: int = 0) -> torch.device:
+        import torch
+
+        if cls.device_type == "cpu":
+            return torch.device("cpu")
+        return torch.device(cls.device_type, local_rank)
+
+    @classmethod
+    def set_device(cls, local_rank: int) -> None:
+        """Bind this process to its device (called once per worker before any allocation)."""
+
+    @classmethod
+    def synchronize(cls) -> None:
+        """Wait for the device's queued work (used by benchmarks and timing)."""
+
+    @classmethod
+    def device_count(cls) -> int:
+        return 1
+
+    @classmethod
+    def kv_cache_memory_bytes(cls, config: EngineConfig, model_bytes: int) -> int:
+        """Bytes the KV cache may take on one device, given the loaded model's size."""
+        raise NotImplementedError(f"platform {cls.name!r} does not size its KV cache")
+
+    @classmethod
+    def verify_config(cls, config: EngineConfig) -> list[str]:
+        """Reasons this platform cannot run `config` (empty: it can).
+
+        The default checks the dtype against ``supported_dtypes``; subclasses extend it.
+        """
+        from omniinfer.config import dtype_name
+
+        reasons = []
+        dtype = dtype_name(config.model.dtype)
+        if dtype not in cls.supported_dtypes:
+            reasons.append(
+                f"dtype {dtype!r} is not supported on {cls.name}; "
+                f"supported: {', '.join(cls.supported_dtypes)}"
+            )
+        return reasons
+
+    @classmethod
+    def pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def describe(cls) -> str:
+        return f"{cls.name} (plugin {cls.plugin_name or '?'} {cls.plugin_version or ''})".strip()

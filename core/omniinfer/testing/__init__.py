@@ -1,0 +1,1 @@
+"""Test helpers any plugin's test-suite can use: tiny checkpoints and the conformance kit."""

@@ -1,0 +1,67 @@
+"""Tiny randomly initialised Llama-family checkpoints with a real tokenizer, built offline.
+
+`initializer_range` defaults to 0.1: at transformers' 0.02 a tiny model is nearly blind to
+position, and position or KV-cache bugs would go unnoticed.
+"""
+
+from __future__ import annotations
+
+import os
+
+_CORPUS = (
+    "The quick brown fox jumps over the lazy dog. Return the number of items in a container. "
+    "This module provides functions for working with paths, files and directories. "
+    "def main(argv): parse the arguments and print the result. A cache maps keys to values; "
+    "blocks of tokens are shared by reference count and freed when no one holds them. "
+    "0123456789 + - * / = ( ) [ ] { } < > , . ; : ! ? ' \" # @ $ % ^ & _ | ~ `"
+)
+
+ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+
+def build_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer trained on a small built-in text, as transformers' fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+
+
+def build_tiny_checkpoint(path: str, arch: str = "llama", *, dtype: str = "float32",
+                          max_shard_size: str | None = None, seed: int = 0, **overrides) -> str:
+    """Write a tiny model of `arch` ("llama", "mistral", "qwen2") and its tokenizer to `path`."""
+    import torch
+    import transformers
+
+    config_cls, model_cls = (getattr(transformers, n) for n in ARCHITECTURES[arch])
+    tokenizer = build_tokenizer()
+    settings = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.1, rms_norm_eps=1e-6, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if arch == "mistral":
+        settings["sliding_window"] = None
+    settings.update(overrides)
+    config = config_cls(**settings)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(getattr(torch, dtype)).eval()
+    os.makedirs(path, exist_ok=True)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,0 +1,76 @@
+"""The vendor-neutral model runner: loads the model, builds inputs, runs the forward pass.
+
+Device plugins subclass `ModelRunner` and override only what differs on their hardware
+(threads, graph capture, a faster path for some step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omniinfer.attention.backend import AttentionBackend
+from omniinfer.config import EngineConfig
+from omniinfer.distributed import parallel_state as ps
+from omniinfer.engine.scheduler import ScheduledSeq
+from omniinfer.models.intermediate import IntermediateTensors
+from omniinfer.models.loader import load_model
+from omniinfer.sampling.sampler import Sampler, SamplerOutput
+from omniinfer.worker.input_builder import ModelRunnerInputBuilder, is_decode
+from omniinfer.worker.model_input import ModelInput
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, attn_backend: type[AttentionBackend],
+                 device: torch.device, is_driver: bool = True):
+        self.config = config
+        self.model_config = config.model
+        self.attn_backend = attn_backend
+        self.device = device
+        self.is_driver = is_driver
+        self.block_size = config.cache.block_size
+        self.model: torch.nn.Module | None = None
+        self.sampler: Sampler | None = None
+
+    # ---- set-up ----------------------------------------------------------------------------------
+    def load_model(self, progress: bool = True) -> None:
+        self.model = load_model(self.model_config, self.attn_backend, self.device, progress)
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(self.model_config.seed)
+        self.sampler = Sampler(self.model_config.vocab_size, generator)
+
+    def model_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.model.num_local_layers
+
+    # ---- one step --------------------------------------------------------------------------------
+    def make_builder(self) -> ModelRunnerInputBuilder:
+        attn_builder = self.attn_backend.get_builder_cls()(self.block_size,
+                                                           self.model_config.sliding_window)
+        return ModelRunnerInputBuilder(attn_builder)
+
+    def prepare_model_input(self, scheduled: list[ScheduledSeq],
+                            block_tables: dict[int, list[int]]) -> ModelInput:
+        """Driver only: the step's inputs, every tensor on the CPU (prefills first)."""
+        builder = self.make_builder()
+        ordered = [s for s in scheduled if not is_decode(s)] + [s for s in scheduled if is_decode(s)]
+        for s in ordered:
+            builder.add_seq(s, block_tables[s.seq.seq_id])
+        return builder.build()
+
+    @torch.inference_mode()
+    def execute_model(self, model_input: ModelInput, kv_caches: list[torch.Tensor],
+                      intermediate_tensors: IntermediateTensors | None = None
+                      ) -> torch.Tensor | IntermediateTensors:
+        """Logits of the rows that need them (last pipeline stage), else what the next stage needs."""
+        hidden = self.model(model_input.input_tokens, model_input.input_positions, kv_caches,
+                            model_input.attn_metadata, intermediate_tensors)
+        if not ps.is_last_pp_rank():
+            return hidden
+        return self.model.compute_logits(hidden[model_input.logits_indices])
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, model_input: ModelInput) -> SamplerOutput:
+        return self.sampler(logits, model_input.sampling_metadata)

@@ -1,0 +1,48 @@
+"""The CPU platform: always available, gloo for collectives, memory from the host."""
+
+from __future__ import annotations
+
+import os
+
+from omniinfer.platforms.host import available_memory_bytes, cpu_info, usable_cpus
+from omniinfer.platforms.interface import Availability, Platform
+
+GiB = 1 << 30
+ENV_KV_CACHE = "OMNIINFER_CPU_KVCACHE_GIB"
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+    device_type = "cpu"
+    priority = 0
+    dist_backend = "gloo"
+    attention_backend_preferences = ("TORCH_SDPA", "REFERENCE")
+    supported_dtypes = ("float32", "bfloat16", "float16")
+
+    @classmethod
+    def is_available(cls) -> Availability:
+        return Availability(True, f"{usable_cpus()} usable CPU core(s)")
+
+    @classmethod
+    def device_names(cls) -> list[str]:
+        info = cpu_info()
+        return [f"{info['model'] or info['machine']} ({info['usable_cpus']} cores)"]
+
+    @classmethod
+    def model_runner_cls(cls) -> type:
+        from omniinfer_cpu.model_runner import CpuModelRunner
+
+        return CpuModelRunner
+
+    @classmethod
+    def kv_cache_memory_bytes(cls, config, model_bytes: int) -> int:
+        """OMNIINFER_CPU_KVCACHE_GIB if set; else a quarter of available memory, at most 4 GiB,
+        and never more than the running batch can use (max_num_seqs full-length sequences)."""
+        if os.environ.get(ENV_KV_CACHE):
+            return int(float(os.environ[ENV_KV_CACHE]) * GiB)
+        from omniinfer.worker.cache_engine import block_bytes
+
+        m = config.model
+        tokens = config.scheduler.max_num_seqs * m.max_model_len
+        useful = block_bytes(m.num_layers, 1, m.num_kv_heads, m.head_size, m.dtype) * tokens
+        return int(min(4 * GiB, available_memory_bytes() // 4, useful))

@@ -1,0 +1,76 @@
+"""AMD GPUs through torch's ROCm (HIP) build, which also answers to the "cuda" device type."""
+
+from __future__ import annotations
+
+from omniinfer.platforms.interface import Availability, Platform, accelerator_kv_budget
+
+
+class RocmPlatform(Platform):
+    name = "rocm"
+    device_type = "cuda"  # ROCm torch exposes HIP devices as torch.device("cuda")
+    priority = 100
+    dist_backend = "nccl"  # RCCL answers to the nccl backend name
+    attention_backend_preferences = ("ROCM_FLASH", "TRITON", "TORCH_SDPA", "REFERENCE")
+    supported_dtypes = ("float16", "bfloat16", "float32")
+
+    @classmethod
+    def is_available(cls) -> Availability:
+        import torch
+
+        if not torch.version.hip:
+            return Availability(False, f"torch {torch.__version__} is not a ROCm build "
+                                       "(torch.version.hip is None)")
+        if not torch.cuda.is_available():
+            return Availability(False, f"torch is a ROCm (HIP {torch.version.hip}) build, but no AMD "
+                                       "GPU is visible")
+        return Availability(True, f"{torch.cuda.device_count()} AMD GPU(s), HIP {torch.version.hip}")
+
+    @classmethod
+    def build_info(cls) -> str:
+        import torch
+
+        return f"hip {torch.version.hip}" if torch.version.hip else ""
+
+    @classmethod
+    def device_names(cls) -> list[str]:
+        import torch
+
+        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+    @classmethod
+    def device_count(cls) -> int:
+        import torch
+
+        return torch.cuda.device_count()
+
+    @classmethod
+    def set_device(cls, local_rank: int) -> None:
+        import torch
+
+        torch.cuda.set_device(local_rank)
+
+    @classmethod
+    def synchronize(cls) -> None:
+        import torch
+
+        torch.cuda.synchronize()
+
+    @classmethod
+    def pin_memory_available(cls) -> bool:
+        return True
+
+    @classmethod
+    def gcn_arch(cls) -> str | None:
+        """e.g. "gfx942" (MI300) for device 0; None when unknown."""
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        return getattr(props, "gcnArchName", None)
+
+    @classmethod
+    def kv_cache_memory_bytes(cls, config, model_bytes: int) -> int:
+        import torch
+
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return accelerator_kv_budget(config, free, total)

@@ -1,0 +1,12 @@
+"""Hook implementations of the ROCm plugin (everything heavy is imported inside them)."""
+
+from omniinfer.platforms.hookspec import hookimpl
+
+PLUGIN_API_VERSION = "1.0"
+
+
+@hookimpl
+def omniinfer_platforms():
+    from omniinfer_rocm.platform import RocmPlatform
+
+    return [RocmPlatform]
