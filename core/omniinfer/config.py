@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-SUPPORTED_BLOCK_SIZES = (8, 16, 32, 64, 128)
+SUPPORTED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 PREEMPTION_MODES = ("recompute", "swap")
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,

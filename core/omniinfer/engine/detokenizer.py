@@ -31,6 +31,14 @@ class IncrementalDetokenizer:
             return after[len(before):]
         return ""
 
+    def flush(self) -> str:
+        """Text held back at the end (an incomplete character), once the sequence is done."""
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip_special_tokens)
+        after = decode(self.ids[self.prefix:], skip_special_tokens=self.skip_special_tokens)
+        self.prefix = self.read = len(self.ids)
+        return after[len(before):]
+
 
 def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:
     """(index, stop string) of the earliest stop string that ends in the last `new_len` chars."""

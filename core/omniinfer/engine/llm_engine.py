@@ -259,6 +259,8 @@ class LLMEngine:
                                or seq.num_tokens >= self.config.model.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
+            if not isinstance(seq.stop_reason, str):  # a stop string cut the text already
+                seq.output_text += seq.detok.flush()
             self.scheduler.finish(seq, status)
             group.metrics.finished_time = time.monotonic()
 

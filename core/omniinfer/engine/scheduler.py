@@ -23,11 +23,10 @@ from omniinfer.engine.sequence import Sequence, SequenceStatus
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    is_sampling: bool = field(init=False)  # reaches the last known token, so samples
 
-    @property
-    def is_sampling(self) -> bool:
-        """Whether this step reaches the sequence's last known token (and so samples)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens >= self.seq.num_tokens
+    def __post_init__(self) -> None:
+        self.is_sampling = self.seq.num_computed_tokens + self.num_new_tokens >= self.seq.num_tokens
 
 
 @dataclass(slots=True)

@@ -36,9 +36,10 @@ def register(sub) -> None:
 
 def _prompts(args) -> list[str]:
     prompts = list(args.prompts)
-    if args.prompts_file:
-        f = sys.stdin if args.prompts_file == "-" else open(args.prompts_file, encoding="utf-8")
-        with f:
+    if args.prompts_file == "-":
+        prompts += [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    elif args.prompts_file:
+        with open(args.prompts_file, encoding="utf-8") as f:
             prompts += [line.rstrip("\n") for line in f if line.strip()]
     return prompts or ["Return the", "This module provides", "def "]
 

@@ -184,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
 
     def expected_checkpoint_names(self, param_name: str) -> list[str]:
         """The checkpoint tensors that feed one of our parameters (for error messages)."""
-        for ckpt, ours, _ in self.stacked_params:
+        for _, ours, _ in self.stacked_params:
             if ours in param_name:
                 return [param_name.replace(ours, c) for c, o, _ in self.stacked_params if o == ours]
         return [param_name]

@@ -91,12 +91,15 @@ class Sampler:
         self._collect(tokens, raw, rows, params, out)
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows) -> torch.Tensor:
+        cloned = False
         for i, (seq, _) in enumerate(rows):
             p = seq.group.params
             if p.min_tokens and seq.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else seq.group.eos_token_ids)
                 banned = [t for t in banned if t < self.vocab_size]
                 if banned:
+                    if not cloned:  # never write into the caller's logits
+                        logits, cloned = logits.clone(), True
                     logits[i, banned] = float("-inf")
         return logits
 

@@ -8,7 +8,6 @@ import torch
 
 from omniinfer.attention.backend import AttentionBackend
 from omniinfer.config import EngineConfig
-from omniinfer.distributed import parallel_state as ps
 from omniinfer.distributed.communication import broadcast_tensor_dict
 from omniinfer.logger import init_logger
 from omniinfer.sampling.sampler import SamplerOutput

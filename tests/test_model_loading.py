@@ -1,0 +1,110 @@
+"""Checkpoint loading: sharded files, and clear errors naming the file and the tensor."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from omniinfer import LLM
+
+
+def copy_checkpoint(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def edit_config(path: str, change) -> str:
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    change(config)
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    return config_file
+
+
+def rewrite_weights(path: str, change) -> None:
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    change(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_sharded_checkpoint_loads(checkpoint_dir):
+    path = checkpoint_dir("llama_sharded")
+    assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+    assert len([f for f in os.listdir(path) if f.endswith(".safetensors")]) > 1
+    LLM(path, num_kv_blocks=8)
+
+
+def test_missing_tensor_names_it(checkpoint_dir, tmp_path):
+    path = copy_checkpoint(checkpoint_dir("llama"), tmp_path / "m")
+    rewrite_weights(path, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    with pytest.raises(ValueError) as info:
+        LLM(path, num_kv_blocks=8)
+    assert "'model.layers.1.mlp.up_proj.weight'" in str(info.value) and path in str(info.value)
+
+
+def test_shape_mismatch_names_file_and_tensor(checkpoint_dir, tmp_path):
+    path = copy_checkpoint(checkpoint_dir("llama"), tmp_path / "m")
+
+    def shrink(t):
+        t["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 64)
+
+    rewrite_weights(path, shrink)
+    with pytest.raises(ValueError) as info:
+        LLM(path, num_kv_blocks=8)
+    message = str(info.value)
+    assert "'model.layers.0.self_attn.k_proj.weight'" in message
+    assert "model.safetensors" in message and "shape" in message
+
+
+def test_unknown_architecture(checkpoint_dir, tmp_path):
+    path = copy_checkpoint(checkpoint_dir("llama"), tmp_path / "m")
+    config_file = edit_config(path, lambda c: c.update(architectures=["GPT2LMHeadModel"]))
+    with pytest.raises(ValueError) as info:
+        LLM(path, num_kv_blocks=8)
+    message = str(info.value)
+    assert "'GPT2LMHeadModel'" in message and "LlamaForCausalLM" in message and config_file in message
+
+
+def test_no_safetensors(checkpoint_dir, tmp_path):
+    path = copy_checkpoint(checkpoint_dir("llama"), tmp_path / "m")
+    os.remove(os.path.join(path, "model.safetensors"))
+    with pytest.raises(ValueError, match="no \\*.safetensors weights in"):
+        LLM(path, num_kv_blocks=8)
+
+
+def test_unsupported_rope_scaling(checkpoint_dir, tmp_path):
+    path = copy_checkpoint(checkpoint_dir("llama"), tmp_path / "m")
+
+    def yarn(config):
+        config.pop("rope_parameters", None)
+        config["rope_scaling"] = {"type": "yarn", "factor": 2.0}
+
+    edit_config(path, yarn)
+    with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported"):
+        LLM(path, num_kv_blocks=8)
+
+
+def test_transformers4_style_config(checkpoint_dir, tmp_path, hf_greedy):
+    """config.json written by transformers 4 (rope_theta/rope_scaling, torch_dtype) loads too."""
+    path = copy_checkpoint(checkpoint_dir("llama3_rope"), tmp_path / "m")
+
+    def old_style(config):
+        params = config.pop("rope_parameters")
+        config["rope_theta"] = params.pop("rope_theta")
+        config["rope_scaling"] = params
+        config["torch_dtype"] = config.pop("dtype", "float32")
+
+    edit_config(path, old_style)
+    from omniinfer import SamplingParams
+
+    out = LLM(path, num_kv_blocks=16).generate({"prompt_token_ids": [5, 6, 7, 8]}, SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(checkpoint_dir("llama3_rope"), [5, 6, 7, 8], 8)

@@ -1,0 +1,176 @@
+"""The scheduler's budget rules, checked every step of simulated workloads (no model)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from omniinfer.config import CacheConfig, SchedulerConfig
+from omniinfer.engine.scheduler import Scheduler
+from omniinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from omniinfer.sampling.params import SamplingParams
+
+
+def make_scheduler(budget=32, max_seqs=8, blocks=64, chunked=True, block_size=4, host=0,
+                   mode="recompute", caching=False, max_len=256):
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
+                        enable_chunked_prefill=chunked, preemption_mode=mode),
+        CacheConfig(block_size=block_size, enable_prefix_caching=caching), blocks, host)
+
+
+def add(s: Scheduler, seq_id: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
+    group = SequenceGroup(f"r{seq_id}", None, list(range(prompt_len)), SamplingParams(),
+                          max_tokens=max_tokens)
+    seq = Sequence(seq_id, group, 0, list(range(prompt_len)), prompt_len, s.block_size)
+    group.seqs.append(seq)
+    s.add(seq)
+    return seq
+
+
+def step(s: Scheduler, check=None):
+    """Schedule, check the rules, pretend the model ran (each sampling seq gets token 1)."""
+    out = s.schedule()
+    budget = s.config.max_num_batched_tokens
+    assert out.num_batched_tokens <= budget
+    assert len(s.running) <= s.config.max_num_seqs
+    scheduled = {x.seq.seq_id: x for x in out.scheduled}
+    # decodes first: a running decode left out while a prefill chunk got budget is a violation
+    chunks = [x for x in out.scheduled if x.seq.num_tokens - x.seq.num_computed_tokens > 1]
+    if chunks:
+        for seq in s.running:
+            if seq.num_tokens - seq.num_computed_tokens == 1:
+                assert seq.seq_id in scheduled, "a decode was starved by a prefill chunk"
+    if not s.config.enable_chunked_prefill:
+        for x in out.scheduled:
+            assert x.num_new_tokens == x.seq.num_tokens - x.seq.num_computed_tokens, "prompt split"
+    for x in out.scheduled:
+        table = s.blocks.tables[x.seq.seq_id]
+        assert len(table) * s.block_size >= x.seq.num_computed_tokens + x.num_new_tokens
+    if check:
+        check(out)
+    sampled = [x.seq for x in out.scheduled if x.is_sampling]
+    s.update_after_step(out)
+    for seq in sampled:
+        seq.append_token(1)
+        if seq.num_output_tokens >= seq.group.max_tokens:
+            s.finish(seq, SequenceStatus.FINISHED_LENGTH)
+    return out
+
+
+def run_all(s: Scheduler, limit=500, check=None):
+    steps = 0
+    while s.num_unfinished:
+        step(s, check)
+        steps += 1
+        assert steps < limit, "no progress"
+    assert s.blocks.num_free_blocks == s.blocks.num_total_blocks
+    return steps
+
+
+def test_long_prompt_is_chunked_and_only_last_chunk_samples():
+    s = make_scheduler(budget=10)
+    seq = add(s, 0, 25)
+    sizes, sampling = [], []
+    while seq.num_output_tokens == 0:
+        out = step(s)
+        sizes.append(out.scheduled[0].num_new_tokens)
+        sampling.append(out.scheduled[0].is_sampling)
+    assert sizes == [10, 10, 5]
+    assert sampling == [False, False, True]
+
+
+def test_decodes_first_then_prefill_chunks_share_the_budget():
+    s = make_scheduler(budget=8)
+    a = add(s, 0, 3, max_tokens=20)
+    step(s)  # a's prompt
+    b = add(s, 1, 30)
+
+    def check(out):
+        ids = [x.seq.seq_id for x in out.scheduled]
+        if b.seq_id in ids and a.seq_id in ids:
+            assert ids.index(a.seq_id) < ids.index(b.seq_id)
+
+    out = step(s, check)
+    by_id = {x.seq.seq_id: x.num_new_tokens for x in out.scheduled}
+    assert by_id == {a.seq_id: 1, b.seq_id: 7}  # one step mixes a decode and a chunk
+
+
+def test_chunking_off_schedules_whole_prompts_fcfs():
+    s = make_scheduler(budget=64, chunked=False, max_len=64)
+    seqs = [add(s, i, n) for i, n in enumerate([30, 30, 10])]
+    out = step(s)
+    assert [x.seq.seq_id for x in out.scheduled] == [0, 1]  # 30 + 30; 10 waits (FCFS, budget)
+    assert seqs[2].status == SequenceStatus.WAITING
+    run_all(s)
+
+
+def test_max_num_seqs_caps_running():
+    s = make_scheduler(budget=64, max_seqs=3)
+    for i in range(6):
+        add(s, i, 2)
+    out = step(s)
+    assert len(out.scheduled) == 3 and len(s.waiting) == 3
+    run_all(s)
+
+
+def test_preemption_takes_the_latest_arrival_and_outputs_continue():
+    s = make_scheduler(budget=64, blocks=6, block_size=4)
+    a = add(s, 0, 8, max_tokens=12)
+    b = add(s, 1, 8, max_tokens=12)
+    step(s)
+    preempted = []
+
+    def check(out):
+        if out.num_preempted:
+            preempted.append([x for x in (a, b) if x.status != SequenceStatus.RUNNING])
+
+    run_all(s, check=check)
+    assert preempted and preempted[0] == [b]
+    assert s.num_preemptions >= 1
+    assert a.num_output_tokens == b.num_output_tokens == 12
+
+
+def test_swap_preemption_round_trip():
+    s = make_scheduler(budget=64, blocks=6, block_size=4, host=16, mode="swap")
+    a = add(s, 0, 8, max_tokens=12)
+    b = add(s, 1, 8, max_tokens=12)
+    swaps = {"out": 0, "in": 0}
+
+    def check(out):
+        swaps["out"] += len(out.blocks_to_swap_out)
+        swaps["in"] += len(out.blocks_to_swap_in)
+
+    run_all(s, check=check)
+    assert swaps["out"] > 0 and swaps["in"] > 0
+    assert a.num_output_tokens == b.num_output_tokens == 12
+
+
+def test_request_that_can_never_fit_is_rejected_not_queued_forever():
+    s = make_scheduler(budget=64, blocks=4, block_size=4)
+    too_big = add(s, 0, 10, max_tokens=20)  # needs 8 blocks
+    ok = add(s, 1, 4, max_tokens=4)
+    out = step(s)
+    assert out.rejected == [too_big]
+    assert "needs up to 8 KV-cache blocks" in too_big.group.error
+    assert [x.seq for x in out.scheduled] == [ok]
+    run_all(s)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("chunked", [True, False])
+def test_random_workloads_obey_the_rules(seed, chunked):
+    rng = random.Random(seed)
+    s = make_scheduler(budget=24, max_seqs=5, blocks=20, chunked=chunked, block_size=4,
+                       host=20, mode=rng.choice(["recompute", "swap"]), caching=rng.random() < 0.5,
+                       max_len=24)
+    seq_id = 0
+    for _ in range(60):
+        for _ in range(rng.randrange(3)):
+            n = rng.randrange(1, 16)
+            add(s, seq_id, n, max_tokens=rng.randrange(1, 24 - n + 1))
+            seq_id += 1
+        if s.num_unfinished:
+            step(s)
+    run_all(s)
