@@ -47,7 +47,7 @@ def test_sampling_params_errors(kwargs, error, words):
     (dict(max_model_len=4096), ValueError, ["max_model_len=4096", "max_position_embeddings=512"]),
     (dict(dtype="int8"), ValueError, ["dtype='int8'", "'bfloat16'"]),
     (dict(num_kv_blocks=0), ValueError, ["num_kv_blocks=0", ">= 1"]),
-    (dict(device="tpu"), RuntimeError, ["'tpu'", "not installed", "cpu: available"]),
+    (dict(device="tpu"), ValueError, ["'tpu'", "not installed", "cpu: available"]),
     (dict(attention_backend="NOPE"), ValueError, ["'NOPE'", "TORCH_SDPA"]),
     (dict(swap_space=-1), ValueError, ["swap_space=-1", ">= 0"]),
     (dict(tensor_parallel_size=0), ValueError, ["tensor_parallel_size=0", ">= 1"]),

@@ -43,5 +43,6 @@ def select_attention_backend(platform: type, spec: AttentionSpec,
             return cls
         refusals.append(f"  {name}: {'; '.join(reasons)}")
     raise ValueError(f"no attention backend can serve this configuration on {platform.name} "
-                     f"(dtype {spec.dtype}, head size {spec.head_size}, block size "
+                     f"(dtype {str(spec.dtype).removeprefix('torch.')}, head size {spec.head_size}, "
+                     f"device type {spec.device_type}, block size "
                      f"{spec.block_size}); candidates:\n" + "\n".join(refusals))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from omniinfer.version import __version__
@@ -41,7 +42,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return args.func(args) or 0
+    try:
+        return args.func(args) or 0
+    except (ValueError, TypeError) as e:  # user mistakes (PluginError is a ValueError): a message, not a traceback
+        if os.environ.get("OMNIINFER_TRACEBACK"):
+            raise
+        print(f"omniinfer {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,15 +8,14 @@ import sys
 from omniinfer.platforms.host import cpu_info, memory_info
 from omniinfer.version import PLUGIN_API_VERSION, __version__
 
+
 def collect() -> dict:
     import torch
 
     from omniinfer.attention.backend import AttentionSpec
     from omniinfer.attention.selector import select_attention_backend
-    from omniinfer.platforms.registry import get_registry
+    from omniinfer.platforms.registry import PluginError, get_registry
 
-    registry = get_registry()
-    verdicts = registry.availability()
     report = {
         "omniinfer": __version__,
         "plugin_api": PLUGIN_API_VERSION,
@@ -27,11 +26,18 @@ def collect() -> dict:
         "platforms": {},
         "selected_platform": None,
         "selected_attention_backend": None,
-        "attention_backends": sorted(registry.backends),
+        "attention_backends": [],
         "cpu": cpu_info(),
         "memory": memory_info(),
         "environment": {k: v for k, v in os.environ.items() if k.startswith("OMNIINFER_")},
     }
+    try:
+        registry = get_registry()
+    except PluginError as e:  # e.g. OMNIINFER_PLUGINS names a plugin that is not installed
+        report["plugin_error"] = str(e)
+        return report
+    verdicts = registry.availability()
+    report["attention_backends"] = sorted(registry.backends)
     for r in registry.records:
         report["plugins"].append({"name": r.name, "distribution": r.distribution, "version": r.version,
                                   "loaded": r.is_loaded, "error": r.error or None,
@@ -67,10 +73,11 @@ def collect() -> dict:
 def format_report(r: dict) -> str:
     lines = [f"omniinfer {r['omniinfer']} (plugin API {r['plugin_api']}), Python {r['python']}",
              f"torch {r['torch']}" + "".join(f"; {k}: {v}" for k, v in r["torch_builds"].items())]
-    lines.append("plugins:")
-    for p in r["plugins"] or [{"name": "(none installed)", "loaded": False, "error": None,
-                               "distribution": "", "version": "", "platforms": [],
-                               "attention_backends": []}]:
+    lines.append("plugins:" + (f" not loaded: {r['plugin_error']}" if r.get("plugin_error") else ""))
+    none = [] if r.get("plugin_error") else [{"name": "(none installed)", "loaded": False, "error": None,
+                                              "distribution": "", "version": "", "platforms": [],
+                                              "attention_backends": []}]
+    for p in r["plugins"] or none:
         state = "loaded" if p["loaded"] else f"FAILED: {p['error']}" if p["error"] else ""
         provides = ", ".join(p["platforms"] + p["attention_backends"])
         lines.append(f"  {p['name']:<10} {p['distribution']} {p['version']}  {state}"

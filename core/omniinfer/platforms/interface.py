@@ -83,7 +83,7 @@ class Platform:
     attention_backend_preferences: ClassVar[tuple[str, ...]] = ("TORCH_SDPA", "REFERENCE")
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
 
-    # Set by the registry: which plugin (entry-point name) and distribution provided it.
+    # Set by the registry: the distribution that provided it, and its version.
     plugin_name: ClassVar[str] = ""
     plugin_version: ClassVar[str] = ""
 

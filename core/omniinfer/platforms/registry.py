@@ -18,7 +18,7 @@ import pluggy
 from omniinfer.logger import init_logger
 from omniinfer.platforms import hookspec
 from omniinfer.platforms.interface import Availability, Platform
-from omniinfer.version import PLUGIN_API_VERSION
+from omniinfer.version import PLUGIN_API_VERSION, __version__
 
 logger = init_logger(__name__)
 
@@ -44,7 +44,7 @@ class PluginRecord:
         return f"{self.name} ({self.distribution} {self.version})"
 
 
-class PluginError(RuntimeError):
+class PluginError(ValueError):
     """A plugin-layer mistake the user must fix (bad override, unknown plugin...)."""
 
 
@@ -89,7 +89,7 @@ class PluginRegistry:
             try:
                 plugin = ep.load()
             except Exception as e:  # a broken plugin must not take the others down
-                self._fail(record, f"failed to import {ep.value}: {type(e).__name__}: {e}")
+                self._fail(record, f"failed to import {ep.value}: {type(e).__name__}: {e}", e)
                 continue
             declared = getattr(plugin, "PLUGIN_API_VERSION", None)
             if declared is None:
@@ -97,19 +97,21 @@ class PluginRegistry:
                                    f"(this omniinfer speaks plugin API {PLUGIN_API_VERSION})")
                 continue
             if not _api_compatible(declared):
-                self._fail(record, f"written for plugin API {declared}, but this omniinfer "
-                                   f"speaks {PLUGIN_API_VERSION}; install a matching version")
+                major = PLUGIN_API_VERSION.split(".")[0]
+                self._fail(record, f"written for plugin API {declared}, but omniinfer {__version__} "
+                                   f"speaks plugin API {PLUGIN_API_VERSION}; install a release of "
+                                   f"{record.distribution} made for plugin API {major}.x")
                 continue
             try:
                 self.pm.register(plugin, name=ep.name)
             except Exception as e:
-                self._fail(record, f"failed to register: {type(e).__name__}: {e}")
+                self._fail(record, f"failed to register: {type(e).__name__}: {e}", e)
                 continue
             record.is_loaded = True
 
-    def _fail(self, record: PluginRecord, message: str) -> None:
+    def _fail(self, record: PluginRecord, message: str, error: Exception | None = None) -> None:
         record.error = message
-        record.details = traceback.format_exc()
+        record.details = "".join(traceback.format_exception(error)) if error is not None else ""
         logger.warning("plugin %s set aside: %s", record.label(), message)
 
     def _call(self, record: PluginRecord, hook: str) -> list[type]:
@@ -122,7 +124,7 @@ class PluginRegistry:
         except Exception as e:
             self.pm.unregister(plugin)
             record.is_loaded = False
-            self._fail(record, f"hook {hook}() raised {type(e).__name__}: {e}")
+            self._fail(record, f"hook {hook}() raised {type(e).__name__}: {e}", e)
             return []
 
     def _collect(self) -> None:
@@ -135,15 +137,21 @@ class PluginRegistry:
                 continue
             platforms = self._call(record, "omniinfer_platforms")
             backends = self._call(record, "omniinfer_attention_backends") if record.is_loaded else []
+            if not record.is_loaded:  # a hook raised: none of what this plugin offered is used
+                continue
             for cls in platforms:
                 if cls.name in self.platforms:
                     other = self.platforms[cls.name].plugin_name
                     raise PluginError(f"platform {cls.name!r} is provided by two plugins: "
-                                      f"{other!r} and {record.name!r}; uninstall one")
+                                      f"{other!r} and {record.distribution!r}; uninstall one")
                 cls.plugin_name, cls.plugin_version = record.distribution, record.version
                 self.platforms[cls.name] = cls
                 record.platform_names.append(cls.name)
             for cls in backends:
+                if cls.name in self.backends:
+                    raise PluginError(f"attention backend {cls.name!r} from {record.distribution!r} "
+                                      "has the name of one already installed; a plugin adds backends "
+                                      "under new names")
                 self.backends[cls.name] = cls
                 record.backend_names.append(cls.name)
 

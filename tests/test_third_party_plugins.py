@@ -1,0 +1,289 @@
+"""Third-party plugins, installed for real and found only through their entry points.
+
+The fixture distributions under tests/fixtures/ are built by pip into a temporary
+``--target`` directory (never into the venv). A test sees them only while that directory is
+on ``sys.path`` (the `third_party` fixture, or PYTHONPATH for a subprocess); afterwards their
+modules are forgotten and the process-wide registry is reset, so no other test sees them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from omniinfer.attention.backend import AttentionSpec
+from omniinfer.attention.reference import ReferenceBackend
+from omniinfer.attention.selector import ENV_BACKEND, candidate_names, select_attention_backend
+from omniinfer.platforms.hookspec import ENTRY_POINT_GROUP, hookimpl
+from omniinfer.platforms.interface import Availability, Platform
+from omniinfer.platforms.registry import (
+    ENV_DEVICE,
+    ENV_PLUGINS,
+    PluginError,
+    PluginRegistry,
+    reset_registry,
+)
+from omniinfer.version import PLUGIN_API_VERSION, __version__
+
+FIXTURES = Path(__file__).parent / "fixtures"
+DISTRIBUTIONS = ("acme_plugin", "broken_plugin", "future_plugin")
+PACKAGES = ("omniinfer_acme", "omniinfer_broken", "omniinfer_future")
+FIXTURE_PLUGINS = {"acme", "broken", "future"}
+BROKEN_ERROR = ("failed to import omniinfer_broken.plugin: ImportError: libbroken_kernels.so: "
+                "cannot open shared object file: No such file or directory")
+FUTURE_ERROR = (f"written for plugin API 9.0, but omniinfer {__version__} speaks plugin API "
+                f"{PLUGIN_API_VERSION}; install a release of omniinfer-future made for plugin API "
+                f"{PLUGIN_API_VERSION.split('.')[0]}.x")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    for name in (ENV_PLUGINS, ENV_DEVICE, ENV_BACKEND):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture(scope="session")
+def fixture_site(tmp_path_factory):
+    """pip-installs the fixture distributions into a fresh directory (not the venv)."""
+    root = tmp_path_factory.mktemp("third_party")
+    sources = []
+    for dist in DISTRIBUTIONS:  # build from copies: a build leaves build/ and *.egg-info behind
+        shutil.copytree(FIXTURES / dist, root / "src" / dist,
+                        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        sources.append(str(root / "src" / dist))
+    site = root / "site"
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                          "--no-index", "--no-build-isolation", "--disable-pip-version-check",
+                          "--target", str(site), *sources], capture_output=True, text=True, timeout=300)
+    assert pip.returncode == 0, f"pip could not install the fixture plugins:\n{pip.stdout}{pip.stderr}"
+    yield site
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _forget_fixture_modules() -> None:
+    for name in list(sys.modules):
+        if name.split(".")[0] in PACKAGES:
+            del sys.modules[name]
+    importlib.invalidate_caches()
+    reset_registry()
+
+
+@pytest.fixture
+def third_party(fixture_site, monkeypatch):
+    """The fixture plugins are installed for the duration of one test."""
+    _forget_fixture_modules()
+    monkeypatch.syspath_prepend(str(fixture_site))
+    yield fixture_site
+    _forget_fixture_modules()
+
+
+def _record(registry: PluginRegistry, name: str):
+    return next(r for r in registry.records if r.name == name)
+
+
+def _spec(device_type: str = "cpu", dtype: torch.dtype = torch.float32) -> AttentionSpec:
+    return AttentionSpec(device_type=device_type, platform_name=device_type, dtype=dtype,
+                         head_size=64, num_heads=4, num_kv_heads=2, block_size=16)
+
+
+# ---- discovery -----------------------------------------------------------------------------
+def test_acme_is_discovered_through_its_entry_point(third_party):
+    registry = PluginRegistry()
+    acme = _record(registry, "acme")
+    assert (acme.is_loaded, acme.distribution, acme.version) == (True, "omniinfer-acme", "0.3.0")
+    assert (acme.platform_names, acme.backend_names) == (["acme"], ["ACME_ATTN"])
+    platform = registry.platforms["acme"]
+    assert platform.__module__ == "omniinfer_acme.platform"
+    assert (platform.plugin_name, platform.plugin_version) == ("omniinfer-acme", "0.3.0")
+    assert registry.availability()["acme"] == Availability(True, "acme accelerator simulated on the CPU")
+    assert registry.backends["ACME_ATTN"].__module__ == "omniinfer_acme.attention"
+    assert {"cpu", "cuda", "rocm", "xpu"} <= set(registry.platforms)
+
+
+def test_acme_is_selected_only_when_named(third_party, monkeypatch):
+    registry = PluginRegistry()
+    assert registry.select_platform().name != "acme"  # priority -10: below the CPU
+    assert registry.select_platform("acme") is registry.platforms["acme"]
+    monkeypatch.setenv(ENV_DEVICE, "acme")
+    acme = registry.select_platform()
+    assert acme is registry.platforms["acme"]
+    assert select_attention_backend(acme, _spec(), registry.backends).name == "ACME_ATTN"
+
+
+def test_acme_backend_joins_the_cpu_platform_after_its_preferences(third_party):
+    registry = PluginRegistry()
+    cpu = registry.platforms["cpu"]
+    assert candidate_names(cpu.attention_backend_preferences, registry.backends, "cpu") == [
+        "TORCH_SDPA", "REFERENCE", "ACME_ATTN"]
+    assert "ACME_ATTN" not in candidate_names(registry.platforms["cuda"].attention_backend_preferences,
+                                              registry.backends, "cuda")
+    assert select_attention_backend(cpu, _spec(), registry.backends).name == "TORCH_SDPA"
+    # float64: the cpu platform's own preferences refuse, the plugin's backend serves it
+    assert select_attention_backend(cpu, _spec(dtype=torch.float64), registry.backends).name == "ACME_ATTN"
+    assert select_attention_backend(cpu, _spec(), registry.backends, "acme_attn").name == "ACME_ATTN"
+
+
+def test_acme_backend_computes_like_the_reference(third_party):
+    backend = PluginRegistry().backends["ACME_ATTN"]
+    outputs = []
+    for cls in (backend, ReferenceBackend):
+        builder = cls.get_builder_cls()(block_size=4)
+        builder.add_seq(context_len=0, query_len=5, block_table=[1, 0], is_prefill=True)
+        metadata = builder.build()
+        impl = cls.get_impl_cls()(num_heads=2, head_size=8, scale=8 ** -0.5, num_kv_heads=1)
+        kv_cache = torch.zeros(cls.get_kv_cache_shape(2, 4, 1, 8))
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(5, n, generator=gen) for n in (16, 8, 8))
+        outputs.append(impl.forward(q, k, v, kv_cache, metadata))
+    torch.testing.assert_close(outputs[0], outputs[1])
+
+
+# ---- failures are reported, the rest still loads ---------------------------------------------
+def test_broken_plugin_is_reported_and_skipped(third_party):
+    omniinfer_log = logging.getLogger("omniinfer")
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = seen.append
+    omniinfer_log.addHandler(handler)
+    try:
+        registry = PluginRegistry()
+    finally:
+        omniinfer_log.removeHandler(handler)
+    broken = _record(registry, "broken")
+    assert (broken.is_loaded, broken.distribution, broken.version) == (False, "omniinfer-broken", "0.0.1")
+    assert broken.error == BROKEN_ERROR
+    assert "Traceback" in broken.details and "omniinfer_broken/plugin.py" in broken.details
+    assert "plugin broken (omniinfer-broken 0.0.1) set aside: " + BROKEN_ERROR in [
+        r.getMessage() for r in seen]
+    assert f"  plugin broken (omniinfer-broken 0.0.1) failed to load: {BROKEN_ERROR}" in \
+        registry.report().splitlines()
+    assert {r.name for r in registry.failed()} == {"broken", "future"}
+    assert all(r.is_loaded for r in registry.records if r.name not in ("broken", "future"))
+    assert registry.select_platform("acme").name == "acme"
+
+
+def test_plugin_api_mismatch_is_refused_at_load(third_party):
+    registry = PluginRegistry()
+    future = _record(registry, "future")
+    assert (future.is_loaded, future.error, future.details) == (False, FUTURE_ERROR, "")
+    assert registry.pm.get_plugin("future") is None  # never registered: its hooks never run
+    assert f"  plugin future (omniinfer-future 9.0.0) failed to load: {FUTURE_ERROR}" in \
+        registry.report().splitlines()
+
+
+# ---- OMNIINFER_PLUGINS ---------------------------------------------------------------------
+def test_plugins_env_restricts_loading(third_party, monkeypatch):
+    monkeypatch.setenv(ENV_PLUGINS, "cpu, acme")
+    registry = PluginRegistry()
+    assert [r.name for r in registry.records] == ["acme", "cpu"]
+    assert set(registry.platforms) == {"acme", "cpu"}
+    assert registry.failed() == []
+    assert "omniinfer_broken" not in sys.modules
+    with pytest.raises(PluginError, match=r"^device='cuda' names a platform that is not installed"):
+        registry.select_platform("cuda")
+
+
+def test_plugins_env_unknown_name_lists_installed_plugins(third_party, monkeypatch):
+    installed = sorted({ep.name for ep in md.entry_points(group=ENTRY_POINT_GROUP)})
+    assert FIXTURE_PLUGINS | {"cpu", "cuda", "rocm", "xpu"} <= set(installed)
+    monkeypatch.setenv(ENV_PLUGINS, "cpu,nosuch")
+    with pytest.raises(PluginError) as info:
+        PluginRegistry()
+    assert str(info.value) == (f"OMNIINFER_PLUGINS='cpu,nosuch' names plugin(s) 'nosuch' that are "
+                               f"not installed; installed plugins: {', '.join(installed)}")
+
+
+def test_omniinfer_env_shows_failed_plugins(third_party):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OMNIINFER_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(third_party), env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-m", "omniinfer.entrypoints.cli", "env"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [line.split() for line in out.stdout.splitlines()]
+    assert ["broken", "omniinfer-broken", "0.0.1", "FAILED:", *BROKEN_ERROR.split()] in lines
+    assert ["future", "omniinfer-future", "9.0.0", "FAILED:", *FUTURE_ERROR.split()] in lines
+    assert ["acme", "omniinfer-acme", "0.3.0", "loaded", "[acme,", "ACME_ATTN]"] in lines
+
+
+def test_env_report_json_lists_failed_plugins(third_party):
+    from omniinfer.entrypoints.env_report import collect
+
+    plugins = {p["name"]: p for p in collect()["plugins"]}
+    assert plugins["broken"] == {"name": "broken", "distribution": "omniinfer-broken",
+                                 "version": "0.0.1", "loaded": False, "error": BROKEN_ERROR,
+                                 "platforms": [], "attention_backends": []}
+    assert plugins["acme"]["loaded"] and plugins["acme"]["attention_backends"] == ["ACME_ATTN"]
+
+
+# ---- hooks that misbehave (in-memory plugins, no install needed) -----------------------------
+def _module_plugin(monkeypatch, name: str, **attrs) -> md.EntryPoint:
+    module = types.ModuleType(name)
+    module.__dict__.update(attrs)
+    monkeypatch.setitem(sys.modules, name, module)
+    return md.EntryPoint(name=name, value=name, group=ENTRY_POINT_GROUP)
+
+
+class _DuplicateCpu(Platform):
+    name = "cpu"
+    device_type = "cpu"
+
+    @classmethod
+    def is_available(cls) -> Availability:
+        return Availability(True, "duplicate")
+
+
+def _cpu_entry_point() -> md.EntryPoint:
+    return next(ep for ep in md.entry_points(group=ENTRY_POINT_GROUP) if ep.name == "cpu")
+
+
+def test_plugin_without_api_version_is_refused(monkeypatch):
+    ep = _module_plugin(monkeypatch, "fake_noversion")
+    registry = PluginRegistry(entry_points=[ep, _cpu_entry_point()], only="")
+    assert _record(registry, "fake_noversion").error == (
+        f"fake_noversion does not declare PLUGIN_API_VERSION (this omniinfer speaks plugin API "
+        f"{PLUGIN_API_VERSION})")
+    assert set(registry.platforms) == {"cpu"}
+
+
+def test_a_raising_hook_sets_the_whole_plugin_aside(monkeypatch):
+    def omniinfer_attention_backends():
+        raise RuntimeError("kernel library missing")
+
+    ep = _module_plugin(monkeypatch, "fake_raises", PLUGIN_API_VERSION="1.0",
+                        omniinfer_platforms=hookimpl(lambda: [_DuplicateCpu]),
+                        omniinfer_attention_backends=hookimpl(omniinfer_attention_backends))
+    registry = PluginRegistry(entry_points=[ep], only="")
+    record = _record(registry, "fake_raises")
+    assert not record.is_loaded
+    assert record.error == "hook omniinfer_attention_backends() raised RuntimeError: kernel library missing"
+    assert "RuntimeError: kernel library missing" in record.details
+    assert registry.platforms == {}  # its platform hook succeeded, but the plugin is set aside
+
+
+def test_two_plugins_providing_one_platform_is_an_error(monkeypatch):
+    ep = _module_plugin(monkeypatch, "fake_dup", PLUGIN_API_VERSION="1.0",
+                        omniinfer_platforms=hookimpl(lambda: [_DuplicateCpu]))
+    with pytest.raises(PluginError, match=r"^platform 'cpu' is provided by two plugins: "
+                                          r"'omniinfer-cpu' and '\?'; uninstall one$"):
+        PluginRegistry(entry_points=[_cpu_entry_point(), ep], only="")
+
+
+# ---- isolation -----------------------------------------------------------------------------
+def test_fixture_plugins_are_invisible_outside_the_fixture():
+    """Placed last: after the tests above, nothing of the fixture plugins is left."""
+    assert not FIXTURE_PLUGINS & {ep.name for ep in md.entry_points(group=ENTRY_POINT_GROUP)}
+    assert not [m for m in sys.modules if m.split(".")[0] in PACKAGES]
+    for dist in ("omniinfer-acme", "omniinfer-broken", "omniinfer-future"):
+        with pytest.raises(md.PackageNotFoundError):
+            md.distribution(dist)
+    assert {r.name for r in PluginRegistry().records} == {"cpu", "cuda", "rocm", "xpu"}
