@@ -124,7 +124,7 @@ def test_acme_backend_joins_the_cpu_platform_after_its_preferences(third_party):
     registry = PluginRegistry()
     cpu = registry.platforms["cpu"]
     assert candidate_names(cpu.attention_backend_preferences, registry.backends, "cpu") == [
-        "TORCH_SDPA", "REFERENCE", "ACME_ATTN"]
+        "IPEX_CPU", "TORCH_SDPA", "REFERENCE", "TRITON", "ACME_ATTN"]
     assert "ACME_ATTN" not in candidate_names(registry.platforms["cuda"].attention_backend_preferences,
                                               registry.backends, "cuda")
     assert select_attention_backend(cpu, _spec(), registry.backends).name == "TORCH_SDPA"

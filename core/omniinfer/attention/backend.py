@@ -44,6 +44,10 @@ class AttentionBackend:
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     supports_sliding_window: ClassVar[bool] = True
+    # True when a decode-only step can be captured in a device graph and replayed: the write
+    # path skips slot -1 (padding rows), and decode reads per-step data only from the metadata's
+    # tensors (never from its host lists or max_* ints, which a replay does not refresh).
+    supports_graph_capture: ClassVar[bool] = False
 
     @classmethod
     def validate(cls, spec: AttentionSpec) -> list[str]:
@@ -131,18 +135,33 @@ class AttentionMetadata:
 
     @cached_property
     def prefill_metadata(self) -> AttentionMetadata | None:
-        """A view of the prefill part (None when the batch has no prefills)."""
+        """A view of the prefill part (None when the batch has no prefills; the metadata
+        itself when it has nothing else)."""
         if self.num_prefills == 0:
             return None
+        if self.num_decode_tokens == 0:
+            return self
         return self._slice(0, self.num_prefills, 0, self.num_prefill_tokens)
 
     @cached_property
     def decode_metadata(self) -> AttentionMetadata | None:
-        """A view of the decode part (None when the batch has no decodes)."""
+        """A view of the decode part (None when the batch has no decodes; the metadata itself
+        when it has nothing else, so a captured decode graph reads the very tensors a replay
+        refreshes)."""
         if self.num_decode_tokens == 0:
             return None
+        if self.num_prefills == 0:
+            return self
         return self._slice(self.num_prefills, self.num_seqs, self.num_prefill_tokens,
                            self.num_prefill_tokens + self.num_decode_tokens)
+
+    def slice_fields(self, s0: int, s1: int, t0: int, t1: int) -> dict[str, Any]:
+        """Subclass fields for the part of sequences [s0, s1) and tokens [t0, t1).
+
+        A subclass that adds per-sequence or per-token fields overrides this (calling super());
+        fields it does not return are copied unchanged into both parts.
+        """
+        return {}
 
     def _slice(self, s0: int, s1: int, t0: int, t1: int) -> AttentionMetadata:
         qsl = self.query_start_loc[s0:s1 + 1]
@@ -164,7 +183,52 @@ class AttentionMetadata:
         )
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         values.update(changes)
+        values.update(self.slice_fields(s0, s1, t0, t1))
         return type(self)(**values)
+
+    # ---- multi-step decoding (speculative drafts) ---------------------------------------------
+    def next_decode_step(self, block_size: int) -> AttentionMetadata:
+        """Decode-only metadata for one token after each sequence's last query token.
+
+        Built from device tensors and host lists this object already holds, so no
+        device-to-host copy is needed; block tables must already cover the new positions.
+        Backends whose metadata has more per-step fields override `decode_step_fields` and
+        `advance_step`."""
+        num_seqs = self.num_seqs
+        device = self.seq_lens_tensor.device
+        positions = self.seq_lens_tensor.long()  # the next position of each sequence
+        values = dict(
+            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=num_seqs,
+            slot_mapping=self._slots(positions, block_size),
+            seq_lens=[n + 1 for n in self.seq_lens],
+            seq_lens_tensor=self.seq_lens_tensor + 1,
+            query_lens=[1] * num_seqs,
+            context_lens_tensor=self.seq_lens_tensor.clone(),
+            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+            block_tables=self.block_tables,
+            max_query_len=1,
+            max_seq_len=self.max_seq_len + 1,
+        )
+        return type(self)(**values, **self.decode_step_fields(values))
+
+    def decode_step_fields(self, values: dict[str, Any]) -> dict[str, Any]:
+        """Subclass fields of the metadata `next_decode_step` builds from the common `values`."""
+        return {}
+
+    def advance_step(self, positions: torch.Tensor, block_size: int) -> None:
+        """Decode-only metadata: move every sequence one token ahead, in place.
+        `positions` are the new tokens' positions (already advanced by the caller)."""
+        self.slot_mapping.copy_(self._slots(positions, block_size))
+        self.seq_lens_tensor += 1
+        self.context_lens_tensor += 1
+        self.seq_lens = [n + 1 for n in self.seq_lens]
+        self.max_seq_len += 1
+        self.__dict__.pop("prefill_metadata", None)
+        self.__dict__.pop("decode_metadata", None)
+
+    def _slots(self, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+        blocks = self.block_tables.gather(1, (positions // block_size)[:, None])[:, 0].long()
+        return blocks * block_size + positions % block_size
 
     # ---- moving and broadcasting ------------------------------------------------------------
     def to(self, device: torch.device | str) -> AttentionMetadata:

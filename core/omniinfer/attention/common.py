@@ -5,8 +5,12 @@ Everything here is numpy on the host; the result is a set of CPU tensors.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
+
+from omniinfer.attention.backend import AttentionMetadata, AttentionMetadataBuilder
 
 
 def positions_for(context_lens: np.ndarray, query_lens: np.ndarray) -> np.ndarray:
@@ -90,3 +94,38 @@ class CommonMetadataState:
 
     def build(self, metadata_cls):
         return metadata_cls(**self.common_fields())
+
+
+def key_slots_for(tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slot of every key of every sequence (positions 0 .. seq_len - 1), flattened in
+    sequence order: what a kernel without paged-KV support gathers into contiguous keys."""
+    return slot_mapping_for(tables, np.zeros_like(seq_lens), seq_lens, block_size)
+
+
+@dataclass
+class PrefillKeySlotsMetadata(AttentionMetadata):
+    """Common metadata plus the slots of every cached key of the prefills (for backends whose
+    prefill kernel takes contiguous keys: xFormers, CK flash attention on ROCm)."""
+
+    prefill_key_slots: torch.Tensor  # [sum of prefill seq_lens] int64, prefills in order
+    max_prefill_context_len: int  # host: longest cached context among prefills (0: none)
+
+    def slice_fields(self, s0: int, s1: int, t0: int, t1: int) -> dict:
+        if s0 == 0:
+            return {}
+        return dict(prefill_key_slots=self.prefill_key_slots[:0], max_prefill_context_len=0)
+
+    def decode_step_fields(self, values: dict) -> dict:
+        return dict(prefill_key_slots=self.prefill_key_slots[:0], max_prefill_context_len=0)
+
+
+class PrefillKeySlotsMetadataBuilder(AttentionMetadataBuilder):
+    metadata_cls = PrefillKeySlotsMetadata
+
+    def build(self) -> PrefillKeySlotsMetadata:
+        a = self.state.arrays()
+        n = self.state.num_prefills
+        slots = key_slots_for(a["block_tables"][:n], a["seq_lens"][:n], self.block_size)
+        return self.metadata_cls(**self.state.common_fields(),
+                                 prefill_key_slots=torch.from_numpy(slots),
+                                 max_prefill_context_len=int(a["context_lens"][:n].max(initial=0)))

@@ -10,3 +10,10 @@ def omniinfer_platforms():
     from omniinfer_cpu.platform import CpuPlatform
 
     return [CpuPlatform]
+
+
+@hookimpl
+def omniinfer_attention_backends():
+    from omniinfer_cpu.attention.ipex import IpexCpuBackend
+
+    return [IpexCpuBackend]

@@ -46,6 +46,12 @@ class CudaPlatform(Platform):
         return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
 
     @classmethod
+    def model_runner_cls(cls) -> type:
+        from omniinfer_cuda.model_runner import CudaModelRunner
+
+        return CudaModelRunner
+
+    @classmethod
     def device_count(cls) -> int:
         import torch
 

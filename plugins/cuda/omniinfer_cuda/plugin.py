@@ -10,3 +10,11 @@ def omniinfer_platforms():
     from omniinfer_cuda.platform import CudaPlatform
 
     return [CudaPlatform]
+
+
+@hookimpl
+def omniinfer_attention_backends():
+    from omniinfer_cuda.attention.flash_attn import FlashAttentionBackend
+    from omniinfer_cuda.attention.xformers import XFormersBackend
+
+    return [FlashAttentionBackend, XFormersBackend]

@@ -38,6 +38,12 @@ class RocmPlatform(Platform):
         return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
 
     @classmethod
+    def model_runner_cls(cls) -> type:
+        from omniinfer_rocm.model_runner import RocmModelRunner
+
+        return RocmModelRunner
+
+    @classmethod
     def device_count(cls) -> int:
         import torch
 

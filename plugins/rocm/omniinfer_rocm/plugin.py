@@ -10,3 +10,10 @@ def omniinfer_platforms():
     from omniinfer_rocm.platform import RocmPlatform
 
     return [RocmPlatform]
+
+
+@hookimpl
+def omniinfer_attention_backends():
+    from omniinfer_rocm.attention.rocm_flash import RocmFlashBackend
+
+    return [RocmFlashBackend]

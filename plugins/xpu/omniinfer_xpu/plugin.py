@@ -10,3 +10,10 @@ def omniinfer_platforms():
     from omniinfer_xpu.platform import XpuPlatform
 
     return [XpuPlatform]
+
+
+@hookimpl
+def omniinfer_attention_backends():
+    from omniinfer_xpu.attention.ipex import IpexXpuBackend
+
+    return [IpexXpuBackend]

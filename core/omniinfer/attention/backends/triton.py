@@ -1,0 +1,100 @@
+"""TRITON: the core's portable Triton kernels (NVIDIA, AMD, Intel; the CPU under the interpreter).
+
+The step's keys and values are written first (slot -1 writes nothing); prefill chunks then
+attend over their paged context and themselves in one launch, and decodes in another launch
+that reads only device tensors (so CUDA/HIP graphs can replay it).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from omniinfer.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionSpec,
+)
+
+MAX_HEAD_SIZE = 256
+# Triton 3 generates code for NVIDIA compute capability 7.5 and newer.
+MIN_CUDA_CAPABILITY = (7, 5)
+
+
+def triton_reasons(spec: AttentionSpec) -> list[str]:
+    """Why the core Triton kernels cannot run for `spec` (shared by every backend built on them)."""
+    from omniinfer.kernels.triton import unavailable_reasons
+
+    reasons = unavailable_reasons(spec.device_type)
+    if spec.head_size > MAX_HEAD_SIZE:
+        reasons.append(f"head size {spec.head_size} > {MAX_HEAD_SIZE} (the kernels keep a head in registers)")
+    capability = spec.device_capability
+    if spec.platform_name == "cuda" and capability is not None and capability < MIN_CUDA_CAPABILITY:
+        reasons.append(f"triton needs compute capability {MIN_CUDA_CAPABILITY[0]}."
+                       f"{MIN_CUDA_CAPABILITY[1]}+, this GPU has {capability[0]}.{capability[1]}")
+    return reasons
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Triton cache write for the default [2, blocks, block_size, kv_heads, head] layout."""
+    from omniinfer.kernels.triton.reshape_and_cache import reshape_and_cache
+
+    reshape_and_cache(key, value, kv_cache[0], kv_cache[1], slot_mapping)
+
+
+def decode(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, md, scale: float,
+           sliding_window: int | None) -> None:
+    """Triton paged decode over `md` (the decode part); graph-safe."""
+    from omniinfer.kernels.triton.paged_attention import paged_decode_attention
+
+    paged_decode_attention(out, query, kv_cache[0], kv_cache[1], md.block_tables,
+                           md.seq_lens_tensor, scale, sliding_window)
+
+
+def prefill(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, md, scale: float,
+            sliding_window: int | None) -> None:
+    """Triton prefill over a paged prefix for `md` (the prefill part)."""
+    from omniinfer.kernels.triton.paged_attention import paged_prefill_attention
+
+    paged_prefill_attention(out, query, kv_cache[0], kv_cache[1], md.block_tables,
+                            md.seq_lens_tensor, md.query_start_loc, md.max_query_len, scale,
+                            sliding_window)
+
+
+class TritonImpl(AttentionImpl):
+    def forward(self, query, key, value, kv_cache, metadata):
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_size)
+        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        write_kv(k, v, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        n = metadata.num_prefill_tokens
+        if (p := metadata.prefill_metadata) is not None:
+            prefill(out[:n], q[:n], kv_cache, p, self.scale, self.sliding_window)
+        if (d := metadata.decode_metadata) is not None:
+            decode(out[n:], q[n:], kv_cache, d, self.scale, self.sliding_window)
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+
+class TritonBackend(AttentionBackend):
+    name: ClassVar[str] = "TRITON"
+    supported_device_types: ClassVar[tuple[str, ...]] = ("cuda", "xpu", "cpu")
+    supports_graph_capture: ClassVar[bool] = True
+
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
+        if spec.device_type not in cls.supported_device_types:
+            return []  # already said
+        return triton_reasons(spec)
+
+    @classmethod
+    def get_builder_cls(cls):
+        return AttentionMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls):
+        return TritonImpl

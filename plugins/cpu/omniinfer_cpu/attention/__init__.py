@@ -1,0 +1,1 @@
+"""The CPU plugin's attention backend: IPEX_CPU (Intel's extension, when importable)."""

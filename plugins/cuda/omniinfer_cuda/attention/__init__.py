@@ -1,0 +1,1 @@
+"""The CUDA plugin's attention backends: FLASH_ATTN (flash-attn) and XFORMERS (xformers)."""

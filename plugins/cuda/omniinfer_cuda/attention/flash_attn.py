@@ -1,0 +1,238 @@
+"""FLASH_ATTN: flash-attn's varlen and KV-cache kernels over omniinfer's paged cache.
+
+The library's contract (flash-attn 2.x, ``flash_attn_interface.py``):
+
+* ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+  dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), ...,
+  block_table=None)``: q [total_q, heads, head]; k/v [total_k, kv_heads, head], or with
+  ``block_table`` [batch, max_blocks] int32 the paged caches [blocks, block_size, kv_heads,
+  head]; cu_seqlens_* [batch + 1] int32. Causal masks are aligned to the bottom right (the
+  last query sees the last key); ``window_size=(left, right)`` keeps keys in
+  [i + sk - sq - left, i + sk - sq + right].
+* ``flash_attn_with_kvcache(q, k_cache, v_cache, ..., cache_seqlens=None, ...,
+  block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), ...)``:
+  q [batch, seqlen_q, heads, head]; with ``block_table`` the caches are paged as above.
+
+Upstream flash-attn refuses paged caches whose block size is not a multiple of 256 ("Paged KV
+cache block size must be divisible by 256", in both functions); vLLM's fork
+(``vllm_flash_attn``) accepts multiples of 16. omniinfer's block sizes go up to 128, so with
+upstream flash-attn this backend reads cached context through gathered key slots for prefill
+and decodes with the core Triton paged kernel; with the fork it passes the block table.
+Either way the step's keys are written by the core Triton write kernel (slot -1 skipped), and
+the decode path reads only device tensors, so CUDA graphs can replay it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from omniinfer.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionSpec,
+)
+from omniinfer.attention.backends import triton as triton_ops
+
+MIN_CAPABILITY = (8, 0)
+MAX_HEAD_SIZE = 256  # flash-attn 2: head sizes that are multiples of 8, up to 256
+BLOCK_SIZE_MULTIPLE = 16
+# (module, block-size multiple its paged KV accepts), tried in this order
+LIBRARIES = (("vllm_flash_attn", 16), ("flash_attn", 256))
+
+
+@dataclass(frozen=True, slots=True)
+class FlashOps:
+    module_name: str
+    varlen: object  # flash_attn_varlen_func
+    with_kvcache: object  # flash_attn_with_kvcache
+    paged_block_multiple: int
+
+    def takes_block_table(self, block_size: int) -> bool:
+        return block_size % self.paged_block_multiple == 0
+
+
+def load_flash_ops() -> FlashOps:
+    """The first importable flash-attention library; raises ImportError naming every attempt."""
+    errors = []
+    for name, multiple in LIBRARIES:
+        try:
+            module = importlib.import_module(name)
+            return FlashOps(name, module.flash_attn_varlen_func, module.flash_attn_with_kvcache,
+                            multiple)
+        except (ImportError, AttributeError) as e:
+            errors.append(f"{name}: {type(e).__name__}: {e}")
+    raise ImportError("no flash-attention library imports (" + "; ".join(errors) + ")")
+
+
+@dataclass
+class FlashAttentionMetadata(AttentionMetadata):
+    """Common fields plus what flash-attn's varlen contract needs."""
+
+    cu_seqlens_k: torch.Tensor  # [num_seqs + 1] int32: cumulative seq_lens (keys per sequence)
+    prefill_key_slots: torch.Tensor  # [sum of prefill seq_lens] int64: cache slot of every key
+    max_prefill_context_len: int  # host: longest cached context among prefills (0: none)
+
+    def slice_fields(self, s0: int, s1: int, t0: int, t1: int) -> dict:
+        cu = self.cu_seqlens_k[s0:s1 + 1]
+        out = dict(cu_seqlens_k=cu - cu[0])
+        if s0 > 0:
+            out.update(prefill_key_slots=self.prefill_key_slots[:0], max_prefill_context_len=0)
+        return out
+
+    def decode_step_fields(self, values: dict) -> dict:
+        cu_k = torch.nn.functional.pad(values["seq_lens_tensor"].cumsum(0), (1, 0))
+        return dict(cu_seqlens_k=cu_k.to(torch.int32), prefill_key_slots=self.prefill_key_slots[:0],
+                    max_prefill_context_len=0)
+
+    def advance_step(self, positions: torch.Tensor, block_size: int) -> None:
+        super().advance_step(positions, block_size)
+        # decode-only: sequence i's keys start i tokens later than before
+        self.cu_seqlens_k += torch.arange(self.cu_seqlens_k.numel(), dtype=torch.int32,
+                                          device=self.cu_seqlens_k.device)
+
+
+class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
+    """Self-contained: every array flash-attn's contract asks for, built with numpy."""
+
+    metadata_cls = FlashAttentionMetadata
+
+    def reset(self) -> None:
+        self.context_lens: list[int] = []
+        self.query_lens: list[int] = []
+        self.tables: list[list[int]] = []
+        self.num_prefills = 0
+
+    def add_seq(self, *, context_len: int, query_len: int, block_table: list[int],
+                is_prefill: bool) -> None:
+        if is_prefill:
+            assert self.num_prefills == len(self.query_lens), "prefills must come before decodes"
+            self.num_prefills += 1
+        self.context_lens.append(context_len)
+        self.query_lens.append(query_len)
+        self.tables.append(block_table)
+
+    def build(self) -> FlashAttentionMetadata:
+        bs, n = self.block_size, self.num_prefills
+        ctx = np.asarray(self.context_lens, dtype=np.int64)
+        q = np.asarray(self.query_lens, dtype=np.int64)
+        seq_lens = ctx + q
+        tables = np.zeros((len(q), max([1] + [len(t) for t in self.tables])), dtype=np.int32)
+        for i, t in enumerate(self.tables):
+            tables[i, :len(t)] = t
+        cu_q = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
+        # absolute position of every new token, then of every key of every prefill
+        pos = np.arange(cu_q[-1]) - np.repeat(cu_q[:-1], q) + np.repeat(ctx, q)
+        rows = np.repeat(np.arange(len(q)), q)
+        slots = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        key_pos = np.arange(cu_k[n]) - np.repeat(cu_k[:n], seq_lens[:n])
+        key_rows = np.repeat(np.arange(n), seq_lens[:n])
+        key_slots = tables[key_rows, key_pos // bs].astype(np.int64) * bs + key_pos % bs
+        num_prefill_tokens = int(cu_q[n])
+        return FlashAttentionMetadata(
+            num_prefills=n, num_prefill_tokens=num_prefill_tokens,
+            num_decode_tokens=int(cu_q[-1]) - num_prefill_tokens,
+            slot_mapping=torch.from_numpy(slots),
+            seq_lens=seq_lens.tolist(), seq_lens_tensor=torch.from_numpy(seq_lens.astype(np.int32)),
+            query_lens=q.tolist(), context_lens_tensor=torch.from_numpy(ctx.astype(np.int32)),
+            query_start_loc=torch.from_numpy(cu_q), block_tables=torch.from_numpy(tables),
+            max_query_len=int(q.max(initial=0)), max_seq_len=int(seq_lens.max(initial=0)),
+            cu_seqlens_k=torch.from_numpy(cu_k), prefill_key_slots=torch.from_numpy(key_slots),
+            max_prefill_context_len=int(ctx[:n].max(initial=0)),
+        )
+
+
+class FlashAttentionImpl(AttentionImpl):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ops = load_flash_ops()
+        w = self.sliding_window
+        self.window_size = (w - 1, 0) if w else (-1, -1)
+
+    def forward(self, query, key, value, kv_cache, metadata):
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_size)
+        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        triton_ops.write_kv(k, v, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        n = metadata.num_prefill_tokens
+        if (p := metadata.prefill_metadata) is not None:
+            out[:n] = self._prefill(q[:n], k[:n], v[:n], kv_cache, p)
+        if (d := metadata.decode_metadata) is not None:
+            self._decode(out[n:], q[n:], kv_cache, d)
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def _prefill(self, q, k, v, kv_cache, md: FlashAttentionMetadata) -> torch.Tensor:
+        kwargs = dict(softmax_scale=self.scale, causal=True, window_size=self.window_size)
+        if md.max_prefill_context_len == 0:  # prompts only: the step's keys are all there is
+            return self.ops.varlen(q, k, v, md.query_start_loc, md.query_start_loc,
+                                   md.max_query_len, md.max_query_len, **kwargs)
+        block_size = kv_cache.shape[2]
+        if self.ops.takes_block_table(block_size):
+            return self.ops.varlen(q, kv_cache[0], kv_cache[1], md.query_start_loc,
+                                   md.cu_seqlens_k, md.max_query_len, md.max_seq_len,
+                                   block_table=md.block_tables, **kwargs)
+        flat = kv_cache.view(2, -1, self.num_kv_heads, self.head_size)
+        keys, values = flat[0][md.prefill_key_slots], flat[1][md.prefill_key_slots]
+        return self.ops.varlen(q, keys, values, md.query_start_loc, md.cu_seqlens_k,
+                               md.max_query_len, md.max_seq_len, **kwargs)
+
+    def _decode(self, out, q, kv_cache, md: FlashAttentionMetadata) -> None:
+        if not self.ops.takes_block_table(kv_cache.shape[2]):
+            triton_ops.decode(out, q, kv_cache, md, self.scale, self.sliding_window)
+            return
+        o = self.ops.with_kvcache(q.unsqueeze(1), kv_cache[0], kv_cache[1],
+                                  cache_seqlens=md.seq_lens_tensor, block_table=md.block_tables,
+                                  softmax_scale=self.scale, causal=True,
+                                  window_size=self.window_size)
+        out.copy_(o.squeeze(1))
+
+
+class FlashAttentionBackend(AttentionBackend):
+    name: ClassVar[str] = "FLASH_ATTN"
+    supported_device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+    supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
+    supports_graph_capture: ClassVar[bool] = True
+
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
+        reasons = []
+        if spec.head_size > MAX_HEAD_SIZE or spec.head_size % 8:
+            reasons.append(f"head size {spec.head_size} not supported (multiples of 8 up to "
+                           f"{MAX_HEAD_SIZE})")
+        if spec.platform_name != "cuda":
+            reasons.append(f"serves the cuda platform only, not {spec.platform_name}")
+        capability = spec.device_capability
+        if capability is None:
+            reasons.append("needs an NVIDIA GPU of compute capability 8.0+ (none known)")
+        elif capability < MIN_CAPABILITY:
+            reasons.append(f"needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+, "
+                           f"this GPU has {capability[0]}.{capability[1]}")
+        if spec.block_size % BLOCK_SIZE_MULTIPLE:
+            reasons.append(f"block size {spec.block_size} is not a multiple of {BLOCK_SIZE_MULTIPLE}")
+        try:
+            ops = load_flash_ops()
+        except ImportError as e:
+            return reasons + [f"flash-attn is not importable ({e}); pip install "
+                              "'omniinfer-cuda[flash-attn]'"]
+        if not ops.takes_block_table(spec.block_size):  # decode then runs the Triton kernel
+            reasons += [f"{r} (needed: {ops.module_name}'s paged KV takes only multiples of "
+                        f"{ops.paged_block_multiple} as block size)"
+                        for r in triton_ops.triton_reasons(spec)]
+        return reasons
+
+    @classmethod
+    def get_builder_cls(cls):
+        return FlashAttentionMetadataBuilder
+
+    @classmethod
+    def get_impl_cls(cls):
+        return FlashAttentionImpl

@@ -1,0 +1,17 @@
+"""The ROCm model runner: the core runner plus HIP graphs for decode steps (ROCm's torch
+serves them through the torch.cuda graph API)."""
+
+from __future__ import annotations
+
+from omniinfer.worker.graph_runner import GraphRunnerMixin, capture_with
+from omniinfer.worker.model_runner import ModelRunner
+
+
+class RocmModelRunner(GraphRunnerMixin, ModelRunner):
+    _graph_pool = None
+
+    def capture_graph(self, fn):
+        import torch
+
+        replay, out, self._graph_pool = capture_with(torch.cuda, fn, self._graph_pool)
+        return replay, out

@@ -1,0 +1,1 @@
+"""The XPU plugin's attention backend: IPEX (Intel's extension, when importable)."""

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The GPU check: on a machine with an NVIDIA, AMD or Intel GPU, run the attention conformance
+# kit for the platform present and the attention-kernel micro-benchmark, then print one summary
+# table (per backend: conformance passed/failed/skipped, decode/prefill/chunked tokens/s).
+# Budget: under 8 minutes (kit <= 5 min, benchmark <= 2 min, set-up the rest).
+#
+#   scripts/gpu_check.sh                 # uses $PYTHON, else a .venv-gpu it creates
+#   PYTHON=/opt/venv/bin/python scripts/gpu_check.sh
+#
+# The Python it uses must already hold a GPU build of torch (the project's .venv holds the CPU
+# build): with no $PYTHON, .venv-gpu is created on top of the system python3's packages, and
+# omniinfer, its plugins and the light test dependencies are installed there without touching
+# torch. Results land in ${GPU_CHECK_OUT:-gpu_check_out}/. Exit status: 0 when the kit passed
+# and every benchmark ran, 1 otherwise, 2 when no GPU platform is available.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${GPU_CHECK_OUT:-$ROOT/gpu_check_out}
+mkdir -p "$OUT"
+unset TRITON_INTERPRET  # kernels must compile for the GPU, not run in the interpreter
+
+say() { printf '\n== %s\n' "$*"; }
+
+if [[ -z "${PYTHON:-}" ]]; then
+  PYTHON=$ROOT/.venv-gpu/bin/python
+  if [[ ! -x $PYTHON ]]; then
+    say "creating .venv-gpu on top of $(command -v python3)"
+    python3 -m venv --system-site-packages "$ROOT/.venv-gpu"
+  fi
+  say "installing omniinfer and its plugins (torch untouched)"
+  "$PYTHON" -m pip install -q --no-deps -e . -e plugins/cpu -e plugins/cuda -e plugins/rocm -e plugins/xpu
+  "$PYTHON" -m pip install -q "pluggy>=1.5" "numpy>=1.26" "safetensors>=0.4" "tokenizers>=0.20" \
+    "transformers>=4.45" "tqdm>=4.66" "pytest>=8" "pytest-timeout>=2.3"
+fi
+
+say "environment"
+"$PYTHON" - <<'EOF'
+import importlib.util, torch
+print(f"torch {torch.__version__}  cuda {torch.version.cuda}  hip {torch.version.hip}")
+if torch.cuda.is_available():
+    print("gpu:", torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+for lib in ("triton", "flash_attn", "vllm_flash_attn", "xformers", "intel_extension_for_pytorch"):
+    print(f"{lib:<28}", "installed" if importlib.util.find_spec(lib) else "-")
+EOF
+
+# GPU_CHECK_PLATFORM forces a platform (GPU_CHECK_PLATFORM=cpu dry-runs this script anywhere)
+PLATFORM=${GPU_CHECK_PLATFORM:-$("$PYTHON" -c \
+  'from omniinfer.platforms.registry import select_platform; print(select_platform().name)')}
+if [[ $PLATFORM == cpu && -z ${GPU_CHECK_PLATFORM:-} ]]; then
+  echo "no GPU platform is available here (the best platform is cpu); see 'omniinfer env'" >&2
+  exit 2
+fi
+
+status=0
+say "conformance kit on $PLATFORM (budget 300 s)"
+timeout 300 "$PYTHON" -m omniinfer.testing.conformance --platform "$PLATFORM" -q -p no:cacheprovider \
+  -o addopts="" -o timeout=240 --junitxml="$OUT/conformance.xml" 2>&1 | tee "$OUT/conformance.log" \
+  || status=1
+
+say "attention-kernel micro-benchmark on $PLATFORM (budget 150 s)"
+timeout 150 "$PYTHON" benchmarks/attention_kernels.py --platform "$PLATFORM" --json "$OUT/bench.json" \
+  2>&1 | tee "$OUT/bench.log" || status=1
+
+say "summary ($PLATFORM)"
+"$PYTHON" - "$OUT/conformance.xml" "$OUT/bench.json" <<'EOF'
+import collections, json, os, re, sys
+import xml.etree.ElementTree as ET
+
+counts = collections.defaultdict(lambda: collections.Counter())
+if os.path.exists(sys.argv[1]):
+    for case in ET.parse(sys.argv[1]).iter("testcase"):
+        m = re.search(r"\[([A-Z0-9_]+)", case.get("name", ""))
+        backend = m.group(1) if m else "(kit)"
+        outcome = ("failed" if case.find("failure") is not None or case.find("error") is not None
+                   else "skipped" if case.find("skipped") is not None else "passed")
+        counts[backend][outcome] += 1
+bench = {}
+if os.path.exists(sys.argv[2]):
+    with open(sys.argv[2]) as f:
+        bench = {r["backend"]: r for r in json.load(f)["results"]}
+fmt = lambda v: f"{v:,.0f}" if isinstance(v, (int, float)) else "-"
+print(f"{'backend':<12} {'passed':>6} {'failed':>6} {'skipped':>7}  {'dtype':<9} "
+      f"{'decode tok/s':>13} {'prefill tok/s':>14} {'chunked tok/s':>14}")
+for name in sorted(set(counts) | set(bench)):
+    c, b = counts[name], bench.get(name, {})
+    print(f"{name:<12} {c['passed']:>6} {c['failed']:>6} {c['skipped']:>7}  {b.get('dtype', '-'):<9} "
+          f"{fmt(b.get('decode')):>13} {fmt(b.get('prefill')):>14} {fmt(b.get('chunked')):>14}")
+EOF
+say "result: $([[ $status == 0 ]] && echo PASS || echo FAIL) (logs in $OUT)"
+exit $status

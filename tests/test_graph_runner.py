@@ -1,0 +1,126 @@
+"""Decode graphs (worker/graph_runner.py) without a GPU: "capture" here runs the forward pass
+again on replay, so everything but the device graph itself is exercised: padded batch sizes,
+static buffers refreshed per step, padding rows writing nowhere, the eager fallbacks."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+
+import pytest
+import torch
+
+from omniinfer import LLM, SamplingParams
+from omniinfer.worker.graph_runner import GraphRunnerMixin, capture_with, graph_batch_sizes
+from omniinfer_cpu.model_runner import CpuModelRunner
+from omniinfer_cpu.platform import CpuPlatform
+
+
+class ReplayingRunner(GraphRunnerMixin, CpuModelRunner):
+    """A CPU runner whose "graph" re-runs the captured function (same buffers, same effects)."""
+
+    captured: list[int] = []
+    replays = 0
+
+    def capture_graph(self, fn):
+        out = fn()
+        type(self).captured.append(out.shape[0])
+
+        def replay():
+            type(self).replays += 1
+            out.copy_(fn())
+
+        return replay, out
+
+
+@pytest.fixture
+def replaying_runner(monkeypatch):
+    monkeypatch.setattr(CpuPlatform, "model_runner_cls", classmethod(lambda cls: ReplayingRunner))
+    monkeypatch.setattr(ReplayingRunner, "captured", [])
+    monkeypatch.setattr(ReplayingRunner, "replays", 0)
+    return ReplayingRunner
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(6) == [1, 2, 4, 6]
+    assert graph_batch_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
+    assert graph_batch_sizes(36) == [1, 2, 4, 8, 16, 24, 32, 36]
+    assert graph_batch_sizes(10_000)[-2:] == [504, 512]
+
+
+def _generate(path, prompts, **kwargs):
+    llm = LLM(path, block_size=8, num_kv_blocks=48, max_num_batched_tokens=16, max_num_seqs=6,
+              **kwargs)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outs]
+
+
+def test_replayed_decodes_match_transformers(checkpoint_dir, hf_greedy, replaying_runner):
+    path = checkpoint_dir("mistral_window")  # sliding window 24: the window reaches the cache
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (27, 3, 12)]
+    llm, tokens = _generate(path, prompts, attention_backend="TRITON")
+    for prompt, got in zip(prompts, tokens):
+        assert got == hf_greedy(path, prompt, 6)
+    runner = llm.llm_engine.executor.worker.model_runner
+    assert sorted(replaying_runner.captured) == [1, 2, 4, 6] == runner._graph_sizes
+    assert replaying_runner.replays >= 5  # 3 running sequences replay the size-4 graph
+
+
+def test_enforce_eager_and_unsupported_backends_run_eagerly(checkpoint_dir, replaying_runner, caplog):
+    path = checkpoint_dir("llama")
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    with caplog.at_level(logging.INFO, logger="omniinfer"):
+        llm, eager = _generate(path, prompts, attention_backend="TRITON", enforce_eager=True)
+        _, sdpa = _generate(path, prompts, attention_backend="TORCH_SDPA")
+    assert llm.llm_engine.config.device.enforce_eager is True
+    assert replaying_runner.captured == [] and replaying_runner.replays == 0
+    assert eager == sdpa
+    messages = [r.getMessage() for r in caplog.records]
+    assert "decode steps run eagerly: enforce_eager=True" in messages
+    assert ("decode steps run eagerly: attention backend TORCH_SDPA does not support graph capture"
+            in messages)
+
+
+def test_capture_with_follows_the_cuda_graph_protocol():
+    """The sequence the CUDA and ROCm runners rely on: warm up on a side stream, capture into
+    the shared pool, hand back replay and the pool."""
+    events = []
+
+    class Stream:
+        def wait_stream(self, other):
+            events.append(("wait", type(other).__name__))
+
+    class Graph:
+        def replay(self):
+            events.append("replay")
+
+        def pool(self):
+            return "pool-2"
+
+    @contextlib.contextmanager
+    def stream(s):
+        events.append("side stream")
+        yield
+
+    @contextlib.contextmanager
+    def graph(g, pool=None):
+        events.append(("capture", pool))
+        yield
+
+    api = type("api", (), dict(Stream=Stream, stream=staticmethod(stream), CUDAGraph=Graph,
+                              graph=staticmethod(graph), current_stream=staticmethod(Stream)))
+    out = torch.zeros(2)
+
+    def fn():
+        events.append("forward")
+        return out
+
+    replay, result, pool = capture_with(api, fn, pool="pool-1")
+    assert result is out and pool == "pool-2"
+    replay()
+    assert events == [("wait", "Stream"), "side stream", "forward", ("wait", "Stream"),
+                      ("capture", "pool-1"), "forward", "replay"]
