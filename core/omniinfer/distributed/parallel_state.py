@@ -1,15 +1,33 @@
-"""Which rank am I, in which tensor- and pipeline-parallel group.
+"""Which rank am I, in which tensor- and pipeline-parallel group; the data-plane collectives.
 
 With one process nothing is initialised and every query answers rank 0 of size 1, so the
 model layers are written once for any parallel size.
+
+Ranks: rank = pp_rank * tp_size + tp_rank, so rank 0 (the driver) is the first stage's TP
+rank 0 and each pipeline stage is a contiguous block of TP ranks. Three kinds of groups:
+
+* the default group (the platform's backend: gloo, nccl, xccl...) and the TP and PP groups
+  split from it carry the data plane: all-reduces, all-gathers, stage-to-stage send/recv;
+* the control group (always gloo, CPU tensors) carries the driver's per-step broadcast
+  (see communication.py). Its timeout is effectively infinite because the other ranks wait
+  in it for the next step however long the engine sits idle; a dead peer is noticed anyway
+  (gloo fails a pending operation as soon as the peer's socket closes).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from omniinfer.distributed.communication import set_control_group
+
+ENV_TIMEOUT = "OMNIINFER_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0  # a backstop: dead workers are detected by the executor in seconds
+CONTROL_TIMEOUT = timedelta(days=3650)
 
 
 @dataclass(slots=True)
@@ -20,8 +38,8 @@ class ParallelGroups:
     pp_rank: int = 0
     tp_group: object | None = None  # torch ProcessGroup
     pp_group: object | None = None
-    tp_ranks: tuple[int, ...] = (0,)
-    pp_ranks: tuple[int, ...] = (0,)
+    tp_ranks: tuple[int, ...] = (0,)  # global ranks of my TP group
+    pp_ranks: tuple[int, ...] = (0,)  # global ranks of my PP group, by stage
 
 
 _STATE = ParallelGroups()
@@ -29,6 +47,33 @@ _STATE = ParallelGroups()
 
 def state() -> ParallelGroups:
     return _STATE
+
+
+def data_plane_timeout() -> timedelta:
+    return timedelta(seconds=float(os.environ.get(ENV_TIMEOUT) or DEFAULT_TIMEOUT_S))
+
+
+def init_distributed_environment(rank: int, world_size: int, init_method: str,
+                                 backend: str) -> None:
+    """Join the default group (data plane, `backend`) and create the gloo control group."""
+    if dist.is_initialized():
+        raise RuntimeError("torch.distributed is already initialised in this process: one "
+                           "distributed engine per process; shut the other one down first")
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=data_plane_timeout())
+    try:
+        set_control_group(dist.new_group(list(range(world_size)), backend="gloo",
+                                         timeout=CONTROL_TIMEOUT))
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+
+
+def destroy_distributed_environment() -> None:
+    set_control_group(None)
+    destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def initialize_model_parallel(tp_size: int, pp_size: int, backend: str | None = None) -> None:
@@ -41,14 +86,15 @@ def initialize_model_parallel(tp_size: int, pp_size: int, backend: str | None = 
                          f"pipeline_parallel_size {pp_size}")
     new = ParallelGroups(tp_size=tp_size, pp_size=pp_size, tp_rank=rank % tp_size,
                          pp_rank=rank // tp_size)
+    timeout = data_plane_timeout()
     for p in range(pp_size):  # every rank must create every group, in the same order
         ranks = tuple(range(p * tp_size, (p + 1) * tp_size))
-        group = dist.new_group(list(ranks), backend=backend)
+        group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
         if rank in ranks:
             new.tp_group, new.tp_ranks = group, ranks
     for t in range(tp_size):
         ranks = tuple(range(t, world, tp_size))
-        group = dist.new_group(list(ranks), backend=backend)
+        group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
         if rank in ranks:
             new.pp_group, new.pp_ranks = group, ranks
     _STATE = new
@@ -96,6 +142,26 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(_STATE.tp_size)]
     dist.all_gather(parts, x.contiguous(), group=_STATE.tp_group)
     return torch.cat(parts, dim=dim)
+
+
+def pp_send(tensors: list[torch.Tensor], stage: int) -> None:
+    """Send tensors to my TP peer in pipeline stage `stage` (shapes are known to the receiver)."""
+    dst = _STATE.pp_ranks[stage]
+    handles = [dist.isend(t.contiguous(), dst, group=_STATE.pp_group, tag=i)
+               for i, t in enumerate(tensors) if t.numel()]
+    for h in handles:
+        h.wait()
+
+
+def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
+            stage: int) -> list[torch.Tensor]:
+    """Receive what `pp_send` sent from my TP peer in pipeline stage `stage`."""
+    src = _STATE.pp_ranks[stage]
+    out = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
+    handles = [dist.irecv(t, src, group=_STATE.pp_group, tag=i) for i, t in enumerate(out) if t.numel()]
+    for h in handles:
+        h.wait()
+    return out
 
 
 def layer_range(num_layers: int) -> tuple[int, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 
@@ -18,7 +19,7 @@ class LLM:
     dtype, seed, block_size, num_kv_blocks, kv_cache_memory_bytes, swap_space,
     max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
     enable_prefix_caching, preemption_mode, attention_backend, tensor_parallel_size,
-    pipeline_parallel_size, distributed_executor_backend.
+    pipeline_parallel_size, distributed_executor_backend, worker_cls.
     """
 
     def __init__(self, model: str, **kwargs):
@@ -29,6 +30,23 @@ class LLM:
                             f"allowed: {', '.join(sorted(allowed))}")
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's workers and processes (also on `with LLM(...) as llm:` exit, when
+        the object is collected, and at interpreter exit); idempotent."""
+        engine = getattr(self, "llm_engine", None)
+        if engine is not None:
+            engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.shutdown()
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer

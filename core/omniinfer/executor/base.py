@@ -1,10 +1,30 @@
-"""Executors own the workers of one engine: where they run and how a step reaches them."""
+"""Executors own the workers of one engine: where they run and how a step reaches them.
+
+* `uniprocess`: one rank, in the engine's process (the default for one rank);
+* `mp`: the driver (rank 0) in the engine's process, one spawned local process per other
+  rank (the default for several ranks);
+* `ray`: the driver in the engine's process, the other ranks as Ray actors in a placement
+  group (several machines; `pip install 'omniinfer[ray]'`).
+"""
 
 from __future__ import annotations
+
+import importlib
 
 from omniinfer.config import EngineConfig
 from omniinfer.sampling.sampler import SamplerOutput
 from omniinfer.worker.model_input import ExecuteModelRequest
+
+
+class WorkerFailedError(RuntimeError):
+    """A rank raised or died; the engine cannot run further steps (the ranks are out of step)."""
+
+    def __init__(self, rank: int, cause: str, pid: int | None = None):
+        self.rank = rank
+        self.cause = cause  # "raised Type: message" + the worker's traceback, or "died: ..."
+        self.pid = pid
+        where = f"worker rank {rank}" + (f" (pid {pid})" if pid is not None else "")
+        super().__init__(f"{where} {cause}")
 
 
 class Executor:
@@ -21,8 +41,23 @@ class Executor:
     def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
         raise NotImplementedError
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of the ranks other than the driver (for monitoring and tests)."""
+        return []
+
     def shutdown(self) -> None:
         """Release workers and processes; idempotent."""
+
+
+def resolve_worker_cls(config: EngineConfig) -> type:
+    """The worker class named by `worker_cls` ("package.module.Class")."""
+    name = config.parallel.worker_cls
+    module, _, attr = name.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"worker_cls={name!r} cannot be imported: {e}") from e
 
 
 def executor_class(config: EngineConfig) -> type[Executor]:
@@ -30,12 +65,16 @@ def executor_class(config: EngineConfig) -> type[Executor]:
     if name is None:
         name = "uniprocess" if config.parallel.world_size == 1 else "mp"
     if name == "uniprocess":
-        if config.parallel.world_size != 1:
-            raise ValueError(f"distributed_executor_backend='uniprocess' runs one rank, but "
-                             f"tensor_parallel_size x pipeline_parallel_size = "
-                             f"{config.parallel.world_size}; use 'mp' or 'ray'")
         from omniinfer.executor.uniprocess import UniProcExecutor
 
         return UniProcExecutor
+    if name == "mp":
+        from omniinfer.executor.multiprocess import MultiprocessExecutor
+
+        return MultiprocessExecutor
+    if name == "ray":
+        from omniinfer.executor.ray_executor import RayExecutor
+
+        return RayExecutor
     raise ValueError(f"distributed_executor_backend={name!r} is not available; allowed: "
-                     "'uniprocess'")
+                     "'uniprocess', 'mp', 'ray'")

@@ -74,6 +74,7 @@ class Platform:
     * ``dist_backend``: the ``torch.distributed`` backend name.
     * ``attention_backend_preferences``: backend names, best first.
     * ``supported_dtypes``: the model dtypes this platform can run.
+    * ``ray_resource``: what one rank reserves in a Ray placement group ("GPU", "CPU"...).
     """
 
     name: ClassVar[str] = ""
@@ -82,6 +83,7 @@ class Platform:
     dist_backend: ClassVar[str] = "gloo"
     attention_backend_preferences: ClassVar[tuple[str, ...]] = ("TORCH_SDPA", "REFERENCE")
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
+    ray_resource: ClassVar[str] = "GPU"  # the Ray resource one rank reserves
 
     # Set by the registry: the distribution that provided it, and its version.
     plugin_name: ClassVar[str] = ""
@@ -135,6 +137,12 @@ class Platform:
     @classmethod
     def device_count(cls) -> int:
         return 1
+
+    @classmethod
+    def max_local_ranks(cls) -> int | None:
+        """How many ranks one machine can run: one per device by default; None for no limit
+        (ranks that share one device, as CPU ranks share the cores)."""
+        return cls.device_count()
 
     @classmethod
     def kv_cache_memory_bytes(cls, config: EngineConfig, model_bytes: int) -> int:

@@ -8,8 +8,10 @@ import torch
 
 from omniinfer.attention.backend import AttentionBackend
 from omniinfer.config import EngineConfig
+from omniinfer.distributed import parallel_state as ps
 from omniinfer.distributed.communication import broadcast_tensor_dict
 from omniinfer.logger import init_logger
+from omniinfer.models.intermediate import IntermediateTensors
 from omniinfer.sampling.sampler import SamplerOutput
 from omniinfer.worker.cache_engine import CacheEngine, block_bytes
 from omniinfer.worker.model_input import ExecuteModelRequest, ModelInput, WorkerInput
@@ -20,6 +22,7 @@ logger = init_logger(__name__)
 class LocalOrDistributedWorkerBase:
     """The per-step protocol shared by every worker; subclasses own device and model set-up."""
 
+    config: EngineConfig
     is_driver: bool
     world_size: int
     device: torch.device
@@ -39,33 +42,70 @@ class LocalOrDistributedWorkerBase:
         if worker_input.blocks_to_swap_in.numel():
             self.cache_engine.swap_in(worker_input.blocks_to_swap_in)
 
-    def execute_model(self, request: ExecuteModelRequest | None = None) -> SamplerOutput | None:
-        """Driver: prepare, broadcast (world size > 1), run, sample. Other ranks: pass `None`;
-        they receive the step from the broadcast. Returns None on other ranks."""
-        if self.is_driver:
-            worker_input = self.prepare_worker_input(request)
-            model_input = self.model_runner.prepare_model_input(request.scheduled, request.block_tables)
-            if self.world_size > 1:
-                broadcast_tensor_dict({**worker_input.as_broadcastable_tensor_dict(),
-                                       **model_input.as_broadcastable_tensor_dict()}, src=0)
-        else:
-            values = broadcast_tensor_dict(None, src=0)
-            worker_input = WorkerInput.from_broadcasted_tensor_dict(values)
-            model_input = ModelInput.from_broadcasted_tensor_dict(
-                values, self.model_runner.attn_backend.get_builder_cls().metadata_cls)
+    def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
+        """Driver only: prepare the step on the CPU, broadcast it once (world size > 1), run
+        this rank's part, sample."""
+        worker_input = self.prepare_worker_input(request)
+        model_input = self.model_runner.prepare_model_input(request.scheduled, request.block_tables)
+        if self.world_size > 1:
+            broadcast_tensor_dict({**worker_input.as_broadcastable_tensor_dict(),
+                                   **model_input.as_broadcastable_tensor_dict()}, src=0)
+        logits = self.run_step(worker_input, model_input)
+        return self.model_runner.sample(logits, model_input)
+
+    def receive_step(self) -> tuple[WorkerInput, ModelInput] | None:
+        """Other ranks: the next step from the driver's broadcast; None for the stop signal."""
+        values = broadcast_tensor_dict(None, src=0)
+        if not values:
+            return None
+        metadata_cls = self.model_runner.attn_backend.get_builder_cls().metadata_cls
+        return (WorkerInput.from_broadcasted_tensor_dict(values),
+                ModelInput.from_broadcasted_tensor_dict(values, metadata_cls))
+
+    def start_worker_execution_loop(self) -> None:
+        """Other ranks: run every step the driver broadcasts until it broadcasts the stop signal.
+        They never see a sequence object."""
+        while (step := self.receive_step()) is not None:
+            self.run_step(*step)
+
+    def stop_worker_execution_loop(self) -> None:
+        """Driver: tell the other ranks' loops to return (an empty dict is the stop signal)."""
+        if self.world_size > 1:
+            broadcast_tensor_dict({}, src=0)
+
+    def run_step(self, worker_input: WorkerInput, model_input: ModelInput) -> torch.Tensor | None:
+        """Every rank: cache operations, then this stage's layers. With pipeline parallelism
+        the hidden states and residual go stage to stage and the last stage's TP rank 0 sends
+        the logits back to the driver. Returns the logits on the driver, None elsewhere."""
         self.execute_worker(worker_input)
         device_input = model_input.to(self.device)
-        logits = self.model_runner.execute_model(device_input, self.cache_engine.device_cache)
+        m = self.config.model
+        pp_size, pp_rank = ps.get_pp_size(), ps.get_pp_rank()
+        intermediate = None
+        if pp_rank > 0:
+            shape = (model_input.num_tokens, m.hidden_size)
+            hidden, residual = ps.pp_recv([shape, shape], m.dtype, self.device, pp_rank - 1)
+            intermediate = IntermediateTensors({"hidden_states": hidden, "residual": residual})
+        out = self.model_runner.execute_model(device_input, self.cache_engine.device_cache,
+                                              intermediate)
+        if pp_size == 1:
+            return out if self.is_driver else None
+        if pp_rank < pp_size - 1:
+            ps.pp_send([out["hidden_states"], out["residual"]], pp_rank + 1)
+        elif ps.get_tp_rank() == 0:
+            ps.pp_send([out], 0)
         if not self.is_driver:
             return None
-        return self.model_runner.sample(logits, device_input)
+        rows = model_input.logits_indices.shape[0]
+        return ps.pp_recv([(rows, m.vocab_size)], m.dtype, self.device, pp_size - 1)[0]
 
 
 class Worker(LocalOrDistributedWorkerBase):
     """A worker on one device of the selected platform."""
 
     def __init__(self, config: EngineConfig, platform: type, attn_backend: type[AttentionBackend],
-                 rank: int = 0, local_rank: int = 0, is_driver: bool = True):
+                 rank: int = 0, local_rank: int = 0, is_driver: bool = True,
+                 distributed_init_method: str | None = None):
         self.config = config
         self.platform = platform
         self.attn_backend = attn_backend
@@ -73,23 +113,37 @@ class Worker(LocalOrDistributedWorkerBase):
         self.local_rank = local_rank
         self.is_driver = is_driver
         self.world_size = config.parallel.world_size
+        self.distributed_init_method = distributed_init_method  # "tcp://host:port" (world > 1)
         self.device = platform.device(local_rank)
         self.model_runner = None
         self.cache_engine = None
+        self.owns_process_groups = False  # this worker joined them (and leaves them at shutdown)
 
     def init_device(self) -> None:
+        """Bind the device; with several ranks, join the process groups (every rank at once)."""
         self.platform.set_device(self.local_rank)
+        if self.world_size > 1:
+            p = self.config.parallel
+            ps.init_distributed_environment(self.rank, self.world_size,
+                                            self.distributed_init_method,
+                                            self.platform.dist_backend)
+            self.owns_process_groups = True
+            ps.initialize_model_parallel(p.tensor_parallel_size, p.pipeline_parallel_size)
         self.model_runner = self.platform.model_runner_cls()(
             self.config, self.attn_backend, self.device, is_driver=self.is_driver)
 
     def load_model(self, progress: bool = True) -> None:
         self.model_runner.load_model(progress=progress)
 
+    @property
+    def num_local_kv_heads(self) -> int:
+        """KV heads on this rank (one, replicated, when there are fewer KV heads than TP ranks)."""
+        return max(1, self.config.model.num_kv_heads // self.config.parallel.tensor_parallel_size)
+
     def block_bytes(self) -> int:
         m = self.config.model
-        kv_heads = max(1, m.num_kv_heads // self.config.parallel.tensor_parallel_size)
         return block_bytes(self.model_runner.num_local_layers, self.config.cache.block_size,
-                           kv_heads, m.head_size, m.dtype)
+                           self.num_local_kv_heads, m.head_size, m.dtype)
 
     def determine_num_blocks(self) -> tuple[int, int]:
         """(device blocks, host blocks) this worker can hold."""
@@ -111,8 +165,13 @@ class Worker(LocalOrDistributedWorkerBase):
 
     def initialize_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
         m = self.config.model
-        kv_heads = max(1, m.num_kv_heads // self.config.parallel.tensor_parallel_size)
         self.cache_engine = CacheEngine(
             self.attn_backend, self.model_runner.num_local_layers, num_device_blocks,
-            num_host_blocks, self.config.cache.block_size, kv_heads, m.head_size, m.dtype,
-            self.device, pin_memory=self.platform.pin_memory_available())
+            num_host_blocks, self.config.cache.block_size, self.num_local_kv_heads, m.head_size,
+            m.dtype, self.device, pin_memory=self.platform.pin_memory_available())
+
+    def shutdown(self) -> None:
+        """Leave the process groups (this process may start another engine afterwards)."""
+        if self.owns_process_groups:
+            self.owns_process_groups = False
+            ps.destroy_distributed_environment()

@@ -16,7 +16,9 @@ ENV_THREADS = "OMNIINFER_CPU_THREADS"
 
 class CpuModelRunner(ModelRunner):
     def load_model(self, progress: bool = True) -> None:
-        threads = int(os.environ.get(ENV_THREADS) or usable_cpus())
+        # ranks of a parallel run share the cores
+        share = max(1, usable_cpus() // self.config.parallel.world_size)
+        threads = int(os.environ.get(ENV_THREADS) or share)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         logger.debug("CPU runner using %d threads", threads)

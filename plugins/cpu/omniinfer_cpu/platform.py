@@ -16,8 +16,9 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     priority = 0
     dist_backend = "gloo"
-    attention_backend_preferences = ("TORCH_SDPA", "REFERENCE")
+    attention_backend_preferences = ("IPEX_CPU", "TORCH_SDPA", "REFERENCE")
     supported_dtypes = ("float32", "bfloat16", "float16")
+    ray_resource = "CPU"
 
     @classmethod
     def is_available(cls) -> Availability:
@@ -29,6 +30,10 @@ class CpuPlatform(Platform):
         return [f"{info['model'] or info['machine']} ({info['usable_cpus']} cores)"]
 
     @classmethod
+    def max_local_ranks(cls) -> int | None:
+        return None  # ranks share the cores (each gets usable_cpus() // world_size threads)
+
+    @classmethod
     def model_runner_cls(cls) -> type:
         from omniinfer_cpu.model_runner import CpuModelRunner
 
@@ -36,8 +41,9 @@ class CpuPlatform(Platform):
 
     @classmethod
     def kv_cache_memory_bytes(cls, config, model_bytes: int) -> int:
-        """OMNIINFER_CPU_KVCACHE_GIB if set; else a quarter of available memory, at most 4 GiB,
-        and never more than the running batch can use (max_num_seqs full-length sequences)."""
+        """OMNIINFER_CPU_KVCACHE_GIB if set; else a quarter of available memory (shared by the
+        ranks of a parallel run), at most 4 GiB, and never more than the running batch can use
+        (max_num_seqs full-length sequences)."""
         if os.environ.get(ENV_KV_CACHE):
             return int(float(os.environ[ENV_KV_CACHE]) * GiB)
         from omniinfer.worker.cache_engine import block_bytes
@@ -45,4 +51,5 @@ class CpuPlatform(Platform):
         m = config.model
         tokens = config.scheduler.max_num_seqs * m.max_model_len
         useful = block_bytes(m.num_layers, 1, m.num_kv_heads, m.head_size, m.dtype) * tokens
-        return int(min(4 * GiB, available_memory_bytes() // 4, useful))
+        share = available_memory_bytes() // 4 // config.parallel.world_size
+        return int(min(4 * GiB, share, useful))
