@@ -8,6 +8,7 @@ import torch
 from omniinfer.engine.sequence import Sequence, SequenceGroup
 from omniinfer.sampling.metadata import SamplingMetadata
 from omniinfer.sampling.params import SamplingParams
+from omniinfer.sampling.processing import SampleRow, apply_penalties
 from omniinfer.sampling.sampler import Sampler
 
 VOCAB = 8
@@ -87,15 +88,14 @@ def test_greedy_and_seeded_rows_in_one_batch():
 
 
 def test_penalties():
-    sampler = Sampler(VOCAB)
     logits = torch.tensor([[1.0, -1.0, 2.0, 0.5, 0.0, 0.0, 0.0, 0.0]])
     # outputs: token 2 twice, token 3 once; prompt holds 1 and 2
     md = rows(SamplingParams(temperature=0, repetition_penalty=2.0), 1, outputs=[2, 2, 3])
-    processed = sampler._apply_penalties(logits.clone(), [(md.seqs[0], 0)])
+    processed = apply_penalties(logits.clone(), [SampleRow(md.seqs[0], 0)])
     assert processed[0].tolist() == [1.0, -2.0, 1.0, 0.25, 0.0, 0.0, 0.0, 0.0]
     md = rows(SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.25), 1,
               outputs=[2, 2, 3])
-    processed = sampler._apply_penalties(logits.clone(), [(md.seqs[0], 0)])
+    processed = apply_penalties(logits.clone(), [SampleRow(md.seqs[0], 0)])
     assert processed[0].tolist() == [1.0, -1.0, 2.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25, 0.0, 0.0, 0.0, 0.0]
 
 

@@ -24,6 +24,10 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
     is_sampling: bool = field(init=False)  # reaches the last known token, so samples
+    # speculative decoding: tokens drafted after the last known one, scored in the same pass,
+    # and the distributions they were drawn from ([k, vocab] tensor)
+    spec_tokens: list[int] | None = None
+    spec_probs: object = None
 
     def __post_init__(self) -> None:
         self.is_sampling = self.seq.num_computed_tokens + self.num_new_tokens >= self.seq.num_tokens
@@ -101,11 +105,12 @@ class Scheduler:
                     self._preempt(seq, out)
                     break
                 if victim.seq_id in scheduled:
-                    budget += scheduled.pop(victim.seq_id).num_new_tokens
+                    given = scheduled.pop(victim.seq_id).num_new_tokens
+                    budget += given + (lookahead if given == 1 else 0)
                 self._preempt(victim, out)
             else:
                 scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
-                budget -= num_new
+                budget -= num_new + extra  # drafted tokens are scored in the same pass
 
         if out.num_preempted == 0:
             budget = self._schedule_swapped(out, scheduled, budget)
@@ -168,7 +173,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
-            budget -= num_new
+            budget -= num_new + extra
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, scheduled: dict[int, ScheduledSeq],
@@ -220,6 +225,11 @@ class Scheduler:
             seq.num_computed_tokens += s.num_new_tokens
             self.blocks.cache_full_blocks(seq)
 
+    def advance_computed(self, seq: Sequence, num_tokens: int) -> None:
+        """More of the sequence is cached than it was scheduled for (accepted drafts)."""
+        seq.num_computed_tokens += num_tokens
+        self.blocks.cache_full_blocks(seq)
+
     def stats(self) -> dict:
         return {
             "num_running": len(self.running),
@@ -230,4 +240,6 @@ class Scheduler:
             "num_free_kv_blocks": self.blocks.num_free_blocks,
             "kv_cache_usage": self.blocks.usage,
             "prefix_cache_hit_rate": self.blocks.prefix_cache_hit_rate,
+            "num_prefix_cache_queries": self.blocks.pool.num_queries,  # full blocks looked up
+            "num_prefix_cache_hits": self.blocks.pool.num_hits,
         }

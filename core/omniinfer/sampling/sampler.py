@@ -12,10 +12,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omniinfer.engine.sequence import Logprob, Sequence
-from omniinfer.sampling.metadata import SamplingMetadata
-
-_SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n samples
+from omniinfer.engine.sequence import Logprob
+from omniinfer.sampling.metadata import SamplingMetadata, SpecRows
+from omniinfer.sampling.processing import (
+    SampleRow,
+    draw,
+    processed,
+    random_probs,
+    sampling_probs,
+)
+from omniinfer.sampling.rejection import rejection_sample
 
 
 @dataclass(slots=True)
@@ -23,6 +29,7 @@ class SeqSample:
     token_ids: list[int]  # one per sample (n on the row that forks a request)
     logprobs: list[float] | None = None  # raw log-probability of each chosen token
     top_logprobs: list[dict[int, Logprob]] | None = None  # per sample, when requested
+    num_accepted: int | None = None  # speculative decoding: drafted tokens kept
 
 
 @dataclass
@@ -30,20 +37,6 @@ class SamplerOutput:
     samples: dict[int, SeqSample] = field(default_factory=dict)  # seq_id -> sample
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
     # request_id -> (index in the prompt of the first entry, entries)
-
-
-def generator_for(seq: Sequence, index: int, device: torch.device) -> torch.Generator | None:
-    """The generator of sample `index` of a seeded request (created on first use)."""
-    group = seq.group
-    seed = group.params.seed
-    if seed is None:
-        return None
-    gens = group.generators
-    if index not in gens:
-        g = torch.Generator(device=device)
-        g.manual_seed((seed + index * _SEED_STRIDE) % (1 << 63))
-        gens[index] = g
-    return gens[index]
 
 
 class Sampler:
@@ -56,6 +49,8 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         if md.num_sampling_rows:
             self._sample(logits[: md.num_sampling_rows], md, out)
+        if md.spec_rows:
+            self._verify(logits, md.spec_rows, out)
         for rows in md.prompt_rows:
             out.prompt_logprobs[rows.group.request_id] = (
                 rows.first_target, self._prompt_logprobs(logits, rows))
@@ -63,128 +58,70 @@ class Sampler:
 
     # ---- sampling ----------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata, out: SamplerOutput) -> None:
-        rows: list[tuple[Sequence, int]] = []  # (sequence, sample index) per expanded row
+        rows: list[SampleRow] = []  # one per sampled token (n on a row that forks its request)
         for seq, n in zip(md.seqs, md.num_samples):
-            rows += [(seq, seq.index if n == 1 else k) for k in range(n)]
+            rows += [SampleRow(seq, seq.index if n == 1 else k) for k in range(n)]
         if len(rows) != logits.shape[0]:
             index = torch.tensor([i for i, n in enumerate(md.num_samples) for _ in range(n)],
                                  device=logits.device)
             logits = logits[index]
         logits = logits.float()
-        params = [seq.group.params for seq, _ in rows]
-        want_logprobs = any(p.logprobs is not None for p in params)
+        want_logprobs = any(row.params.logprobs is not None for row in rows)
         raw = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-
-        logits = self._apply_min_tokens(logits, rows)
-        if any(p.has_penalties for p in params):
-            logits = self._apply_penalties(logits, rows)
+        logits = processed(logits, rows)
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        greedy = [i for i, p in enumerate(params) if p.is_greedy]
-        random = [i for i, p in enumerate(params) if not p.is_greedy]
+        greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
+        random = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if greedy:
             g = torch.tensor(greedy, device=logits.device)
             tokens[g] = logits[g].argmax(dim=-1)
         if random:
             r = torch.tensor(random, device=logits.device)
-            tokens[r] = self._sample_random(logits[r], [rows[i] for i in random],
-                                            [params[i] for i in random])
-        self._collect(tokens, raw, rows, params, out)
+            random_rows = [rows[i] for i in random]
+            tokens[r] = draw(random_probs(logits[r], random_rows), random_rows, self.generator)
+        self._collect(tokens, raw, rows, out)
 
-    def _apply_min_tokens(self, logits: torch.Tensor, rows) -> torch.Tensor:
-        cloned = False
-        for i, (seq, _) in enumerate(rows):
-            p = seq.group.params
-            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else seq.group.eos_token_ids)
-                banned = [t for t in banned if t < self.vocab_size]
-                if banned:
-                    if not cloned:  # never write into the caller's logits
-                        logits, cloned = logits.clone(), True
-                    logits[i, banned] = float("-inf")
-        return logits
-
-    def _apply_penalties(self, logits: torch.Tensor, rows) -> torch.Tensor:
-        num_rows, vocab = logits.shape
-        device = logits.device
-        counts = torch.zeros(num_rows, vocab, device=device)
-        seen_prompt = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
-        rep = torch.ones(num_rows, 1, device=device)
-        freq = torch.zeros(num_rows, 1, device=device)
-        pres = torch.zeros(num_rows, 1, device=device)
-        for i, (seq, _) in enumerate(rows):
-            p = seq.group.params
-            if not p.has_penalties:
-                continue
-            out_ids = seq.output_token_ids
-            if out_ids:
-                ids = torch.tensor(out_ids, device=device)
-                counts[i].index_add_(0, ids, torch.ones(len(out_ids), device=device))
-            if p.repetition_penalty != 1:
-                seen_prompt[i, torch.tensor(seq.token_ids[: seq.num_prompt_tokens], device=device)] = True
-            rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-        seen = seen_prompt | (counts > 0)
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)
-        logits = torch.where(seen, penalised, logits)
-        return logits - freq * counts - pres * (counts > 0).float()
-
-    def _sample_random(self, logits: torch.Tensor, rows, params) -> torch.Tensor:
-        device = logits.device
-        temps = torch.tensor([p.temperature for p in params], device=device)[:, None]
-        logits = logits / temps
-        top_k = [p.top_k if p.top_k > 0 else self.vocab_size for p in params]
-        top_p = [p.top_p for p in params]
-        if any(k < self.vocab_size for k in top_k) or any(tp < 1 for tp in top_p):
-            logits = self._top_k_top_p(logits, top_k, top_p)
-        probs = torch.softmax(logits, dim=-1)
-        min_p = [p.min_p for p in params]
-        if any(min_p):
-            threshold = torch.tensor(min_p, device=device)[:, None] * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        q = torch.empty_like(probs)
-        unseeded = []
-        for i, ((seq, index), p) in enumerate(zip(rows, params)):
-            g = generator_for(seq, index, device) if p.seed is not None else None
-            if g is None:
-                unseeded.append(i)
-            else:
-                q[i].exponential_(generator=g)
-        if unseeded:
-            u = torch.tensor(unseeded, device=device)
-            q[u] = torch.empty(len(unseeded), probs.shape[1], device=device).exponential_(
-                generator=self.generator)
-        return (probs / q).argmax(dim=-1)
-
-    @staticmethod
-    def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-        device = logits.device
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(logits.shape[1], device=device)[None, :]
-        drop = ranks >= torch.tensor(top_k, device=device)[:, None]
-        probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-        cum_before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
-        drop |= cum_before >= torch.tensor(top_p, device=device)[:, None]
-        drop[:, 0] = False  # always keep the most likely token
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    def _verify(self, logits: torch.Tensor, spec: list[SpecRows], out: SamplerOutput) -> None:
+        """Rejection-sample the drafted tokens of speculatively scored sequences."""
+        k = len(spec[0].draft_tokens)
+        assert all(len(s.draft_tokens) == k for s in spec), "one k per step"
+        index = torch.tensor([s.start_row + j for s in spec for j in range(k + 1)],
+                             device=logits.device)
+        rows = [SampleRow(s.seq, s.seq.index, tuple(s.draft_tokens[:j]))
+                for s in spec for j in range(k + 1)]
+        scored = logits[index].float()
+        p = sampling_probs(scored, rows).view(len(spec), k + 1, -1)
+        drafts = torch.tensor([s.draft_tokens for s in spec], device=logits.device)
+        q = torch.stack([s.draft_probs for s in spec]).to(p.device, p.dtype)
+        result = rejection_sample(p, drafts, q, [SampleRow(s.seq, s.seq.index) for s in spec],
+                                  self.generator)
+        want_logprobs = any(s.seq.group.params.logprobs is not None for s in spec)
+        raw = torch.log_softmax(scored, dim=-1) if want_logprobs else None
+        for i, s in enumerate(spec):
+            tokens = result.tokens[i]
+            emitted = [rows[i * (k + 1) + j] for j in range(len(tokens))]
+            sub = None if raw is None else raw[i * (k + 1): i * (k + 1) + len(tokens)]
+            self._collect(torch.tensor(tokens, device=logits.device), sub, emitted, out)
+            out.samples[s.seq.seq_id].num_accepted = result.num_accepted[i]
 
     # ---- results ---------------------------------------------------------------------------------------
-    def _collect(self, tokens, raw, rows, params, out: SamplerOutput) -> None:
+    def _collect(self, tokens, raw, rows: list[SampleRow], out: SamplerOutput) -> None:
         token_list = tokens.tolist()
         chosen_lp = ranks = tops = None
         if raw is not None:
             chosen = raw.gather(1, tokens[:, None])
             chosen_lp = chosen[:, 0].tolist()
             ranks = ((raw > chosen).sum(dim=1) + 1).tolist()
-            max_n = max(p.logprobs or 0 for p in params)
+            max_n = max(row.params.logprobs or 0 for row in rows)
             if max_n:
                 top_vals, top_ids = raw.topk(max_n, dim=-1)
                 tops = (top_vals.tolist(), top_ids.tolist())
-        for i, (seq, _) in enumerate(rows):
-            sample = out.samples.get(seq.seq_id)
+        for i, row in enumerate(rows):
+            sample = out.samples.get(row.seq.seq_id)
             if sample is None:
-                sample = out.samples[seq.seq_id] = SeqSample([])
+                sample = out.samples[row.seq.seq_id] = SeqSample([])
             sample.token_ids.append(token_list[i])
-            p = params[i]
+            p = row.params
             if p.logprobs is None:
                 continue
             if sample.logprobs is None:

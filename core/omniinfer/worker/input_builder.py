@@ -8,13 +8,13 @@ import torch
 from omniinfer.attention.backend import AttentionMetadataBuilder
 from omniinfer.attention.common import positions_for
 from omniinfer.engine.scheduler import ScheduledSeq
-from omniinfer.sampling.metadata import PromptLogprobRows, SamplingMetadata
+from omniinfer.sampling.metadata import PromptLogprobRows, SamplingMetadata, SpecRows
 from omniinfer.worker.model_input import ModelInput
 
 
 def is_decode(s: ScheduledSeq) -> bool:
     """One new token with something cached before it: the decode kernels' case."""
-    return s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0
+    return s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0 and not s.spec_tokens
 
 
 class ModelRunnerInputBuilder:
@@ -32,12 +32,18 @@ class ModelRunnerInputBuilder:
         self.sampling = SamplingMetadata()
         self.sample_rows: list[int] = []  # token row of each sampling sequence
         self.prompt_rows: list[tuple[object, int, int, list[int]]] = []  # (group, first row, first target, targets)
+        self.spec: list[tuple[object, int, list[int], object]] = []  # (seq, first row, drafts, probs)
         self.num_tokens = 0
 
     def add_seq(self, s: ScheduledSeq, block_table: list[int]) -> None:
         seq = s.seq
         ctx, q = seq.num_computed_tokens, s.num_new_tokens
-        self.tokens.append(seq.token_ids[ctx:ctx + q])
+        chunk = seq.token_ids[ctx:ctx + q]
+        if s.spec_tokens:  # score the drafts in the same pass: k + 1 rows of logits
+            chunk = chunk + s.spec_tokens
+            self.spec.append((seq, self.num_tokens + q - 1, s.spec_tokens, s.spec_probs))
+            q += len(s.spec_tokens)
+        self.tokens.append(chunk)
         self.context_lens.append(ctx)
         self.query_lens.append(q)
         self.attn_builder.add_seq(context_len=ctx, query_len=q, block_table=block_table,
@@ -45,7 +51,7 @@ class ModelRunnerInputBuilder:
         group = seq.group
         if group.wants_prompt_logprobs and not group.is_forked:
             self._add_prompt_rows(group, ctx, q)
-        if s.is_sampling:
+        if s.is_sampling and not s.spec_tokens:
             self.sampling.seqs.append(seq)
             forks = group.params.n > 1 and not group.is_forked
             self.sampling.num_samples.append(group.params.n if forks else 1)
@@ -67,6 +73,9 @@ class ModelRunnerInputBuilder:
         q = np.asarray(self.query_lens, dtype=np.int64)
         flat = [t for chunk in self.tokens for t in chunk]
         rows = list(self.sample_rows)
+        for seq, start, drafts, probs in self.spec:
+            self.sampling.spec_rows.append(SpecRows(seq, len(rows), drafts, probs))
+            rows += range(start, start + len(drafts) + 1)
         for group, start, first_target, targets in self.prompt_rows:
             self.sampling.prompt_rows.append(
                 PromptLogprobRows(group, len(rows), targets, first_target))
