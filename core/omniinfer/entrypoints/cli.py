@@ -26,9 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
     env = sub.add_parser("env", help="report the torch build, plugins, platforms and hardware")
     env.add_argument("--json", action="store_true", help="machine-readable output")
     env.set_defaults(func=_env)
-    from omniinfer.entrypoints import cli_generate
+    from omniinfer.entrypoints import cli_bench, cli_generate, cli_serve
 
     cli_generate.register(sub)
+    cli_serve.register(sub)
+    cli_bench.register(sub)
     return parser
 
 

@@ -29,6 +29,10 @@ def register(sub) -> None:
     p.add_argument("--top-k", type=int, default=-1)
     p.add_argument("--n", type=int, default=1)
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="always make --max-tokens tokens")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     add_engine_args(p)
     p.set_defaults(func=run)
@@ -44,6 +48,14 @@ def _prompts(args) -> list[str]:
     return prompts or ["Return the", "This module provides", "def "]
 
 
+def _chat_inputs(tokenizer, prompts: list[str]) -> list[dict]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise SystemExit("error: --chat needs a tokenizer with a chat template; this model has none")
+    return [{"prompt_token_ids": tokenizer.apply_chat_template(
+        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
+        return_dict=False)} for p in prompts]
+
+
 def run(args: argparse.Namespace) -> int:
     from omniinfer import LLM, SamplingParams
 
@@ -53,8 +65,12 @@ def run(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     llm = LLM(args.model, **engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, n=args.n, seed=args.sampling_seed)
-    outputs = llm.generate(prompts, params, use_tqdm=not args.json)
+                            top_p=args.top_p, top_k=args.top_k, n=args.n, seed=args.sampling_seed,
+                            stop=args.stop, ignore_eos=args.ignore_eos)
+    inputs = _chat_inputs(llm.get_tokenizer(), prompts) if args.chat else prompts
+    outputs = llm.generate(inputs, params, use_tqdm=not args.json)
+    for out, prompt in zip(outputs, prompts):
+        out.prompt = prompt
     for out in outputs:
         if args.json:
             print(json.dumps({"prompt": out.prompt, "outputs": [

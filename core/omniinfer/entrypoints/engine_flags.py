@@ -57,3 +57,14 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
 def engine_kwargs(args: argparse.Namespace, *, skip: tuple[str, ...] = ("model",)) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)
             if f.name not in skip and hasattr(args, f.name)}
+
+
+def env_default(name: str, default, kind=str):
+    """The default of a non-engine flag: OMNIINFER_<NAME> when set (parsed as `kind`), else `default`."""
+    text = os.environ.get(env_name(name))
+    if text is None:
+        return default
+    try:
+        return _parse_bool(text) if kind is bool else kind(text)
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        raise SystemExit(f"error: {env_name(name)}={text!r}: {e}") from None

@@ -1,0 +1,59 @@
+"""`omniinfer serve [MODEL]`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from omniinfer.entrypoints.cli_generate import default_model
+from omniinfer.entrypoints.engine_flags import add_engine_args, engine_kwargs, env_default
+
+DEMO_MODEL_NAME = "omniinfer-demo"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a checkpoint over an OpenAI-compatible HTTP API. Every "
+                       "flag also reads OMNIINFER_<FLAG> (e.g. OMNIINFER_PORT, OMNIINFER_API_KEY).")
+    p.add_argument("model", nargs="?", default=env_default("model", None),
+                   help="checkpoint directory (default: the shipped demo model)")
+    p.add_argument("--host", default=env_default("host", "127.0.0.1"),
+                   help="address to bind (default: %(default)s; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=env_default("port", 8000, int),
+                   help="default: %(default)s")
+    p.add_argument("--api-key", default=env_default("api_key", None),
+                   help="require 'Authorization: Bearer KEY' on the API routes")
+    p.add_argument("--served-model-name", default=env_default("served_model_name", None),
+                   help="the model id clients send (default: MODEL as given)")
+    p.add_argument("--chat-template", default=env_default("chat_template", None),
+                   help="a Jinja chat template, or a file holding one (default: the tokenizer's)")
+    p.add_argument("--stats-interval", type=float, default=env_default("stats_interval", 10.0, float),
+                   help="seconds between stats log lines while busy; 0 disables (default: %(default)s)")
+    p.add_argument("--uvicorn-log-level", default=env_default("uvicorn_log_level", "info"),
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def read_chat_template(value: str | None) -> str | None:
+    if value and os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    from omniinfer.entrypoints.openai.api_server import run_server
+
+    model, name = args.model, args.served_model_name
+    if not model:
+        model = default_model()
+        if model is None:
+            print("error: no MODEL given and no demo model is installed", file=sys.stderr)
+            return 2
+        name = name or DEMO_MODEL_NAME
+    return run_server(model, engine_kwargs(args), host=args.host, port=args.port,
+                      model_name=name or model, api_key=args.api_key,
+                      chat_template=read_chat_template(args.chat_template),
+                      stats_interval_s=args.stats_interval, uvicorn_log_level=args.uvicorn_log_level)

@@ -1,0 +1,240 @@
+"""OpenAI request bodies (pydantic) and their mapping to `SamplingParams`.
+
+Field names and defaults follow OpenAI's API; the extras vLLM users pass through
+`extra_body` (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids, ...)
+are accepted too. Unknown fields are ignored, so newer clients keep working.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from omniinfer.sampling.params import SamplingParams
+
+# sampling defaults a checkpoint's generation_config.json may set (applied when a request omits them)
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class APIError(Exception):
+    """An error answered as OpenAI's `{"error": {message, type, param, code}}` JSON."""
+
+    def __init__(self, message: str, status_code: int = 400, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.status_code, self.type, self.param, self.code = (
+            message, status_code, type, param, code)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    @classmethod
+    def from_validation(cls, e: Exception) -> APIError:
+        """A ValueError/TypeError from the engine; `param` is the argument it names first."""
+        text = str(e)
+        match = re.match(r"^(?:prompts\[\d+\]: )?([a-z_]+)(?:=| must| is| has)", text)
+        return cls(text, param=match.group(1) if match else None)
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage in every chunk, not only the last
+
+
+class SamplingRequest(OpenAIModel):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
+    def check_unsupported(self) -> None:
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true",
+                           param="stream_options")
+
+    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict) -> SamplingParams:
+        picked = {}
+        for name in GENERATION_DEFAULTS:
+            value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
+            if value is not None:
+                picked[name] = value
+        try:
+            return SamplingParams(
+                n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output, **picked)
+        except (ValueError, TypeError) as e:
+            raise APIError.from_validation(e) from None
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Any  # str | list[str] | list[int] | list[list[int]], checked by prompts()
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(f"best_of={self.best_of} is not supported; leave it unset or equal to "
+                           f"n={self.n}", param="best_of")
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p, list) and p:
+            if all(_is_token_id(t) for t in p):
+                return [list(p)]
+            if all(isinstance(t, str) or (isinstance(t, list) and t and all(map(_is_token_id, t)))
+                   for t in p):
+                return list(p)
+        raise APIError(f"prompt={_short(p)} is not allowed; give a string, a list of strings, a "
+                       "list of token ids or a list of lists of token ids (none empty)",
+                       param="prompt")
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+class ContentPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def as_template_input(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(f"message content of type {part.type!r} is not supported; "
+                                   "only 'text' parts are", param="messages")
+                texts.append(part.text)
+            content = "".join(texts)
+        message = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"] = "text"
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+    response_format: ResponseFormat | None = None
+    tools: list | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.tools:
+            raise APIError("tools are not supported", param="tools")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise APIError(f"response_format type {self.response_format.type!r} is not "
+                           "supported; only 'text' is", param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise APIError("continue_final_message and add_generation_prompt cannot both be true",
+                           param="continue_final_message")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}

@@ -1,0 +1,113 @@
+"""POST /v1/chat/completions: messages through the chat template, answered whole or as SSE."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from omniinfer.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    now,
+    random_id,
+    usage,
+)
+from omniinfer.entrypoints.openai.serving_common import (
+    ServingContext,
+    chat_logprobs,
+    engine_error,
+    merge,
+    output_error,
+    sse,
+)
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
+                                 ) -> dict | AsyncIterator[str]:
+    """The response body, or (stream=true) an iterator of SSE events ending with [DONE]."""
+    req.check_unsupported()
+    ctx.check_model(req.model)
+    messages = [m.as_template_input() for m in req.messages]
+    text = ctx.render_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message,
+                           kwargs=req.chat_template_kwargs)
+    # the template writes the special tokens it wants (a BOS, role markers): add none
+    prompt_input = ctx.prompt_input(text, add_special_tokens=False)
+    params = req.sampling_params(max_tokens=req.token_limit, logprobs=req.num_logprobs,
+                                 defaults=ctx.generation_defaults)
+    ctx.check_length(prompt_input, params)
+    request_id = random_id("chatcmpl")
+    stream = ctx.generate(request_id, prompt_input, params)
+    num_prompt = len(prompt_input["prompt_token_ids"])
+    if req.stream:
+        return _stream(ctx, req, request_id, num_prompt, stream)
+    return await _full(ctx, req, request_id, num_prompt, stream)
+
+
+async def _full(ctx, req, request_id, num_prompt, stream) -> dict:
+    final = None
+    try:
+        async with aclosing(merge([stream])) as merged:
+            async for _, out in merged:
+                final = out
+    except Exception as e:  # noqa: BLE001 - answered as an OpenAI error
+        raise engine_error(e) from None
+    if (error := output_error(final)) is not None:
+        raise error
+    choices = []
+    for c in final.outputs:
+        logprobs = None
+        if req.logprobs:
+            logprobs = chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [],
+                                     req.top_logprobs or 0)
+        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                        "logprobs": logprobs, "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason})
+    num_completion = sum(len(c.token_ids) for c in final.outputs)
+    return {"id": request_id, "object": "chat.completion", "created": now(),
+            "model": ctx.model_name, "choices": choices,
+            "usage": usage(num_prompt, num_completion)}
+
+
+async def _stream(ctx, req, request_id, num_prompt, stream) -> AsyncIterator[str]:
+    created = now()
+    sent_text: dict[int, int] = {}
+    sent_tokens: dict[int, int] = {}
+    finished: set[int] = set()
+
+    def chunk(choices: list, with_usage: bool | None) -> str:
+        body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                "model": ctx.model_name, "choices": choices}
+        if req.include_usage:
+            body["usage"] = usage(num_prompt, sum(sent_tokens.values())) if with_usage else None
+        return sse(body)
+
+    try:
+        for index in range(req.n):  # the role first, as OpenAI does
+            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                          "logprobs": None, "finish_reason": None}], req.continuous_usage)
+        async with aclosing(merge([stream])) as merged:
+            async for _, out in merged:
+                if (error := output_error(out)) is not None:
+                    raise error
+                for c in out.outputs:
+                    start_text, start_tokens = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
+                    text, new_ids = c.text[start_text:], c.token_ids[start_tokens:]
+                    wants_logprobs = req.logprobs and new_ids
+                    if c.index in finished or not (text or wants_logprobs or c.finish_reason):
+                        continue  # nothing to say yet (a partial character, a held-back stop)
+                    logprobs = None
+                    if req.logprobs:
+                        steps = (c.logprobs or [])[start_tokens:start_tokens + len(new_ids)]
+                        logprobs = chat_logprobs(ctx.tokenizer, new_ids, steps, req.top_logprobs or 0)
+                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
+                    if c.finish_reason is not None:
+                        finished.add(c.index)
+                    yield chunk([{"index": c.index, "delta": {"content": text} if text else {},
+                                  "logprobs": logprobs, "finish_reason": c.finish_reason,
+                                  "stop_reason": c.stop_reason if c.finish_reason else None}],
+                                req.continuous_usage)
+        if req.include_usage:
+            yield chunk([], True)
+    except Exception as e:  # noqa: BLE001 - the stream has started: report it in-band
+        yield sse(engine_error(e).body())
+    yield sse("[DONE]")

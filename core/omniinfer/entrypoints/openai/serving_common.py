@@ -1,0 +1,179 @@
+"""What completions and chat share: the served model, prompt checks, streams, logprobs, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+
+from omniinfer.engine.outputs import RequestOutput
+from omniinfer.entrypoints.openai.async_engine import AsyncLLMEngine, EngineDeadError
+from omniinfer.entrypoints.openai.protocol import GENERATION_DEFAULTS, APIError
+from omniinfer.sampling.params import SamplingParams
+
+
+class ServingContext:
+    """The served model as the handlers see it.
+
+    `tokenizer` is the server's own copy (the engine thread uses the engine's), so that
+    tokenizing on the event loop never races detokenizing on the engine thread."""
+
+    def __init__(self, engine: AsyncLLMEngine, tokenizer, *, model_name: str,
+                 chat_template: str | None = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        config = engine.engine.config.model
+        self.model_path = config.model
+        self.max_model_len = config.max_model_len
+        self.vocab_size = config.vocab_size
+        self.chat_template = chat_template
+        gen = config.generation_config or {}
+        self.generation_defaults = {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(f"The model `{model}` does not exist; this server serves "
+                           f"`{self.model_name}`", 404, type="NotFoundError", param="model",
+                           code="model_not_found")
+
+    def prompt_input(self, prompt: str | list[int], *, add_special_tokens: bool = True) -> dict:
+        """{"prompt", "prompt_token_ids"} of a text or token-id prompt, checked like the engine does."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError("prompt is empty; give at least one character or token", param="prompt")
+            ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+            prompt_input = {"prompt": prompt, "prompt_token_ids": list(ids)}
+        else:
+            prompt_input = {"prompt": None, "prompt_token_ids": list(prompt)}
+        try:  # reads only the config: safe off the engine thread
+            self.engine.engine.tokenize_prompt(prompt_input)
+        except (ValueError, TypeError) as e:
+            raise APIError(str(e), param="prompt") from None
+        return prompt_input
+
+    def check_length(self, prompt_input: dict, params: SamplingParams) -> None:
+        try:
+            self.engine.engine.resolve_max_tokens(len(prompt_input["prompt_token_ids"]), params)
+        except ValueError as e:
+            param = "max_tokens" if params.max_tokens is not None else "prompt"
+            raise APIError(str(e), param=param) from None
+
+    def render_chat(self, messages: list[dict], *, add_generation_prompt: bool,
+                    continue_final_message: bool, kwargs: dict | None) -> str:
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise APIError(f"the model `{self.model_name}` has no chat template in its tokenizer; "
+                           "start the server with --chat-template FILE_OR_STRING", param="messages")
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=template, tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, **(kwargs or {}))
+        except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
+            raise APIError(f"the chat template could not render these messages: "
+                           f"{type(e).__name__}: {e}", param="messages") from None
+
+    def generate(self, request_id: str, prompt_input: dict, params: SamplingParams,
+                 ) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(request_id, prompt_input, params)
+
+
+def output_error(out: RequestOutput) -> APIError | None:
+    """The request failed inside the engine (e.g. more KV blocks than exist): a 400."""
+    if out.error:
+        return APIError(out.error)
+    for c in out.outputs:
+        if c.finish_reason == "error":
+            return APIError(c.error or "the request failed")
+    return None
+
+
+def engine_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, (ValueError, TypeError)):
+        return APIError.from_validation(e)
+    if isinstance(e, EngineDeadError):
+        return APIError(str(e), 500, type="InternalServerError", code="engine_dead")
+    return APIError(f"{type(e).__name__}: {e}", 500, type="InternalServerError")
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]],
+                ) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(index, output) from several request streams as they arrive; closing it aborts them all."""
+    if len(streams) == 1:
+        stream = streams[0]
+        try:
+            async for out in stream:
+                yield 0, out
+        finally:
+            await stream.aclose()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as e:  # noqa: BLE001 - re-raised by the consumer
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def top_entries(entry: dict, num: int) -> list:
+    """The `num` most likely (token id, Logprob) of one step, most likely first."""
+    ranked = sorted(entry.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+    return [(tid, lp) for tid, lp in ranked if lp.rank is not None and lp.rank <= num][:num]
+
+
+def token_text(tokenizer, tid: int, lp) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tid])
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], steps: list[dict], num: int,
+                        offset: int) -> dict:
+    """The legacy completions `logprobs` object for these tokens (text offsets from `offset`)."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, entry in zip(token_ids, steps):
+        text = token_text(tokenizer, tid, entry[tid])
+        out["tokens"].append(text)
+        out["token_logprobs"].append(entry[tid].logprob)
+        top = {}
+        for t, lp in reversed(top_entries(entry, num)):  # tokens that print alike: the likeliest wins
+            top[token_text(tokenizer, t, lp)] = lp.logprob
+        out["top_logprobs"].append(dict(reversed(top.items())) if num else None)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def chat_logprobs(tokenizer, token_ids: list[int], steps: list[dict], num: int) -> dict:
+    def item(tid, lp):
+        text = token_text(tokenizer, tid, lp)
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [dict(item(tid, entry[tid]), top_logprobs=[item(t, lp) for t, lp in
+                                                                  top_entries(entry, num)])
+                        for tid, entry in zip(token_ids, steps)]}
