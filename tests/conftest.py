@@ -13,6 +13,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+if not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())):
+    # the core's Triton kernels run on CPU tensors only interpreted (decided at their import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from omniinfer.testing.tiny_models import build_tiny_checkpoint  # noqa: E402
 
@@ -27,6 +30,8 @@ CHECKPOINTS = {
     "llama_sharded": dict(arch="llama", max_shard_size="100KB"),
     "mistral_window": dict(arch="mistral", sliding_window=24),
     "llama_bf16": dict(arch="llama", dtype="bfloat16"),
+    # tensor parallelism: 1 KV head (replicated across ranks), vocabulary not divisible by 2 or 4
+    "llama_kv1": dict(arch="llama", num_key_value_heads=1, vocab_size=389),
 }
 
 

@@ -17,6 +17,8 @@ import torch
 
 SUPPORTED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 PREEMPTION_MODES = ("recompute", "swap")
+EXECUTOR_BACKENDS = ("uniprocess", "mp", "ray")
+DEFAULT_WORKER_CLS = "omniinfer.worker.worker_base.Worker"
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -123,20 +125,61 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None  # "uniprocess", "mp", "ray"; None = pick
+    worker_cls: str = DEFAULT_WORKER_CLS  # "module.Class" of every rank's worker
 
     def __post_init__(self) -> None:
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, minimum=1)
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={backend!r} is not supported; "
+                             f"allowed: {', '.join(map(repr, EXECUTOR_BACKENDS))} or None (pick)")
+        if backend == "uniprocess" and self.world_size != 1:
+            raise ValueError(f"distributed_executor_backend='uniprocess' runs one rank, but "
+                             f"tensor_parallel_size x pipeline_parallel_size = {self.world_size}; "
+                             "use 'mp' (one machine) or 'ray'")
+        if not isinstance(self.worker_cls, str) or "." not in self.worker_cls:
+            raise ValueError(f"worker_cls={self.worker_cls!r} must name a class as 'module.Class'")
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+def check_parallel_sizes(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Refuse, before any process starts, a split the model's shapes do not allow."""
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    intermediate = int(model.hf_config.get("intermediate_size", 0))
+    if model.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's "
+                         f"num_attention_heads={model.num_heads}")
+    kv = model.num_kv_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"tensor_parallel_size={tp} and the model's num_key_value_heads={kv} "
+                         "must divide one another (KV heads are split, or replicated when "
+                         "there are fewer than ranks)")
+    if intermediate % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's "
+                         f"intermediate_size={intermediate}")
+    if pp > model.num_layers:
+        raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's "
+                         f"num_hidden_layers={model.num_layers}: every stage needs a layer")
+
+
 @dataclass(slots=True)
 class DeviceConfig:
     device: str | None = None  # platform name; None = the best available
     attention_backend: str | None = None  # backend name; None = the platform's first usable
+    enforce_eager: bool = False  # never replay device graphs for decode steps
+
+
+MAX_SPECULATIVE_TOKENS = 32
+
+
+@dataclass(slots=True)
+class SpeculativeConfig:
+    draft: ModelConfig  # the draft model (same vocabulary; dtype and max_model_len of the target)
+    num_speculative_tokens: int  # k: tokens drafted per step
 
 
 @dataclass(slots=True)
@@ -146,6 +189,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     device: DeviceConfig
+    speculative: SpeculativeConfig | None = None
 
 
 def _read_json(path: str) -> dict:
@@ -255,9 +299,13 @@ class EngineArgs:
     enable_prefix_caching: bool = False
     preemption_mode: str = "recompute"
     attention_backend: str | None = None
+    enforce_eager: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    worker_cls: str = DEFAULT_WORKER_CLS
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -268,11 +316,23 @@ class EngineArgs:
         _check_int("block_size", self.block_size, minimum=1)
         model = load_model_config(self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                                   max_model_len=self.max_model_len, seed=self.seed)
+        speculative = self._speculative_config(model)
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = max(2048, self.max_num_seqs)
             if not self.enable_chunked_prefill:
                 budget = max(budget, model.max_model_len)
+        parallel = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend,
+            worker_cls=self.worker_cls,
+        )
+        check_parallel_sizes(model, parallel)
+        if speculative is not None and parallel.world_size > 1:
+            # the draft runs in the driver's process only; sharded, it would wait in collectives
+            raise ValueError("speculative_model cannot be combined with tensor_parallel_size x "
+                             f"pipeline_parallel_size = {parallel.world_size} yet; use one rank")
         return EngineConfig(
             model=model,
             cache=CacheConfig(
@@ -288,11 +348,33 @@ class EngineArgs:
                 max_model_len=model.max_model_len,
                 enable_chunked_prefill=bool(self.enable_chunked_prefill),
                 preemption_mode=self.preemption_mode,
+                num_lookahead_slots=speculative.num_speculative_tokens if speculative else 0,
             ),
-            parallel=ParallelConfig(
-                tensor_parallel_size=self.tensor_parallel_size,
-                pipeline_parallel_size=self.pipeline_parallel_size,
-                distributed_executor_backend=self.distributed_executor_backend,
-            ),
-            device=DeviceConfig(device=self.device, attention_backend=self.attention_backend),
+            parallel=parallel,
+            device=DeviceConfig(device=self.device, attention_backend=self.attention_backend,
+                                enforce_eager=bool(self.enforce_eager)),
+            speculative=speculative,
         )
+
+    def _speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
+        if self.speculative_model is None and self.num_speculative_tokens is None:
+            return None
+        if self.speculative_model is None or self.num_speculative_tokens is None:
+            raise ValueError(f"speculative_model={self.speculative_model!r} and num_speculative_tokens="
+                             f"{self.num_speculative_tokens!r}: give both or neither")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} is not allowed; it "
+                             f"must be <= {MAX_SPECULATIVE_TOKENS}")
+        draft = load_model_config(self.speculative_model, tokenizer=None, dtype=target.dtype,
+                                  max_model_len=None, seed=self.seed)
+        if draft.vocab_size != target.vocab_size:
+            raise ValueError(f"speculative_model={self.speculative_model!r} has vocab_size="
+                             f"{draft.vocab_size} but the target model has {target.vocab_size}; the "
+                             "draft must share the target's tokenizer and vocabulary")
+        if draft.max_model_len < target.max_model_len:
+            raise ValueError(f"speculative_model={self.speculative_model!r} supports "
+                             f"{draft.max_model_len} positions, fewer than max_model_len="
+                             f"{target.max_model_len}; lower max_model_len")
+        draft.max_model_len = target.max_model_len
+        return SpeculativeConfig(draft=draft, num_speculative_tokens=self.num_speculative_tokens)

@@ -8,6 +8,7 @@ vendor-specific sits behind the executor.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections.abc import Iterable
@@ -75,6 +76,13 @@ class LLMEngine:
                                                progress=progress)
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_device_blocks,
                                    self.executor.num_host_blocks)
+        self.proposer = None
+        if config.speculative is not None:
+            from omniinfer.spec_decode.proposer import DraftProposer, check_same_vocabulary
+
+            check_same_vocabulary(self.tokenizer, config.speculative.draft.model)
+            self.proposer = DraftProposer(config, self.platform, registry.backends,
+                                          self.executor.num_device_blocks, progress=progress)
         self.groups: dict[str, SequenceGroup] = {}
         self._seq_ids = itertools.count()
         self.num_prompt_tokens = 0
@@ -154,6 +162,8 @@ class LLMEngine:
             for seq in group.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                if self.proposer is not None:
+                    self.proposer.forget(seq.seq_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.groups)
@@ -170,9 +180,13 @@ class LLMEngine:
             self._finish_group_with_error(seq.group)
             touched[seq.request_id] = seq.group
         if not sched.is_empty:
+            if self.proposer is not None:
+                self.proposer.propose(sched, self.scheduler.blocks.tables)
             result = self.executor.execute_model(self._request(sched))
             self.scheduler.update_after_step(sched)
             self._process(sched, result, touched)
+            if self.proposer is not None:
+                self.proposer.after_step(sched, result)
         outputs = [self._output(g) for g in touched.values()]
         for group in touched.values():
             if group.is_finished:
@@ -204,6 +218,9 @@ class LLMEngine:
             if group.metrics.first_token_time is None:
                 group.metrics.first_token_time = now
             group.metrics.last_token_time = now
+            if s.spec_tokens:  # several tokens for one sequence: accepted drafts + one drawn
+                self._append_speculative(seq, sample)
+                continue
             targets = [seq]
             if len(sample.token_ids) > 1 and not group.is_forked:
                 targets += self._fork(seq, len(sample.token_ids))
@@ -213,6 +230,16 @@ class LLMEngine:
                 self._append(target, sample.token_ids[k], lp, top)
             if group.params.n > 1:
                 group.is_forked = True
+
+    def _append_speculative(self, seq: Sequence, sample) -> None:
+        for j, token in enumerate(sample.token_ids):
+            lp = None if sample.logprobs is None else sample.logprobs[j]
+            top = None if sample.top_logprobs is None else sample.top_logprobs[j]
+            self._append(seq, token, lp, top)
+            if seq.is_finished:
+                return
+        # the target cached the last known token and every accepted draft
+        self.scheduler.advance_computed(seq, len(sample.token_ids) - 1)
 
     def _fork(self, parent: Sequence, n: int) -> list[Sequence]:
         children = []
@@ -310,7 +337,16 @@ class LLMEngine:
         out.update(num_prompt_tokens=self.num_prompt_tokens,
                    num_generation_tokens=self.num_generation_tokens,
                    num_finished_requests=self.num_finished)
+        if self.proposer is not None:
+            out.update(self.proposer.stats())
         return out
 
     def shutdown(self) -> None:
-        self.executor.shutdown()
+        """Stop the workers (processes, Ray actors) and leave the process groups; idempotent."""
+        executor = getattr(self, "executor", None)
+        if executor is not None:
+            executor.shutdown()
+
+    def __del__(self):
+        with contextlib.suppress(Exception):  # interpreter teardown: the atexit hook covers it
+            self.shutdown()
