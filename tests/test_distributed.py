@@ -242,7 +242,18 @@ def test_more_ranks_than_devices_is_refused(checkpoint_dir, monkeypatch):
         LLM(checkpoint_dir("llama"), tensor_parallel_size=2)
 
 
-def test_speculative_decoding_with_several_ranks_is_refused(checkpoint_dir):
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_speculative_draft_runs_on_the_driver_only(layout, checkpoint_dir, tmp_path):
+    """The target is split across ranks; the draft is whole on the driver. Greedy output
+    equals one rank without speculation."""
+    from omniinfer.testing.tiny_models import build_tiny_checkpoint
+
     path = checkpoint_dir("llama")
-    with pytest.raises(ValueError, match="speculative_model cannot be combined"):
-        LLM(path, tensor_parallel_size=2, speculative_model=path, num_speculative_tokens=2)
+    draft = build_tiny_checkpoint(str(tmp_path / "draft"), "llama", num_hidden_layers=1, seed=1)
+    prompts = make_prompts([5, 17, 9])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected, _, _ = generate(path, prompts, params, num_kv_blocks=64)
+    got, stats, _ = generate(path, prompts, params, num_kv_blocks=64, speculative_model=draft,
+                             num_speculative_tokens=3, **layout)
+    assert tokens(got) == tokens(expected)
+    assert stats["num_spec_proposed_tokens"] > 0

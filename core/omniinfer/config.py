@@ -329,10 +329,6 @@ class EngineArgs:
             worker_cls=self.worker_cls,
         )
         check_parallel_sizes(model, parallel)
-        if speculative is not None and parallel.world_size > 1:
-            # the draft runs in the driver's process only; sharded, it would wait in collectives
-            raise ValueError("speculative_model cannot be combined with tensor_parallel_size x "
-                             f"pipeline_parallel_size = {parallel.world_size} yet; use one rank")
         return EngineConfig(
             model=model,
             cache=CacheConfig(

@@ -17,6 +17,7 @@ rank 0 and each pipeline stage is a contiguous block of TP ranks. Three kinds of
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -98,6 +99,18 @@ def initialize_model_parallel(tp_size: int, pp_size: int, backend: str | None = 
         if rank in ranks:
             new.pp_group, new.pp_ranks = group, ranks
     _STATE = new
+
+
+@contextmanager
+def single_rank():
+    """Build or run a model as if this process were alone (rank 0 of 1), whatever the
+    engine's layout: the speculative draft lives on the driver only."""
+    global _STATE
+    saved, _STATE = _STATE, ParallelGroups()
+    try:
+        yield
+    finally:
+        _STATE = saved
 
 
 def destroy_model_parallel() -> None:

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from omniinfer.attention.common import positions_for
+from omniinfer.distributed import parallel_state as ps
 from omniinfer.sampling.processing import SampleRow, draw, random_probs
 from omniinfer.worker.model_input import ModelInput
 from omniinfer.worker.model_runner import ModelRunner
@@ -36,6 +37,10 @@ def proposal_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
 
 
 class DraftModelRunner(ModelRunner):
+    def load_model(self, progress: bool = True) -> None:
+        with ps.single_rank():  # whole, on the driver, whatever the target's TP/PP layout
+            super().load_model(progress)
+
     def first_pass_input(self, chunks: list[list[int]], context_lens: list[int],
                          block_tables: list[list[int]]) -> ModelInput:
         """Catch-up input: per sequence, the tokens after what its draft cache holds. Sequences

@@ -10,7 +10,6 @@ import torch
 
 from omniinfer.attention.backend import AttentionBackend
 from omniinfer.config import EngineConfig
-from omniinfer.distributed import parallel_state as ps
 from omniinfer.engine.scheduler import ScheduledSeq
 from omniinfer.models.intermediate import IntermediateTensors
 from omniinfer.models.loader import load_model
@@ -67,7 +66,7 @@ class ModelRunner:
         """Logits of the rows that need them (last pipeline stage), else what the next stage needs."""
         hidden = self.model(model_input.input_tokens, model_input.input_positions, kv_caches,
                             model_input.attn_metadata, intermediate_tensors)
-        if not ps.is_last_pp_rank():
+        if not self.model.is_last_stage:
             return hidden
         return self.model.compute_logits(hidden[model_input.logits_indices])
 

@@ -134,5 +134,7 @@ class RowParallelLinear(LinearBase):
                      "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = ps.tp_all_reduce(F.linear(x, self.weight))
+        out = F.linear(x, self.weight)
+        if self.tp_size > 1:  # the layout it was built for (a draft is built single-rank)
+            out = ps.tp_all_reduce(out)
         return out if self.bias is None else out + self.bias
