@@ -272,6 +272,15 @@ class AttentionMetadataBuilder:
                 is_prefill: bool) -> None:
         self.state.add(context_len, query_len, block_table, is_prefill)
 
+    def add_decodes(self, context_lens: list[int], block_tables: list[list[int]]) -> None:
+        """Many decodes at once: the same as `add_seq(query_len=1, is_prefill=False)` for each
+        (after every prefill). Builders that override `add_seq` get that loop."""
+        if type(self).add_seq is AttentionMetadataBuilder.add_seq:
+            self.state.add_decodes(context_lens, block_tables)
+            return
+        for ctx, table in zip(context_lens, block_tables):
+            self.add_seq(context_len=ctx, query_len=1, block_table=table, is_prefill=False)
+
     def build(self) -> AttentionMetadata:
         return self.state.build(self.metadata_cls)
 

@@ -6,6 +6,7 @@ Everything here is numpy on the host; the result is a set of CPU tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -22,10 +23,15 @@ def positions_for(context_lens: np.ndarray, query_lens: np.ndarray) -> np.ndarra
 
 def padded_block_tables(block_tables: list[list[int]], min_width: int = 1) -> np.ndarray:
     """[num_seqs, max_blocks] int32, each row padded with 0 (never read past seq_len)."""
-    width = max(min_width, max((len(t) for t in block_tables), default=0))
+    lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    width = max(min_width, int(lens.max()) if len(lens) else 0)
     out = np.zeros((len(block_tables), width), dtype=np.int32)
-    for i, table in enumerate(block_tables):
-        out[i, : len(table)] = table
+    total = int(lens.sum())
+    if total:
+        flat = np.fromiter(chain.from_iterable(block_tables), dtype=np.int32, count=total)
+        rows = np.repeat(np.arange(len(lens)), lens)
+        cols = np.arange(total) - np.repeat(np.cumsum(lens) - lens, lens)
+        out[rows, cols] = flat
     return out
 
 
@@ -62,6 +68,11 @@ class CommonMetadataState:
         self.context_lens.append(context_len)
         self.query_lens.append(query_len)
         self.block_tables.append(block_table)
+
+    def add_decodes(self, context_lens: list[int], block_tables: list[list[int]]) -> None:
+        self.context_lens += context_lens
+        self.query_lens += [1] * len(context_lens)
+        self.block_tables += block_tables
 
     def arrays(self) -> dict[str, np.ndarray]:
         ctx = np.asarray(self.context_lens, dtype=np.int64)

@@ -133,6 +133,8 @@ class BlockManager:
         """Make room for `num_new_tokens` after `seq.num_computed_tokens` (for a new sequence,
         `computed` are its prefix-cache hits). Copy-on-write of a shared last block is appended
         to `copies` as (src, dst). False, and nothing changed, when blocks run short."""
+        if not computed and self.has_room(seq, num_new_tokens):
+            return True
         table = self.tables.get(seq.seq_id)
         is_new = table is None
         if is_new:
@@ -165,13 +167,25 @@ class BlockManager:
             table.append(self.pool.allocate())
         return True
 
+    def has_room(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Whether the sequence's blocks already hold `num_new_tokens` more and the block it
+        writes first is its own (no allocation, no copy-on-write needed)."""
+        table = self.tables.get(seq.seq_id)
+        if table is None:
+            return False
+        bs, done = self.block_size, seq.num_computed_tokens
+        return done + num_new_tokens <= len(table) * bs and (
+            done % bs == 0 or self.pool.ref_counts[table[done // bs]] == 1)
+
     def _needs_cow(self, table: list[int], num_computed: int) -> bool:
         i = num_computed // self.block_size
         return (num_computed % self.block_size != 0 and i < len(table)
                 and self.pool.ref_counts[table[i]] > 1)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        table = list(self.tables[parent.seq_id])
+        """The child shares the blocks holding the parent's cached tokens (not any lookahead
+        blocks reserved past them, which only the parent may write)."""
+        table = self.tables[parent.seq_id][: self.blocks_for(parent.num_computed_tokens)]
         for b in table:
             self.pool.acquire(b)
         self.tables[child.seq_id] = table

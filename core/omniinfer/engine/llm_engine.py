@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from omniinfer.attention.backend import AttentionSpec
 from omniinfer.attention.selector import select_attention_backend
 from omniinfer.config import EngineArgs, EngineConfig, dtype_name
-from omniinfer.engine.detokenizer import IncrementalDetokenizer, find_stop
+from omniinfer.engine.detokenizer import find_stop, make_detokenizer
 from omniinfer.engine.outputs import CompletionOutput, RequestOutput
 from omniinfer.engine.scheduler import Scheduler, SchedulerOutput
 from omniinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -85,6 +85,7 @@ class LLMEngine:
                                           self.executor.num_device_blocks, progress=progress)
         self.groups: dict[str, SequenceGroup] = {}
         self._seq_ids = itertools.count()
+        self.max_model_len = config.model.max_model_len
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_finished = 0
@@ -131,8 +132,11 @@ class LLMEngine:
         return params.max_tokens
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request. Raises ValueError/TypeError (and changes nothing) on bad input."""
+                    arrival_time: float | None = None, stream: bool = True) -> None:
+        """Queue a request. Raises ValueError/TypeError (and changes nothing) on bad input.
+
+        With `stream=False`, `step()` returns this request's output only once it finishes
+        (offline batches need nothing in between, and building outputs costs time)."""
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self.groups:
@@ -144,9 +148,10 @@ class LLMEngine:
         max_tokens = self.resolve_max_tokens(len(ids), params)
         group = SequenceGroup(request_id, text, ids, params,
                               arrival_time=arrival_time or time.monotonic(),
-                              max_tokens=max_tokens, eos_token_ids=self.eos_token_ids)
+                              max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
+                              stream=stream)
         seq = Sequence(next(self._seq_ids), group, 0, list(ids), len(ids), self.config.cache.block_size)
-        seq.detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        seq.detok = make_detokenizer(self.tokenizer, ids, params.skip_special_tokens)
         group.seqs.append(seq)
         self.groups[request_id] = group
         self.scheduler.add(seq)
@@ -187,7 +192,7 @@ class LLMEngine:
             self._process(sched, result, touched)
             if self.proposer is not None:
                 self.proposer.after_step(sched, result)
-        outputs = [self._output(g) for g in touched.values()]
+        outputs = [self._output(g) for g in touched.values() if g.stream or g.is_finished]
         for group in touched.values():
             if group.is_finished:
                 self.groups.pop(group.request_id, None)
@@ -208,16 +213,22 @@ class LLMEngine:
                 group.prompt_logprobs = [None]
             if len(group.prompt_logprobs) == first:
                 group.prompt_logprobs += entries
+        samples = result.samples
         for s in sched.scheduled:
             seq = s.seq
-            touched[seq.request_id] = seq.group
-            sample = result.samples.get(seq.seq_id)
-            if sample is None or seq.is_finished:
-                continue
             group = seq.group
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = now
-            group.metrics.last_token_time = now
+            touched[group.request_id] = group
+            sample = samples.get(seq.seq_id)
+            if sample is None or seq.status >= SequenceStatus.FINISHED_STOPPED:
+                continue
+            metrics = group.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            token_ids = sample.token_ids
+            if len(token_ids) == 1 and sample.logprobs is None:  # one token, nothing else
+                self._append(seq, token_ids[0], None, None)
+                continue
             if s.spec_tokens:  # several tokens for one sequence: accepted drafts + one drawn
                 self._append_speculative(seq, sample)
                 continue
@@ -228,8 +239,8 @@ class LLMEngine:
                 lp = None if sample.logprobs is None else sample.logprobs[k]
                 top = None if sample.top_logprobs is None else sample.top_logprobs[k]
                 self._append(target, sample.token_ids[k], lp, top)
-            if group.params.n > 1:
-                group.is_forked = True
+            if group.params.n > 1 and not group.is_forked:
+                group.mark_forked()
 
     def _append_speculative(self, seq: Sequence, sample) -> None:
         for j, token in enumerate(sample.token_ids):
@@ -246,7 +257,7 @@ class LLMEngine:
         after = parent
         for k in range(1, n):
             child = parent.fork(next(self._seq_ids), k)
-            child.detok = IncrementalDetokenizer(self.tokenizer, parent.group.prompt_token_ids,
+            child.detok = make_detokenizer(self.tokenizer, parent.group.prompt_token_ids,
                                                  parent.group.params.skip_special_tokens)
             self.scheduler.blocks.fork(parent, child)
             self.scheduler.add_running(child, after=after)
@@ -270,7 +281,8 @@ class LLMEngine:
         new_text = seq.detok.add(token)
         seq.output_text += new_text
         status = None
-        if seq.num_output_tokens >= p.min_tokens:
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        if num_output >= p.min_tokens:
             if not p.ignore_eos and token in group.eos_token_ids:
                 status = SequenceStatus.FINISHED_STOPPED
             elif token in p.stop_token_ids:
@@ -282,8 +294,8 @@ class LLMEngine:
                     end = index + len(stop) if p.include_stop_str_in_output else index
                     seq.output_text = seq.output_text[:end]
                     status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-        if status is None and (seq.num_output_tokens >= group.max_tokens
-                               or seq.num_tokens >= self.config.model.max_model_len):
+        if status is None and (num_output >= group.max_tokens
+                               or len(seq.token_ids) >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             if not isinstance(seq.stop_reason, str):  # a stop string cut the text already

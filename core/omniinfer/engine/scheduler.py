@@ -30,7 +30,8 @@ class ScheduledSeq:
     spec_probs: object = None
 
     def __post_init__(self) -> None:
-        self.is_sampling = self.seq.num_computed_tokens + self.num_new_tokens >= self.seq.num_tokens
+        seq = self.seq
+        self.is_sampling = seq.num_computed_tokens + self.num_new_tokens >= len(seq.token_ids)
 
 
 @dataclass(slots=True)
@@ -90,15 +91,22 @@ class Scheduler:
         lookahead = self.config.num_lookahead_slots
         scheduled: dict[int, ScheduledSeq] = {}
         self._copies: dict[int, list[tuple[int, int]]] = {}  # this step's copy-on-writes per seq
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens != 1]
+        decodes, prefills = [], []
+        for s in self.running:
+            (decodes if len(s.token_ids) - s.num_computed_tokens == 1 else prefills).append(s)
+        running = SequenceStatus.RUNNING
+        has_room = self.blocks.has_room
         for seq in decodes + prefills:
-            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+            if seq.status != running:  # preempted earlier in this loop
                 continue
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
             extra = lookahead if num_new == 1 else 0
+            if has_room(seq, num_new + extra):  # the common decode: nothing to allocate
+                scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
+                budget -= num_new + extra
+                continue
             while not self._allocate(seq, num_new + extra):
                 victim = self._pick_victim(seq)
                 if victim is seq:
@@ -121,9 +129,10 @@ class Scheduler:
         out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
         now = time.monotonic()
         for s in out.scheduled:
-            metrics = s.seq.group.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+            if s.num_new_tokens != 1 or s.seq.num_computed_tokens == 0:  # decodes were seen before
+                metrics = s.seq.group.metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
         return out
 
     def _allocate(self, seq: Sequence, num_tokens: int, computed: list[int] | None = None) -> bool:
@@ -218,12 +227,15 @@ class Scheduler:
     # ---- after the model ran -------------------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed-token counts and publish newly full blocks to the prefix cache."""
+        caching = self.blocks.pool.enable_caching
+        running = SequenceStatus.RUNNING
         for s in out.scheduled:
             seq = s.seq
-            if seq.status != SequenceStatus.RUNNING:
+            if seq.status != running:
                 continue
             seq.num_computed_tokens += s.num_new_tokens
-            self.blocks.cache_full_blocks(seq)
+            if caching:
+                self.blocks.cache_full_blocks(seq)
 
     def advance_computed(self, seq: Sequence, num_tokens: int) -> None:
         """More of the sequence is cached than it was scheduled for (accepted drafts)."""

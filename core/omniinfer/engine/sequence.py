@@ -32,6 +32,9 @@ class SequenceStatus(enum.IntEnum):
         return {3: "stop", 4: "length", 5: "abort", 6: "error"}.get(int(self))
 
 
+_FIRST_FINISHED = SequenceStatus.FINISHED_STOPPED
+
+
 @dataclass(slots=True)
 class Logprob:
     logprob: float
@@ -90,7 +93,7 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status >= _FIRST_FINISHED
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
@@ -143,15 +146,25 @@ class SequenceGroup:
     is_forked: bool = False
     max_tokens: int = 0  # resolved budget of generated tokens
     eos_token_ids: list[int] = field(default_factory=list)
-    generators: dict = field(default_factory=dict)  # sample index -> torch.Generator (seeded)
+    generators: dict = field(default_factory=dict)
+    stream: bool = True  # outputs every step (else only when finished)
+    # set in __post_init__ / mark_forked: one token a step, no fork to make, no prompt log-probs
+    decodes_plainly: bool = field(init=False, default=False)  # sample index -> torch.Generator (seeded)
     metrics: RequestMetrics | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(self.arrival_time)
+        self.decodes_plainly = self.params.n == 1 and self.params.prompt_logprobs is None
+
+    def mark_forked(self) -> None:
+        self.is_forked = True
+        self.decodes_plainly = self.params.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:
-        return self.error is not None or all(s.is_finished for s in self.seqs)
+        if self.error is not None:
+            return True
+        return all(s.status >= _FIRST_FINISHED for s in self.seqs)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -80,7 +80,7 @@ class LLM:
             checked.append({"prompt": text, "prompt_token_ids": ids})
         request_ids = [f"llm-{next(self._ids)}" for _ in checked]
         for rid, prompt, p in zip(request_ids, checked, params):
-            engine.add_request(rid, prompt, p)
+            engine.add_request(rid, prompt, p, stream=False)
         try:
             finished = self._run(set(request_ids), len(request_ids), use_tqdm)
         except BaseException:

@@ -114,6 +114,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def is_plain_greedy(self) -> bool:
+        """Argmax and nothing else: the sampler's fast path."""
+        return (self.temperature == 0.0 and self.logprobs is None and self.min_tokens == 0
+                and self.presence_penalty == 0 and self.frequency_penalty == 0
+                and self.repetition_penalty == 1)
+
+    @property
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)

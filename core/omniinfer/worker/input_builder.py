@@ -17,6 +17,13 @@ def is_decode(s: ScheduledSeq) -> bool:
     return s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0 and not s.spec_tokens
 
 
+def is_plain_decode(s: ScheduledSeq) -> bool:
+    """A decode with nothing special: samples one token, no fork, no prompt log-probs."""
+    seq = s.seq
+    return (s.num_new_tokens == 1 and seq.group.decodes_plainly and not s.spec_tokens
+            and seq.num_computed_tokens + 1 == len(seq.token_ids))
+
+
 class ModelRunnerInputBuilder:
     """Collects one step's sequences (prefills first, then decodes) and builds the tensors.
 
@@ -57,6 +64,21 @@ class ModelRunnerInputBuilder:
             self.sampling.num_samples.append(group.params.n if forks else 1)
             self.sample_rows.append(self.num_tokens + q - 1)
         self.num_tokens += q
+
+    def add_decodes(self, decodes: list[ScheduledSeq], block_tables: dict[int, list[int]]) -> None:
+        """Plain decodes in bulk (one token each, sampling, no fork, no prompt log-probs):
+        what `add_seq` does for each, without the per-sequence branches."""
+        seqs = [s.seq for s in decodes]
+        start, n = self.num_tokens, len(seqs)
+        ctx = [seq.num_computed_tokens for seq in seqs]
+        self.tokens.append([seq.token_ids[-1] for seq in seqs])
+        self.context_lens += ctx
+        self.query_lens += [1] * n
+        self.attn_builder.add_decodes(ctx, [block_tables[seq.seq_id] for seq in seqs])
+        self.sampling.seqs += seqs
+        self.sampling.num_samples += [1] * n
+        self.sample_rows += range(start, start + n)
+        self.num_tokens += n
 
     def _add_prompt_rows(self, group, ctx: int, q: int) -> None:
         # The logits at position p predict prompt token p + 1; entries already collected
