@@ -157,8 +157,18 @@ def exponentials(shape: tuple[int, int], rows: list[SampleRow], device: torch.de
 
 
 def draw(probs: torch.Tensor, rows: list[SampleRow], default: torch.Generator | None) -> torch.Tensor:
-    """One exact draw per row: argmax(probs / Exp(1)) (the exponential race)."""
-    return (probs / exponentials(tuple(probs.shape), rows, probs.device, default)).argmax(dim=-1)
+    """One exact draw per row: argmax(probs / Exp(1)) (the exponential race). Greedy rows
+    (one-hot probs) take their argmax without drawing noise."""
+    random = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+    if len(random) == len(rows):
+        return (probs / exponentials(tuple(probs.shape), rows, probs.device, default)).argmax(dim=-1)
+    tokens = probs.argmax(dim=-1)
+    if random:
+        index = torch.tensor(random, device=probs.device)
+        sub = [rows[i] for i in random]
+        noise = exponentials((len(random), probs.shape[1]), sub, probs.device, default)
+        tokens[index] = (probs[index] / noise).argmax(dim=-1)
+    return tokens
 
 
 def uniforms(rows: list[SampleRow], count: int, device: torch.device,

@@ -106,6 +106,16 @@ class Sampler:
         assert all(len(s.draft_tokens) == k for s in spec), "one k per step"
         index = torch.tensor([s.start_row + j for s in spec for j in range(k + 1)],
                              device=logits.device)
+        if all(s.seq.group.params.is_plain_greedy for s in spec):  # prefix matching, no probs
+            targets = greedy_tokens(logits[index])
+            for i, s in enumerate(spec):
+                row = targets[i * (k + 1): (i + 1) * (k + 1)]
+                accepted = 0
+                while accepted < k and s.draft_tokens[accepted] == row[accepted]:
+                    accepted += 1
+                out.samples[s.seq.seq_id] = SeqSample(s.draft_tokens[:accepted] + [row[accepted]],
+                                                      num_accepted=accepted)
+            return
         rows = [SampleRow(s.seq, s.seq.index, tuple(s.draft_tokens[:j]))
                 for s in spec for j in range(k + 1)]
         scored = logits[index].float()

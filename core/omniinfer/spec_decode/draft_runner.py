@@ -61,16 +61,21 @@ class DraftModelRunner(ModelRunner):
     @torch.inference_mode()
     def propose(self, first: ModelInput, rows: list[SampleRow], k: int, kv_caches: list[torch.Tensor],
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """k drafted tokens [B, k] and the distributions they were drawn from [B, k, vocab]."""
+        """k drafted tokens [B, k] and the distributions they were drawn from [B, k, vocab]
+        (None when every request is greedy: the verifier then only compares argmaxes)."""
         vocab = self.model_config.vocab_size
         model_input = first.to(self.device)
+        greedy_only = all(row.params.is_greedy for row in rows)
         tokens, probs = [], []
         for step in range(k):
             logits = self.execute_model(model_input, kv_caches)[:, :vocab]
-            p = proposal_probs(logits, rows)
-            t = draw(p, rows, generator)
+            if greedy_only:
+                t = logits.argmax(dim=-1)
+            else:
+                p = proposal_probs(logits, rows)
+                t = draw(p, rows, generator)
+                probs.append(p)
             tokens.append(t)
-            probs.append(p)
             if step + 1 == k:
                 break
             if step == 0:
@@ -79,7 +84,7 @@ class DraftModelRunner(ModelRunner):
                 model_input.input_tokens.copy_(t)
                 model_input.input_positions += 1
                 model_input.attn_metadata.advance_step(model_input.input_positions, self.block_size)
-        return torch.stack(tokens, dim=1), torch.stack(probs, dim=1)
+        return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
     def _decode_input(self, first: ModelInput, tokens: torch.Tensor) -> ModelInput:
         md = first.attn_metadata

@@ -98,7 +98,7 @@ class DraftProposer:
         tokens, probs = self.runner.propose(first, rows, self.k, self.cache.device_cache, self.generator)
         for i, token_list in enumerate(tokens.tolist()):  # the one device-to-host copy
             s = entries[i][0]
-            s.spec_tokens, s.spec_probs = token_list, probs[i]
+            s.spec_tokens, s.spec_probs = token_list, (None if probs is None else probs[i])
             self.pending[s.seq.seq_id] = s.seq.num_tokens
         self.num_draft_steps += 1
 
