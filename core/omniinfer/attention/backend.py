@@ -78,7 +78,8 @@ class AttentionBackend:
 
     @classmethod
     def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
-        raise NotImplementedError
+        """The metadata builder; the default builds the common `AttentionMetadata`."""
+        return AttentionMetadataBuilder
 
     @classmethod
     def get_impl_cls(cls) -> type[AttentionImpl]:

@@ -14,7 +14,6 @@ from omniinfer.attention.backend import (
     AttentionBackend,
     AttentionImpl,
     AttentionMetadata,
-    AttentionMetadataBuilder,
 )
 from omniinfer.attention.ops import causal_mask, gather_kv, write_to_kv_cache
 
@@ -53,9 +52,6 @@ class ReferenceBackend(AttentionBackend):
     name: ClassVar[str] = "REFERENCE"
     supported_device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda", "xpu")
 
-    @classmethod
-    def get_builder_cls(cls):
-        return AttentionMetadataBuilder
 
     @classmethod
     def get_impl_cls(cls):

@@ -124,9 +124,11 @@ def processed(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return apply_penalties(apply_min_tokens(logits.float(), rows), rows)
 
 
-def sampling_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """The exact distribution each row samples from: one-hot argmax for greedy rows."""
-    logits = processed(logits, rows)
+def sampling_probs(logits: torch.Tensor, rows: list[SampleRow], history: bool = True) -> torch.Tensor:
+    """The exact distribution each row samples from: one-hot argmax for greedy rows. With
+    `history=False` min-tokens masking and penalties are skipped (a draft's proposals: any
+    proposal distribution keeps rejection sampling exact, and this one needs no history)."""
+    logits = processed(logits, rows) if history else logits.float()
     probs = torch.empty_like(logits)
     greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
     random = [i for i, row in enumerate(rows) if not row.params.is_greedy]
@@ -139,21 +141,28 @@ def sampling_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return probs
 
 
-def exponentials(shape: tuple[int, int], rows: list[SampleRow], device: torch.device,
-                 default: torch.Generator | None) -> torch.Tensor:
-    """Exp(1) noise per row, from each seeded request's own generator (else `default`)."""
-    q = torch.empty(shape, device=device)
+def _noise(shape: tuple[int, int], rows: list[SampleRow], device: torch.device,
+           default: torch.Generator | None, fill: str) -> torch.Tensor:
+    """Noise per row (`fill` is "exponential_" or "uniform_"), from each seeded request's own
+    generator, else from `default`."""
+    out = torch.empty(shape, device=device)
     unseeded = []
     for i, row in enumerate(rows):
         g = generator_for(row, device)
         if g is None:
             unseeded.append(i)
         else:
-            q[i].exponential_(generator=g)
+            getattr(out[i], fill)(generator=g)
     if unseeded:
-        u = torch.tensor(unseeded, device=device)
-        q[u] = torch.empty(len(unseeded), shape[1], device=device).exponential_(generator=default)
-    return q
+        index = torch.tensor(unseeded, device=device)
+        out[index] = getattr(torch.empty(len(unseeded), shape[1], device=device), fill)(generator=default)
+    return out
+
+
+def exponentials(shape: tuple[int, int], rows: list[SampleRow], device: torch.device,
+                 default: torch.Generator | None) -> torch.Tensor:
+    """Exp(1) noise per row."""
+    return _noise(shape, rows, device, default, "exponential_")
 
 
 def draw(probs: torch.Tensor, rows: list[SampleRow], default: torch.Generator | None) -> torch.Tensor:
@@ -173,16 +182,5 @@ def draw(probs: torch.Tensor, rows: list[SampleRow], default: torch.Generator | 
 
 def uniforms(rows: list[SampleRow], count: int, device: torch.device,
              default: torch.Generator | None) -> torch.Tensor:
-    """U[0, 1) noise [len(rows), count], from each seeded request's own generator."""
-    u = torch.empty(len(rows), count, device=device)
-    unseeded = []
-    for i, row in enumerate(rows):
-        g = generator_for(row, device)
-        if g is None:
-            unseeded.append(i)
-        else:
-            u[i].uniform_(generator=g)
-    if unseeded:
-        idx = torch.tensor(unseeded, device=device)
-        u[idx] = torch.empty(len(unseeded), count, device=device).uniform_(generator=default)
-    return u
+    """U[0, 1) noise [len(rows), count]."""
+    return _noise((len(rows), count), rows, device, default, "uniform_")

@@ -14,26 +14,9 @@ import torch
 
 from omniinfer.attention.common import positions_for
 from omniinfer.distributed import parallel_state as ps
-from omniinfer.sampling.processing import SampleRow, draw, random_probs
+from omniinfer.sampling.processing import SampleRow, draw, sampling_probs
 from omniinfer.worker.model_input import ModelInput
 from omniinfer.worker.model_runner import ModelRunner
-
-
-def proposal_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """The distribution each draft token is drawn from: one-hot argmax for greedy requests,
-    else temperature / top-k / top-p / min-p of the raw draft logits (no penalties: any
-    proposal distribution keeps rejection sampling exact, and this one needs no history)."""
-    logits = logits.float()
-    probs = torch.empty_like(logits)
-    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-    random = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-    if greedy:
-        g = torch.tensor(greedy, device=logits.device)
-        probs[g] = torch.nn.functional.one_hot(logits[g].argmax(dim=-1), logits.shape[1]).float()
-    if random:
-        r = torch.tensor(random, device=logits.device)
-        probs[r] = random_probs(logits[r], [rows[i] for i in random])
-    return probs
 
 
 class DraftModelRunner(ModelRunner):
@@ -72,7 +55,7 @@ class DraftModelRunner(ModelRunner):
             if greedy_only:
                 t = logits.argmax(dim=-1)
             else:
-                p = proposal_probs(logits, rows)
+                p = sampling_probs(logits, rows, history=False)
                 t = draw(p, rows, generator)
                 probs.append(p)
             tokens.append(t)

@@ -27,7 +27,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from omniinfer.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+from omniinfer.attention.backend import AttentionBackend, AttentionImpl
 
 
 def _takes_scales(fn) -> bool:
@@ -96,6 +96,3 @@ class PagedOpsBackend(AttentionBackend):
                            head_size: int) -> tuple[int, ...]:
         return (2, num_blocks, num_kv_heads, block_size, head_size)
 
-    @classmethod
-    def get_builder_cls(cls):
-        return AttentionMetadataBuilder

@@ -12,7 +12,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from omniinfer.attention.backend import AttentionBackend, AttentionImpl, AttentionMetadataBuilder
+from omniinfer.attention.backend import AttentionBackend, AttentionImpl
 from omniinfer.attention.ops import causal_mask, gather_kv, write_to_kv_cache
 
 
@@ -73,9 +73,6 @@ class TorchSDPABackend(AttentionBackend):
     name: ClassVar[str] = "TORCH_SDPA"
     supported_device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda", "xpu")
 
-    @classmethod
-    def get_builder_cls(cls):
-        return AttentionMetadataBuilder
 
     @classmethod
     def get_impl_cls(cls):

@@ -14,7 +14,6 @@ import torch
 from omniinfer.attention.backend import (
     AttentionBackend,
     AttentionImpl,
-    AttentionMetadataBuilder,
     AttentionSpec,
 )
 
@@ -91,9 +90,6 @@ class TritonBackend(AttentionBackend):
             return []  # already said
         return triton_reasons(spec)
 
-    @classmethod
-    def get_builder_cls(cls):
-        return AttentionMetadataBuilder
 
     @classmethod
     def get_impl_cls(cls):
