@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from omniinfer.platforms.interface import Availability, Platform, accelerator_kv_budget
+from omniinfer.platforms.accelerator import AcceleratorPlatform
+from omniinfer.platforms.interface import Availability
 
 
-class CudaPlatform(Platform):
+class CudaPlatform(AcceleratorPlatform):
     name = "cuda"
     device_type = "cuda"
     priority = 100
@@ -34,12 +35,6 @@ class CudaPlatform(Platform):
         return f"cuda {torch.version.cuda}" if torch.version.cuda and not torch.version.hip else ""
 
     @classmethod
-    def device_names(cls) -> list[str]:
-        import torch
-
-        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-
-    @classmethod
     def device_capability(cls) -> tuple[int, int] | None:
         import torch
 
@@ -50,36 +45,6 @@ class CudaPlatform(Platform):
         from omniinfer_cuda.model_runner import CudaModelRunner
 
         return CudaModelRunner
-
-    @classmethod
-    def device_count(cls) -> int:
-        import torch
-
-        return torch.cuda.device_count()
-
-    @classmethod
-    def set_device(cls, local_rank: int) -> None:
-        import torch
-
-        torch.cuda.set_device(local_rank)
-
-    @classmethod
-    def synchronize(cls) -> None:
-        import torch
-
-        torch.cuda.synchronize()
-
-    @classmethod
-    def pin_memory_available(cls) -> bool:
-        return True
-
-    @classmethod
-    def kv_cache_memory_bytes(cls, config, model_bytes: int) -> int:
-        import torch
-
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        return accelerator_kv_budget(config, free, total)
 
     @classmethod
     def verify_config(cls, config) -> list[str]:

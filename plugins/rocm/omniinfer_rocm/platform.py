@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from omniinfer.platforms.interface import Availability, Platform, accelerator_kv_budget
+from omniinfer.platforms.accelerator import AcceleratorPlatform
+from omniinfer.platforms.interface import Availability
 
 
-class RocmPlatform(Platform):
+class RocmPlatform(AcceleratorPlatform):
     name = "rocm"
     device_type = "cuda"  # ROCm torch exposes HIP devices as torch.device("cuda")
     priority = 100
@@ -32,38 +33,10 @@ class RocmPlatform(Platform):
         return f"hip {torch.version.hip}" if torch.version.hip else ""
 
     @classmethod
-    def device_names(cls) -> list[str]:
-        import torch
-
-        return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-
-    @classmethod
     def model_runner_cls(cls) -> type:
         from omniinfer_rocm.model_runner import RocmModelRunner
 
         return RocmModelRunner
-
-    @classmethod
-    def device_count(cls) -> int:
-        import torch
-
-        return torch.cuda.device_count()
-
-    @classmethod
-    def set_device(cls, local_rank: int) -> None:
-        import torch
-
-        torch.cuda.set_device(local_rank)
-
-    @classmethod
-    def synchronize(cls) -> None:
-        import torch
-
-        torch.cuda.synchronize()
-
-    @classmethod
-    def pin_memory_available(cls) -> bool:
-        return True
 
     @classmethod
     def gcn_arch(cls) -> str | None:
@@ -72,11 +45,3 @@ class RocmPlatform(Platform):
 
         props = torch.cuda.get_device_properties(0)
         return getattr(props, "gcnArchName", None)
-
-    @classmethod
-    def kv_cache_memory_bytes(cls, config, model_bytes: int) -> int:
-        import torch
-
-        torch.cuda.synchronize()
-        free, total = torch.cuda.mem_get_info()
-        return accelerator_kv_budget(config, free, total)

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from omniinfer.platforms.interface import Availability, Platform, accelerator_kv_budget
+from omniinfer.platforms.accelerator import AcceleratorPlatform
+from omniinfer.platforms.interface import Availability
 
 
-class XpuPlatform(Platform):
+class XpuPlatform(AcceleratorPlatform):
     name = "xpu"
     device_type = "xpu"
     priority = 90
@@ -31,43 +32,3 @@ class XpuPlatform(Platform):
 
         version = getattr(torch.version, "xpu", None)
         return f"xpu {version}" if version else ""
-
-    @classmethod
-    def device_names(cls) -> list[str]:
-        import torch
-
-        return [torch.xpu.get_device_name(i) for i in range(torch.xpu.device_count())]
-
-    @classmethod
-    def device_count(cls) -> int:
-        import torch
-
-        return torch.xpu.device_count()
-
-    @classmethod
-    def set_device(cls, local_rank: int) -> None:
-        import torch
-
-        torch.xpu.set_device(local_rank)
-
-    @classmethod
-    def synchronize(cls) -> None:
-        import torch
-
-        torch.xpu.synchronize()
-
-    @classmethod
-    def pin_memory_available(cls) -> bool:
-        return True
-
-    @classmethod
-    def kv_cache_memory_bytes(cls, config, model_bytes: int) -> int:
-        import torch
-
-        torch.xpu.synchronize()
-        if hasattr(torch.xpu, "mem_get_info"):
-            free, total = torch.xpu.mem_get_info()
-        else:
-            total = torch.xpu.get_device_properties(0).total_memory
-            free = total - torch.xpu.memory_reserved()
-        return accelerator_kv_budget(config, free, total)
