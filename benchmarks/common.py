@@ -11,6 +11,9 @@ SHAPES = {
     # shaped like Qwen2.5-0.5B
     "medium": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                    intermediate_size=4864, vocab_size=151936, arch="qwen2", tie_word_embeddings=True),
+    # for the CI smoke test of the scripts: every code path, seconds to run
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512, arch="llama"),
     # a one-layer model of the small vocabulary (host-overhead runs swap its forward out)
     "trivial": dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                     intermediate_size=128, vocab_size=32000, arch="llama"),

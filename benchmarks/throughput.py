@@ -128,7 +128,8 @@ def main() -> None:
                           "model_gflops": flops / elapsed / 1e9, "mfu": flops / elapsed / 1e9 / peak},
         }
         if args.compare == "transformers":
-            static = {b: run_transformers_static(path, prompts, o, dtype, b) for b in (8, 32, 64) if b <= n}
+            batches = [b for b in (8, 32, 64) if b <= n] or [n]
+            static = {b: run_transformers_static(path, prompts, o, dtype, b) for b in batches}
             best = min(static, key=static.get)
             result["transformers_static"] = {"best_batch": best, "seconds": static[best],
                                              "output_tokens_per_s": n * o / static[best],

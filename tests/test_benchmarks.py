@@ -1,0 +1,53 @@
+"""The benchmark scripts run end to end (tiny shapes, seconds): numbers are not checked here,
+only that every path works and the JSON and table come out."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run(script: str, *args: str, timeout: int = 300) -> str:
+    env = dict(os.environ, OMNIINFER_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                          capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_throughput_with_transformers_comparison(tmp_path):
+    out = tmp_path / "t.json"
+    text = run("throughput.py", "--shape", "tiny", "-n", "4", "--input-len", "8", "--output-len", "4",
+               "--compare", "transformers", "--json", str(out))
+    assert "MFU" in text and "transformers static" in text
+    (result,) = json.loads(out.read_text())
+    assert result["omniinfer"]["output_tokens_per_s"] > 0 and result["omniinfer"]["mfu"] > 0
+    assert result["transformers_static"]["best_batch"] == 4  # fewer prompts than 8: one batch
+
+
+def test_latency_with_transformers_comparison(tmp_path):
+    out = tmp_path / "l.json"
+    text = run("latency.py", "--shape", "tiny", "--input-len", "8", "--output-len", "4", "--repeats", "1",
+               "--compare", "transformers", "--json", str(out))
+    assert "ms/token" in text and "speed-up over transformers" in text
+    (result,) = json.loads(out.read_text())
+    assert result["read_gbps"] > 0 and result["omniinfer"]["weight_gbps"] > 0
+
+
+def test_host_overhead(tmp_path):
+    out = tmp_path / "h.json"
+    text = run("host_overhead.py", "--seqs", "4", "16", "--steps", "3", "--json", str(out))
+    assert "ms/step" in text
+    assert [r["num_seqs"] for r in json.loads(out.read_text())] == [4, 16]
+
+
+@pytest.mark.slow
+def test_spec_decode(tmp_path):
+    text = run("spec_decode.py", "--k", "2", "--batch", "1", "--max-tokens", "8", "--repeats", "1")
+    assert "upper bound" in text
