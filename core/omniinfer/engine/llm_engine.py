@@ -88,6 +88,7 @@ class LLMEngine:
         self.max_model_len = config.model.max_model_len
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_streamed = 0  # unfinished requests added with stream=True
         self.num_finished = 0
 
     @classmethod
@@ -154,6 +155,7 @@ class LLMEngine:
         seq.detok = make_detokenizer(self.tokenizer, ids, params.skip_special_tokens)
         group.seqs.append(seq)
         self.groups[request_id] = group
+        self.num_streamed += stream
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(ids)
 
@@ -164,6 +166,7 @@ class LLMEngine:
             group = self.groups.pop(rid, None)
             if group is None:
                 continue
+            self.num_streamed -= group.stream
             for seq in group.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
@@ -180,7 +183,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; returns the requests that progressed or finished."""
         sched = self.scheduler.schedule()
-        touched: dict[str, SequenceGroup] = {}
+        touched: dict[str, SequenceGroup] = {}  # requests to report: streamed or finished
+        self._touched = touched
         for seq in sched.rejected:
             self._finish_group_with_error(seq.group)
             touched[seq.request_id] = seq.group
@@ -194,9 +198,9 @@ class LLMEngine:
                 self.proposer.after_step(sched, result)
         outputs = [self._output(g) for g in touched.values() if g.stream or g.is_finished]
         for group in touched.values():
-            if group.is_finished:
-                self.groups.pop(group.request_id, None)
+            if group.is_finished and self.groups.pop(group.request_id, None) is not None:
                 self.num_finished += 1
+                self.num_streamed -= group.stream
         return outputs
 
     def _request(self, sched: SchedulerOutput) -> ExecuteModelRequest:
@@ -213,18 +217,22 @@ class LLMEngine:
                 group.prompt_logprobs = [None]
             if len(group.prompt_logprobs) == first:
                 group.prompt_logprobs += entries
+        if result.greedy is not None:  # one greedy token per sequence, nothing else
+            for seq, token in zip(*result.greedy):
+                if seq.status < SequenceStatus.FINISHED_STOPPED:
+                    self._append(seq, token, None, None)
         samples = result.samples
+        if not samples and not self.num_streamed:  # the greedy fast path covered everything
+            return
         for s in sched.scheduled:
             seq = s.seq
             group = seq.group
-            touched[group.request_id] = group
+            if group.stream:  # streamed requests report every step (finished ones always do)
+                touched[group.request_id] = group
+                group.metrics.last_token_time = now
             sample = samples.get(seq.seq_id)
             if sample is None or seq.status >= SequenceStatus.FINISHED_STOPPED:
                 continue
-            metrics = group.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
             token_ids = sample.token_ids
             if len(token_ids) == 1 and sample.logprobs is None:  # one token, nothing else
                 self._append(seq, token_ids[0], None, None)
@@ -269,7 +277,14 @@ class LLMEngine:
     def _append(self, seq: Sequence, token: int, logprob: float | None, top) -> None:
         group = seq.group
         p = group.params
-        seq.append_token(token)
+        metrics = group.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = time.monotonic()
+        token_ids = seq.token_ids
+        token_ids.append(token)
+        num_tokens = len(token_ids)
+        if num_tokens % seq.block_size == 0:
+            seq.extend_block_hashes()
         self.num_generation_tokens += 1
         if logprob is not None:
             seq.cumulative_logprob += logprob
@@ -281,7 +296,7 @@ class LLMEngine:
         new_text = seq.detok.add(token)
         seq.output_text += new_text
         status = None
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        num_output = num_tokens - seq.num_prompt_tokens
         if num_output >= p.min_tokens:
             if not p.ignore_eos and token in group.eos_token_ids:
                 status = SequenceStatus.FINISHED_STOPPED
@@ -294,14 +309,14 @@ class LLMEngine:
                     end = index + len(stop) if p.include_stop_str_in_output else index
                     seq.output_text = seq.output_text[:end]
                     status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-        if status is None and (num_output >= group.max_tokens
-                               or len(seq.token_ids) >= self.max_model_len):
+        if status is None and (num_output >= group.max_tokens or num_tokens >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
             if not isinstance(seq.stop_reason, str):  # a stop string cut the text already
                 seq.output_text += seq.detok.flush()
             self.scheduler.finish(seq, status)
-            group.metrics.finished_time = time.monotonic()
+            metrics.finished_time = metrics.last_token_time = time.monotonic()
+            self._touched[group.request_id] = group
 
     def _finish_group_with_error(self, group: SequenceGroup) -> None:
         for seq in group.seqs:

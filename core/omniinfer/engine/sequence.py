@@ -73,7 +73,7 @@ class Sequence:
         self.detok = None  # incremental detokenizer state (engine-owned)
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
-        self._extend_hashes()
+        self.extend_block_hashes()
 
     @property
     def request_id(self) -> str:
@@ -98,9 +98,10 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         if len(self.token_ids) % self.block_size == 0:
-            self._extend_hashes()
+            self.extend_block_hashes()
 
-    def _extend_hashes(self) -> None:
+    def extend_block_hashes(self) -> None:
+        """Hash every full block of token_ids not hashed yet (call when a block fills)."""
         bs = self.block_size
         while (len(self.block_hashes) + 1) * bs <= len(self.token_ids):
             i = len(self.block_hashes)

@@ -35,6 +35,8 @@ class SeqSample:
 @dataclass
 class SamplerOutput:
     samples: dict[int, SeqSample] = field(default_factory=dict)  # seq_id -> sample
+    # the all-greedy fast path: (sequences, one token each), instead of `samples`
+    greedy: tuple[list, list[int]] | None = None
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
     # request_id -> (index in the prompt of the first entry, entries)
 
@@ -67,8 +69,7 @@ class Sampler:
     # ---- sampling ----------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata, out: SamplerOutput) -> None:
         if self._greedy_only(md):  # the common case, with no per-row work at all
-            for seq, token in zip(md.seqs, greedy_tokens(logits)):
-                out.samples[seq.seq_id] = SeqSample([token])
+            out.greedy = (md.seqs, greedy_tokens(logits))
             return
         rows: list[SampleRow] = []  # one per sampled token (n on a row that forks its request)
         for seq, n in zip(md.seqs, md.num_samples):
