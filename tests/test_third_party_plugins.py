@@ -123,11 +123,14 @@ def test_acme_is_selected_only_when_named(third_party, monkeypatch):
 def test_acme_backend_joins_the_cpu_platform_after_its_preferences(third_party):
     registry = PluginRegistry()
     cpu = registry.platforms["cpu"]
+    from omniinfer_cpu.kernels import build
+
     assert candidate_names(cpu.attention_backend_preferences, registry.backends, "cpu") == [
-        "IPEX_CPU", "TORCH_SDPA", "REFERENCE", "TRITON", "ACME_ATTN"]
+        "IPEX_CPU", "CPU_PAGED", "TORCH_SDPA", "REFERENCE", "TRITON", "ACME_ATTN"]
     assert "ACME_ATTN" not in candidate_names(registry.platforms["cuda"].attention_backend_preferences,
                                               registry.backends, "cuda")
-    assert select_attention_backend(cpu, _spec(), registry.backends).name == "TORCH_SDPA"
+    expected = "CPU_PAGED" if build.load() else "TORCH_SDPA"  # TORCH_SDPA without a C compiler
+    assert select_attention_backend(cpu, _spec(), registry.backends).name == expected
     # float64: the cpu platform's own preferences refuse, the plugin's backend serves it
     assert select_attention_backend(cpu, _spec(dtype=torch.float64), registry.backends).name == "ACME_ATTN"
     assert select_attention_backend(cpu, _spec(), registry.backends, "acme_attn").name == "ACME_ATTN"

@@ -77,6 +77,13 @@ class AttentionBackend:
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
+    def allocate_kv_cache(cls, shape: tuple[int, ...], dtype: torch.dtype,
+                          device: torch.device) -> torch.Tensor:
+        """One layer's cache, zero-filled (padded reads of never-written slots must be finite).
+        A backend may place it where its kernels read it fastest (the CPU plugin's: huge pages)."""
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    @classmethod
     def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
         """The metadata builder; the default builds the common `AttentionMetadata`."""
         return AttentionMetadataBuilder

@@ -23,8 +23,8 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
     block_size = kv_cache.shape[2]
     num_blocks = (seq_len + block_size - 1) // block_size
     blocks = block_table[:num_blocks].long()
-    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    k = kv_cache[0].index_select(0, blocks).flatten(0, 1)[:seq_len]
+    v = kv_cache[1].index_select(0, blocks).flatten(0, 1)[:seq_len]
     return k, v
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from omniinfer.attention.layer import Attention
@@ -17,6 +16,7 @@ from omniinfer.config import ModelConfig, rope_scaling, rope_theta
 from omniinfer.distributed import parallel_state as ps
 from omniinfer.models.intermediate import IntermediateTensors
 from omniinfer.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from omniinfer.models.layers.layer_ops import SiluAndMul
 from omniinfer.models.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -32,10 +32,10 @@ class LlamaMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
+        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):

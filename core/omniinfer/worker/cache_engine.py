@@ -20,7 +20,7 @@ class CacheEngine:
         self.backend = backend
         shape = backend.get_kv_cache_shape(num_device_blocks, block_size, num_kv_heads, head_size)
         # zeros: padded reads of never-written slots must be finite (masked, but 0 * NaN = NaN)
-        self.device_cache = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.device_cache = [backend.allocate_kv_cache(shape, dtype, device) for _ in range(num_layers)]
         host_shape = backend.get_kv_cache_shape(num_host_blocks, block_size, num_kv_heads, head_size)
         self.host_cache = [torch.empty(host_shape, dtype=dtype, device="cpu", pin_memory=pin_memory)
                            for _ in range(num_layers)] if num_host_blocks else []

@@ -12,9 +12,11 @@ from omniinfer.attention.backend import AttentionBackend
 from omniinfer.config import EngineConfig
 from omniinfer.engine.scheduler import ScheduledSeq
 from omniinfer.models.intermediate import IntermediateTensors
+from omniinfer.models.layers.layer_ops import LayerOps, install_layer_ops
+from omniinfer.models.layers.linear import LinearMethod, install_linear_methods
 from omniinfer.models.loader import load_model
 from omniinfer.sampling.sampler import Sampler, SamplerOutput
-from omniinfer.worker.input_builder import ModelRunnerInputBuilder, is_decode
+from omniinfer.worker.input_builder import ModelRunnerInputBuilder, is_decode, is_plain_decode
 from omniinfer.worker.model_input import ModelInput
 
 
@@ -33,9 +35,22 @@ class ModelRunner:
     # ---- set-up ----------------------------------------------------------------------------------
     def load_model(self, progress: bool = True) -> None:
         self.model = load_model(self.model_config, self.attn_backend, self.device, progress)
+        install_linear_methods(self.model, self.linear_method)
+        if (ops := self.layer_ops()) is not None:
+            install_layer_ops(self.model, ops)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(self.model_config.seed)
         self.sampler = Sampler(self.model_config.vocab_size, generator)
+
+    def linear_method(self, layer: torch.nn.Module) -> LinearMethod | None:
+        """This platform's `LinearMethod` for one linear layer or LM head of the loaded model, or
+        None to keep torch's `F.linear`. Called once per layer, after the weights are loaded."""
+        return None
+
+    def layer_ops(self) -> LayerOps | None:
+        """This platform's `LayerOps` (norm, rotary, activation) for the loaded model, or None
+        to keep torch's."""
+        return None
 
     def model_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -54,9 +69,18 @@ class ModelRunner:
                             block_tables: dict[int, list[int]]) -> ModelInput:
         """Driver only: the step's inputs, every tensor on the CPU (prefills first)."""
         builder = self.make_builder()
-        ordered = [s for s in scheduled if not is_decode(s)] + [s for s in scheduled if is_decode(s)]
-        for s in ordered:
+        plain, other_decodes = [], []
+        for s in scheduled:
+            if is_plain_decode(s):
+                plain.append(s)
+            elif is_decode(s):
+                other_decodes.append(s)
+            else:
+                builder.add_seq(s, block_tables[s.seq.seq_id])  # prefills first
+        for s in other_decodes:
             builder.add_seq(s, block_tables[s.seq.seq_id])
+        if plain:
+            builder.add_decodes(plain, block_tables)
         return builder.build()
 
     @torch.inference_mode()

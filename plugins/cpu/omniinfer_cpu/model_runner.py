@@ -1,4 +1,6 @@
-"""The CPU model runner: the core runner, with the thread count settled before loading."""
+"""The CPU model runner: the core runner, with the thread count settled before loading; after
+loading, the CPU linear method (compiled kernel, oneDNN packed weights) for every linear layer
+and the LM head, the compiled layer ops, and the weights moved to huge pages."""
 
 from __future__ import annotations
 
@@ -7,8 +9,9 @@ import os
 import torch
 
 from omniinfer.logger import init_logger
-from omniinfer.platforms.host import usable_cpus
+from omniinfer.platforms.host import available_memory_bytes, usable_cpus
 from omniinfer.worker.model_runner import ModelRunner
+from omniinfer_cpu.memory import move_to_huge_pages
 
 logger = init_logger(__name__)
 ENV_THREADS = "OMNIINFER_CPU_THREADS"
@@ -22,4 +25,29 @@ class CpuModelRunner(ModelRunner):
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
         logger.debug("CPU runner using %d threads", threads)
+        self._linear = None
         super().load_model(progress)
+        self._weight_arena = move_to_huge_pages(self.model)
+
+    def linear_method(self, layer: torch.nn.Module):
+        from omniinfer_cpu.kernels import build
+        from omniinfer_cpu.linear import DTYPE_CODES, CpuLinearMethod, should_pack
+
+        if layer.weight.dtype not in DTYPE_CODES:
+            return None
+        if self._linear is None:
+            kernels = build.load()  # logs once why not, when unavailable
+            pack = should_pack(self.model, available_memory_bytes())
+            self._linear = CpuLinearMethod(kernels, pack) if kernels is not None or pack else False
+            if self._linear:
+                logger.info("linear layers: %s, then %s", f"compiled kernel up to "
+                            f"{self._linear.kernel_rows} rows" if kernels else "no compiled kernel",
+                            "oneDNN packed weights" if pack else "torch's F.linear")
+        return self._linear or None
+
+    def layer_ops(self):
+        from omniinfer_cpu.kernels import build
+        from omniinfer_cpu.layer_ops import CpuLayerOps
+
+        kernels = build.load()
+        return None if kernels is None else CpuLayerOps(kernels)

@@ -16,7 +16,7 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     priority = 0
     dist_backend = "gloo"
-    attention_backend_preferences = ("IPEX_CPU", "TORCH_SDPA", "REFERENCE")
+    attention_backend_preferences = ("IPEX_CPU", "CPU_PAGED", "TORCH_SDPA", "REFERENCE")
     supported_dtypes = ("float32", "bfloat16", "float16")
     ray_resource = "CPU"
 

@@ -15,5 +15,6 @@ def omniinfer_platforms():
 @hookimpl
 def omniinfer_attention_backends():
     from omniinfer_cpu.attention.ipex import IpexCpuBackend
+    from omniinfer_cpu.attention.paged import CpuPagedBackend
 
-    return [IpexCpuBackend]
+    return [IpexCpuBackend, CpuPagedBackend]

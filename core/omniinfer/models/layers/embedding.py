@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omniinfer.distributed import parallel_state as ps
+from omniinfer.models.layers.linear import DEFAULT_LINEAR_METHOD
 from omniinfer.models.layers.weights import WeightShapeError, copy_checked, narrow, shape_of
 
 
@@ -39,10 +40,15 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits = hidden @ W^T over this rank's vocab range, gathered to the full vocabulary."""
+    """Logits = hidden @ W^T over this rank's vocab range, gathered to the full vocabulary.
+    The product is the layer's `linear_method`, as for the linear layers."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__(vocab_size, hidden_size)
+        self.linear_method = DEFAULT_LINEAR_METHOD
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.linear_method.apply(self, hidden)
         if self.tp_size > 1:
             logits = ps.tp_all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]

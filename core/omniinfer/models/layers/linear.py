@@ -4,6 +4,9 @@ Weights are [out, in] like the checkpoint. Column-parallel layers split `out` ac
 TP ranks; row-parallel layers split `in` and all-reduce their output. Each parameter
 has a `weight_loader(param, loaded, shard_id)` that copies this rank's part of a
 checkpoint tensor, reading only that part from disk.
+
+How a layer multiplies is its `linear_method` (torch's `F.linear` unless a platform's model
+runner installs another after loading: see `install_linear_methods`).
 """
 
 from __future__ import annotations
@@ -22,9 +25,43 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+class LinearMethod:
+    """How a layer computes ``x @ weight.T (+ bias)`` from its loaded `weight` ([out, in]).
+
+    The core's method is torch's `F.linear`. A platform's model runner may give a layer its own
+    method after the weights are loaded (`ModelRunner.linear_method`): a faster kernel, a
+    repacked copy of the weight. `process_weights_after_loading` runs once, before the first
+    forward; the layer keeps `weight` as it is (a tied embedding reads the same tensor).
+    """
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+DEFAULT_LINEAR_METHOD = LinearMethod()
+
+
+def install_linear_methods(model: nn.Module, choose) -> int:
+    """Give every layer with a `linear_method` the one `choose(layer)` returns (None keeps the
+    layer's own), then let it process the loaded weights. Returns how many layers changed."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(getattr(module, "linear_method", None), LinearMethod):
+            method = choose(module)
+            if method is not None:
+                module.linear_method = method
+                method.process_weights_after_loading(module)
+                changed += 1
+    return changed
+
+
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
+        self.linear_method = DEFAULT_LINEAR_METHOD
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -37,7 +74,7 @@ class LinearBase(nn.Module):
         copy_checked(param, narrow(loaded, 0, 0, shape_of(loaded)[0]), "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -134,7 +171,7 @@ class RowParallelLinear(LinearBase):
                      "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = self.linear_method.apply(self, x)
         if self.tp_size > 1:  # the layout it was built for (a draft is built single-rank)
             out = ps.tp_all_reduce(out)
         return out if self.bias is None else out + self.bias

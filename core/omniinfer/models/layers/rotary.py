@@ -8,6 +8,8 @@ import math
 import torch
 from torch import nn
 
+from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -43,16 +45,9 @@ class RotaryEmbedding(nn.Module):
         # [max_position, head_size / 2] each; kept in float32, cast per call to the model dtype
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.ops = TORCH_LAYER_OPS
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
-        """query [T, heads * head], key [T, kv_heads * head] -> rotated, same shapes."""
-        cos = self.cos[positions].to(query.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(query.dtype).unsqueeze(1)
-        return self._apply(query, cos, sin), self._apply(key, cos, sin)
-
-    def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x = x.view(shape[0], -1, self.head_size)
-        x1, x2 = x.chunk(2, dim=-1)
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-        return out.view(shape)
+        """query [T, heads * head], key [T, kv_heads * head] -> rotated, same shapes
+        (`self.ops.rotary`, see layer_ops.py)."""
+        return self.ops.rotary(positions, query, key, self.cos, self.sin, self.head_size)

@@ -1,1 +1,2 @@
-"""The CPU plugin's attention backend: IPEX_CPU (Intel's extension, when importable)."""
+"""The CPU plugin's attention backends: IPEX_CPU (Intel's extension, when importable) and
+CPU_PAGED (the plugin's compiled kernel)."""

@@ -1,0 +1,755 @@
+/* omniinfer CPU kernels, compiled at first use (see ../build.py) and called through ctypes.
+ *
+ * omni_linear:          y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for small M (decode): streams the
+ *                       weight once, a contiguous range of rows per thread, float32 accumulation.
+ * omni_paged_attention: writes the step's keys/values into the paged cache, then attention of
+ *                       every query token over its sequence's cached keys (varlen prefills, chunks
+ *                       after a cached context and decodes in one call; causal; sliding window).
+ *
+ * Written with GCC vector extensions, so one source builds for AVX-512 (16 float lanes in one
+ * register), AVX2 (two) or anything else GCC targets. dtypes: 0 = float32, 1 = bfloat16
+ * (widened on load; results rounded to nearest even once, at the end); the query, keys, values,
+ * cache and output of one call share a dtype, as do a linear's input, weight, bias and output.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define VL 16
+typedef float vf __attribute__((vector_size(64)));
+typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias));
+typedef uint16_t vhu __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef float v4f __attribute__((vector_size(16)));
+
+enum { F32 = 0, BF16 = 1 };
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE vf ld(const void *p, int dt, size_t i) {
+    if (dt == F32) return *(const vfu *)((const float *)p + i);
+#if defined(__AVX512F__)
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#else
+    vu t = __builtin_convertvector(*(const vhu *)((const uint16_t *)p + i), vu) << 16;
+    return (vf)t;
+#endif
+}
+
+INLINE float ld1(const void *p, int dt, size_t i) {
+    if (dt == F32) return ((const float *)p)[i];
+    uint32_t b = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
+INLINE uint16_t to_bf16(float v) {
+    uint32_t b;
+    memcpy(&b, &v, 4);
+    if ((b & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((b >> 16) | 0x40);  /* quiet NaN */
+    b += 0x7fffu + ((b >> 16) & 1u);  /* round to nearest even */
+    return (uint16_t)(b >> 16);
+}
+
+INLINE void st1(void *p, int dt, size_t i, float v) {
+    if (dt == F32) ((float *)p)[i] = v;
+    else ((uint16_t *)p)[i] = to_bf16(v);
+}
+
+INLINE float hsum(vf v) {
+    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8f b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    a += b;
+    v4f c = __builtin_shufflevector(a, a, 0, 1, 2, 3);
+    v4f d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    c += d;
+    return (c[0] + c[2]) + (c[1] + c[3]);
+}
+
+/* store 16 lanes (bfloat16: rounded to nearest even, NaN kept) */
+INLINE void stv(void *p, int dt, size_t i, vf v) {
+    if (dt == F32) {
+        *(vfu *)((float *)p + i) = v;
+        return;
+    }
+    vu b = (vu)v;
+    vu nan = (vu)(v != v);
+    vu r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
+    r = (nan & ((b >> 16) | 0x40u)) | (~nan & r);
+    *(vhu *)((uint16_t *)p + i) = __builtin_convertvector(r, vhu);
+}
+
+INLINE vf vround_bf16(vf v) {  /* each lane as bfloat16 would hold it (finite values) */
+    vu b = (vu)v;
+    return (vf)((b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u);
+}
+
+INLINE float round_to(int dt, float v) {  /* v as the dtype would hold it */
+    if (dt == F32) return v;
+    uint32_t b = (uint32_t)to_bf16(v) << 16;
+    memcpy(&v, &b, 4);
+    return v;
+}
+
+INLINE vf vsel(vu mask, vf a, vf b) { return (vf)((mask & (vu)a) | (~mask & (vu)b)); }
+
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint32_t v4u __attribute__((vector_size(16)));
+
+INLINE float hmax(vf v) {
+    v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8f b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    v8u m = (v8u)(a > b);
+    a = (v8f)((m & (v8u)a) | (~m & (v8u)b));
+    v4f c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    v4u n = (v4u)(c > d);
+    c = (v4f)((n & (v4u)c) | (~n & (v4u)d));
+    float x = c[0] > c[1] ? c[0] : c[1], y = c[2] > c[3] ? c[2] : c[3];
+    return x > y ? x : y;
+}
+
+/* e^x for 16 lanes: 2^n * p(r), |r| <= ln2 / 2, degree-6 polynomial (~2 ulp); x clamped to the
+ * float range (e^-88 -> ~0, e^89 -> inf is clamped to e^88.7). */
+INLINE vf vexp(vf x) {
+    const vf hi = (vf){0} + 88.7f, lo = (vf){0} - 87.3f;
+    x = vsel((vu)(x > hi), hi, x);
+    x = vsel((vu)(x < lo), lo, x);
+    vf t = x * 1.44269504088896341f + 12582912.0f; /* round(x / ln2) in the low mantissa bits */
+    vf n = t - 12582912.0f;
+    vf r = x - n * 0.693359375f;
+    r = r + n * 2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vu e = ((vu)t - (vu)((vf){0} + 12582912.0f) + 127u) << 23;
+    return p * (vf)e;
+}
+
+/* 16 vectors -> one vector of their 16 horizontal sums, in order: a transposing add tree (15
+ * shuffle pairs) instead of 16 separate horizontal sums. */
+#define RED_A(x, y) (__builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) + \
+    __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
+#define RED_B(x, y) (__builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) + \
+    __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31))
+#define RED_C(x, y) (__builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) + \
+    __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31))
+#define RED_D(x, y) (__builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) + \
+    __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31))
+
+
+INLINE vf reduce16(const vf *s) {
+    vf a[8], b[4];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) a[i] = RED_A(s[2 * i], s[2 * i + 1]);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) b[i] = RED_B(a[2 * i], a[2 * i + 1]);
+    vf c0 = RED_C(b[0], b[1]), c1 = RED_C(b[2], b[3]);
+    return RED_D(c0, c1);
+}
+
+/* ---- linear: small M ----------------------------------------------------------------------- */
+/* One weight row at a time, so each thread reads its share of W as one sequential stream (on the
+ * development machine one stream per core reaches ~2x the bandwidth of 8 interleaved row streams);
+ * the row meets every x row while it is in registers. U independent accumulators per x row. */
+
+INLINE void gemv_row(const void *x, size_t ldx, const void *w, int dt, int K, int MB, int U,
+                     float *out) {
+    vf acc[4][4];
+#pragma GCC unroll 4
+    for (int u = 0; u < U; u++)
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; m++) acc[u][m] = (vf){0};
+    int k = 0;
+    for (; k + U * VL <= K; k += U * VL)
+#pragma GCC unroll 4
+        for (int u = 0; u < U; u++) {
+            vf wv = ld(w, dt, k + u * VL);
+#pragma GCC unroll 4
+            for (int m = 0; m < MB; m++) acc[u][m] += wv * ld(x, dt, m * ldx + k + u * VL);
+        }
+    for (; k + VL <= K; k += VL) {
+        vf wv = ld(w, dt, k);
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; m++) acc[0][m] += wv * ld(x, dt, m * ldx + k);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; m++) {
+#pragma GCC unroll 4
+        for (int u = 1; u < U; u++) acc[0][m] += acc[u][m];
+        float s = hsum(acc[0][m]);
+        for (int kk = k; kk < K; kk++) s += ld1(w, dt, kk) * ld1(x, dt, m * ldx + kk);
+        out[m] = s;
+    }
+}
+
+#if defined(__AVX512BF16__)
+/* bfloat16 pairs multiplied exactly and summed in float32 (vdpbf16ps): 32 weights an instruction */
+INLINE void gemv_row_bf16(const uint16_t *x, size_t ldx, const uint16_t *w, int K, int MB, int U,
+                          float *out) {
+    __m512 acc[4][4];
+#pragma GCC unroll 4
+    for (int u = 0; u < U; u++)
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; m++) acc[u][m] = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + U * 32 <= K; k += U * 32)
+#pragma GCC unroll 4
+        for (int u = 0; u < U; u++) {
+            __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + u * 32);
+#pragma GCC unroll 4
+            for (int m = 0; m < MB; m++)
+                acc[u][m] = _mm512_dpbf16_ps(acc[u][m], wv,
+                                             (__m512bh)_mm512_loadu_si512(x + m * ldx + k + u * 32));
+        }
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; m++)
+            acc[0][m] = _mm512_dpbf16_ps(acc[0][m], wv, (__m512bh)_mm512_loadu_si512(x + m * ldx + k));
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; m++) {
+#pragma GCC unroll 4
+        for (int u = 1; u < U; u++) acc[0][m] = _mm512_add_ps(acc[0][m], acc[u][m]);
+        float s = _mm512_reduce_add_ps(acc[0][m]);
+        for (int kk = k; kk < K; kk++) s += ld1(w, BF16, kk) * ld1(x, BF16, m * ldx + kk);
+        out[m] = s;
+    }
+}
+#define GEMV_ROW(x, ldx, w, dt, K, MB, U, out) \
+    ((dt) == BF16 ? gemv_row_bf16((const uint16_t *)(x), ldx, (const uint16_t *)(w), K, MB, U, out) \
+                  : gemv_row(x, ldx, w, dt, K, MB, U, out))
+#else
+#define GEMV_ROW gemv_row
+#endif
+
+/* One row of W dotted with x, as a vector whose lanes still need summing (the K tail is added
+ * to lane 0). */
+INLINE vf row_vec(const void *x, const void *w, int dt, int K) {
+    vf a0 = (vf){0}, a1 = a0, a2 = a0, a3 = a0;
+    int k = 0;
+#if defined(__AVX512BF16__)
+    if (dt == BF16) {
+        __m512 b0 = _mm512_setzero_ps(), b1 = b0, b2 = b0, b3 = b0;
+        const uint16_t *xb = x, *wb = w;
+#define DP(acc, i) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wb + (i)), \
+                                          (__m512bh)_mm512_loadu_si512(xb + (i)))
+        for (; k + 128 <= K; k += 128) {
+            DP(b0, k); DP(b1, k + 32); DP(b2, k + 64); DP(b3, k + 96);
+        }
+        for (; k + 32 <= K; k += 32) DP(b0, k);
+#undef DP
+        a0 = (vf)_mm512_add_ps(_mm512_add_ps(b0, b1), _mm512_add_ps(b2, b3));
+        a1 = a2 = a3 = (vf){0};
+    } else
+#endif
+    {
+        for (; k + 4 * VL <= K; k += 4 * VL) {
+            a0 += ld(w, dt, k) * ld(x, dt, k);
+            a1 += ld(w, dt, k + VL) * ld(x, dt, k + VL);
+            a2 += ld(w, dt, k + 2 * VL) * ld(x, dt, k + 2 * VL);
+            a3 += ld(w, dt, k + 3 * VL) * ld(x, dt, k + 3 * VL);
+        }
+        for (; k + VL <= K; k += VL) a0 += ld(w, dt, k) * ld(x, dt, k);
+    }
+    vf v = (a0 + a1) + (a2 + a3);
+    float tail = 0.f;
+    for (; k < K; k++) tail += ld1(w, dt, k) * ld1(x, dt, k);
+    v[0] += tail;
+    return v;
+}
+
+/* One row of x: 16 rows of W at a time, their sums finished together by reduce16. */
+INLINE void linear_rows_m1(const void *x, const void *w, const void *bias, void *y, int dt, int K,
+                           int n0, int n1) {
+    size_t es = dt == F32 ? 4 : 2;
+    int n = n0;
+    for (; n + VL <= n1; n += VL) {
+        vf part[VL];
+        for (int r = 0; r < VL; r++) part[r] = row_vec(x, (const char *)w + (size_t)(n + r) * K * es, dt, K);
+        vf sums = reduce16(part);
+        if (bias) sums += ld(bias, dt, n);
+        stv(y, dt, n, sums);
+    }
+    for (; n < n1; n++) {
+        float v = hsum(row_vec(x, (const char *)w + (size_t)n * K * es, dt, K));
+        st1(y, dt, n, v + (bias ? ld1(bias, dt, n) : 0.f));
+    }
+}
+
+/* Rows [n0, n1) of W against every row of x, in groups of up to 4 (a row is still in L1 for
+ * the next group). */
+INLINE void linear_rows(const void *x, size_t ldx, const void *w, const void *bias, void *y,
+                        size_t ldy, int dt, int M, int K, int n0, int n1) {
+    if (M == 1) {
+        linear_rows_m1(x, w, bias, y, dt, K, n0, n1);
+        return;
+    }
+    size_t es = dt == F32 ? 4 : 2;
+    float out[4];
+    for (int n = n0; n < n1; n++) {
+        const char *wn = (const char *)w + (size_t)n * K * es;
+        float b = bias ? ld1(bias, dt, n) : 0.f;
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            int mb = M - m0 < 4 ? M - m0 : 4;
+            const char *xm = (const char *)x + (size_t)m0 * ldx * es;
+            switch (mb) {
+                case 1: GEMV_ROW(xm, ldx, wn, dt, K, 1, 4, out); break;
+                case 2: GEMV_ROW(xm, ldx, wn, dt, K, 2, 4, out); break;
+                case 3: GEMV_ROW(xm, ldx, wn, dt, K, 3, 4, out); break;
+                default: GEMV_ROW(xm, ldx, wn, dt, K, 4, 4, out); break;
+            }
+            for (int m = 0; m < mb; m++) st1(y, dt, (size_t)(m0 + m) * ldy + n, out[m] + b);
+        }
+    }
+}
+
+/* the dtype as a compile-time constant, so the inner loops carry no branches */
+static void linear_rows_f32(const void *x, size_t ldx, const void *w, const void *bias, void *y,
+                            size_t ldy, int M, int K, int n0, int n1) {
+    linear_rows(x, ldx, w, bias, y, ldy, F32, M, K, n0, n1);
+}
+
+static void linear_rows_bf16(const void *x, size_t ldx, const void *w, const void *bias, void *y,
+                             size_t ldy, int M, int K, int n0, int n1) {
+    linear_rows(x, ldx, w, bias, y, ldy, BF16, M, K, n0, n1);
+}
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ w[N, K]^T + bias[N] (bias may be NULL).
+ * x, w, bias and y share one dtype. Each thread takes one contiguous range of rows of W. */
+void omni_linear(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy,
+                 int M, int N, int K, int dt, int nthreads) {
+    void (*rows)(const void *, size_t, const void *, const void *, void *, size_t, int, int, int,
+                 int) = dt == F32 ? linear_rows_f32 : linear_rows_bf16;
+    if (nthreads < 1) nthreads = 1;
+    if ((int64_t)N * K < 32768) nthreads = 1;  /* not worth waking a thread */
+#pragma omp parallel num_threads(nthreads)
+    {
+#ifdef _OPENMP
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+        int t = 0, nt = 1;
+#endif
+        int n0 = (int)((int64_t)N * t / nt), n1 = (int)((int64_t)N * (t + 1) / nt);
+        rows(x, (size_t)ldx, w, bias, y, (size_t)ldy, M, K, n0, n1);
+    }
+}
+
+/* ---- paged attention ------------------------------------------------------------------------ */
+
+#define MAX_HEAD 256
+#define MAX_ROWS 64  /* query heads one work item holds (MAX_ROWS x MAX_HEAD floats, twice) */
+#define CHUNK 16
+#define QTILE 16
+#ifndef PREFETCH_CHUNKS
+#define PREFETCH_CHUNKS 3
+#endif
+#ifndef PF_LOCALITY
+#define PF_LOCALITY 2
+#endif
+#ifndef PF_STRIDE
+#define PF_STRIDE 64
+#endif
+
+/* query tokens [t0, t1) of one sequence (relative to its start) x KV heads [h0, h1) */
+typedef struct {
+    int seq, h0, h1, t0, t1;
+} Item;
+
+/* The cache is [blocks, block_size, kv_heads, head] (the default layout): one block of one
+ * sequence is contiguous for all heads, so an item that takes every head streams it. */
+static void write_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride,
+                     void *k_cache, void *v_cache, int dt, const int64_t *slots, int num_tokens,
+                     int width) {
+    size_t es = dt == F32 ? 4 : 2, n = (size_t)width * es;
+    for (int t = 0; t < num_tokens; t++) {
+        if (slots[t] < 0) continue;  /* padding */
+        memcpy((char *)k_cache + (size_t)slots[t] * n, (const char *)key + (size_t)t * key_stride * es, n);
+        memcpy((char *)v_cache + (size_t)slots[t] * n, (const char *)value + (size_t)t * value_stride * es, n);
+    }
+}
+
+/* Dot products of one query (NV * 16 floats, in registers) with 16 cached keys at key_off[j],
+ * summed by reduce16. NV is a compile-time constant at every call. */
+INLINE void scores16(const void *k_cache, int cdt, const size_t *key_off, const float *qf, int NV,
+                     float *sc) {
+    vf q[8], part[16];
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; v++) q[v] = *(const vfu *)(qf + v * VL);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) {
+        vf s = ld(k_cache, cdt, key_off[j]) * q[0];
+#pragma GCC unroll 8
+        for (int v = 1; v < NV; v++) s += ld(k_cache, cdt, key_off[j] + v * VL) * q[v];
+        part[j] = s;
+    }
+    *(vfu *)sc = reduce16(part);
+}
+
+INLINE void scores_any(const void *k_cache, int cdt, const size_t *key_off, const float *qf, int D,
+                       int n, float *sc) {
+    int nv = D / VL;
+    for (int j = 0; j < n; j++) {
+        vf s = (vf){0};
+        int d = 0;
+        for (int v = 0; v < nv; v++, d += VL) s += ld(k_cache, cdt, key_off[j] + d) * *(const vfu *)(qf + d);
+        float x = hsum(s);
+        for (; d < D; d++) x += ld1(k_cache, cdt, key_off[j] + d) * qf[d];
+        sc[j] = x;
+    }
+}
+
+/* Scores of one chunk (keys of one block) -> probabilities in place; updates the running max
+ * and denominator and rescales the accumulator (online softmax, float32). */
+INLINE void softmax_chunk(float *sc, int n, float *mx, float *den, float *acc, int D) {
+    vf m = (vf){0} + *mx;
+    int j = 0;
+    for (; j + VL <= n; j += VL) {
+        vf v = *(const vfu *)(sc + j);
+        m = vsel((vu)(v > m), v, m);
+    }
+    float mnew = hmax(m);
+    for (; j < n; j++) mnew = sc[j] > mnew ? sc[j] : mnew;
+    vf sum = (vf){0};
+    for (j = 0; j + VL <= n; j += VL) {
+        vf p = vexp(*(const vfu *)(sc + j) - mnew);
+        *(vfu *)(sc + j) = p;
+        sum += p;
+    }
+    float total = hsum(sum);
+    for (; j < n; j++) {
+        sc[j] = expf(sc[j] - mnew);
+        total += sc[j];
+    }
+    if (mnew != *mx) {
+        float alpha = expf(*mx - mnew);  /* 0 on the first chunk (max -inf) */
+        *den *= alpha;
+        int d = 0;
+        for (; d + VL <= D; d += VL) *(vfu *)(acc + d) *= alpha;
+        for (; d < D; d++) acc[d] *= alpha;
+    }
+    *den += total;
+    *mx = mnew;
+}
+
+/* Software prefetch of keys and values [j0, j0 + n) (every head), a cache line at a time. */
+INLINE void prefetch_keys(const void *k_cache, const void *v_cache, size_t es, const int32_t *table,
+                          int j0, int n, int block_size, size_t row) {
+    for (int j = j0; j < j0 + n;) {
+        int o = j % block_size, run = block_size - o < j0 + n - j ? block_size - o : j0 + n - j;
+        size_t start = ((size_t)table[j / block_size] * block_size + o) * row * es;
+        for (size_t b = 0; b < (size_t)run * row * es; b += PF_STRIDE) {
+            __builtin_prefetch((const char *)k_cache + start + b, 0, PF_LOCALITY);
+            __builtin_prefetch((const char *)v_cache + start + b, 0, PF_LOCALITY);
+        }
+        j += run;
+    }
+}
+
+/* One work item: each query token attends, for every query head of KV heads [h0, h1), over its
+ * keys [window start, position], CHUNK keys at a time with an online softmax. */
+INLINE void attend(const Item *it, const void *q, int64_t q_stride, const void *k_cache,
+                   const void *v_cache, int cdt, const int32_t *table, int context_len, int q_start,
+                   void *out, int64_t out_stride, int H, int KVH, int D, int block_size, float scale,
+                   int window, int dt) {
+    int G = H / KVH, nv = D / VL, rows = (it->h1 - it->h0) * G;
+    size_t row = (size_t)KVH * D, es = cdt == F32 ? 4 : 2;  /* elements per cached token */
+    float qf[MAX_ROWS][MAX_HEAD] __attribute__((aligned(64)));
+    float acc[MAX_ROWS][MAX_HEAD] __attribute__((aligned(64)));
+    float sc[MAX_ROWS][CHUNK] __attribute__((aligned(64)));
+    float mx[MAX_ROWS], den[MAX_ROWS];
+    size_t base[CHUNK], off[CHUNK];
+    float kbuf[CHUNK * MAX_HEAD] __attribute__((aligned(64)));  /* bfloat16 caches, widened */
+    float vbuf[CHUNK * MAX_HEAD] __attribute__((aligned(64)));
+    for (int t = it->t0; t < it->t1; t++) {
+        int pos = context_len + t;  /* absolute position of this query token */
+        int lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+        size_t qrow = (size_t)(q_start + t) * q_stride + (size_t)it->h0 * G * D;
+        for (int r = 0; r < rows; r++) {
+            for (int d = 0; d < D; d++) qf[r][d] = ld1(q, dt, qrow + (size_t)r * D + d) * scale;
+            for (int d = 0; d < D; d++) acc[r][d] = 0.f;
+            mx[r] = -INFINITY;
+            den[r] = 0.f;
+        }
+        for (int j0 = lo; j0 <= pos; j0 += CHUNK) {
+            int n = pos + 1 - j0 < CHUNK ? pos + 1 - j0 : CHUNK;
+            /* blocks are scattered: fetch the next chunks while this one runs */
+            for (int a = j0 + CHUNK; a <= pos && a <= j0 + PREFETCH_CHUNKS * CHUNK; a += CHUNK)
+                prefetch_keys(k_cache, v_cache, es, table, a, pos + 1 - a < CHUNK ? pos + 1 - a : CHUNK,
+                              block_size, row);
+            int blk = j0 / block_size, o = j0 % block_size;
+            for (int j = 0; j < n; j++) {
+                base[j] = ((size_t)table[blk] * block_size + o) * row;
+                if (++o == block_size) o = 0, blk++;
+            }
+            for (int h = it->h0; h < it->h1; h++) {
+                const void *kc = k_cache, *vc = v_cache;
+                int kdt = cdt;
+                for (int j = 0; j < n; j++) off[j] = base[j] + (size_t)h * D;
+                if (cdt == BF16) {  /* widen the chunk once for all G query heads */
+                    for (int j = 0; j < n; j++) {
+                        int d = 0;
+                        for (; d + VL <= D; d += VL) {
+                            *(vfu *)&kbuf[j * D + d] = ld(k_cache, BF16, off[j] + d);
+                            *(vfu *)&vbuf[j * D + d] = ld(v_cache, BF16, off[j] + d);
+                        }
+                        for (; d < D; d++) {
+                            kbuf[j * D + d] = ld1(k_cache, BF16, off[j] + d);
+                            vbuf[j * D + d] = ld1(v_cache, BF16, off[j] + d);
+                        }
+                        off[j] = (size_t)j * D;
+                    }
+                    kc = kbuf, vc = vbuf, kdt = F32;
+                }
+                for (int r = (h - it->h0) * G; r < (h - it->h0 + 1) * G; r++) {
+                    if (n == CHUNK && D == 32) scores16(kc, kdt, off, qf[r], 2, sc[r]);
+                    else if (n == CHUNK && D == 64) scores16(kc, kdt, off, qf[r], 4, sc[r]);
+                    else if (n == CHUNK && D == 128) scores16(kc, kdt, off, qf[r], 8, sc[r]);
+                    else scores_any(kc, kdt, off, qf[r], D, n, sc[r]);
+                    softmax_chunk(sc[r], n, &mx[r], &den[r], acc[r], D);
+                    /* acc += p V, keys innermost in two register accumulators */
+                    const float *p = sc[r];
+                    for (int v = 0; v < nv; v++) {
+                        vf a0 = *(const vfu *)&acc[r][v * VL], a1 = (vf){0};
+                        int j = 0;
+                        for (; j + 1 < n; j += 2) {
+                            a0 += p[j] * ld(vc, kdt, off[j] + v * VL);
+                            a1 += p[j + 1] * ld(vc, kdt, off[j + 1] + v * VL);
+                        }
+                        if (j < n) a0 += p[j] * ld(vc, kdt, off[j] + v * VL);
+                        *(vfu *)&acc[r][v * VL] = a0 + a1;
+                    }
+                    for (int d = nv * VL; d < D; d++) {
+                        float a = acc[r][d];
+                        for (int j = 0; j < n; j++) a += p[j] * ld1(vc, kdt, off[j] + d);
+                        acc[r][d] = a;
+                    }
+                }
+            }
+        }
+        size_t orow = (size_t)(q_start + t) * out_stride + (size_t)it->h0 * G * D;
+        for (int r = 0; r < rows; r++) {
+            float inv = 1.f / den[r];
+            for (int d = 0; d < D; d++) st1(out, dt, orow + (size_t)r * D + d, acc[r][d] * inv);
+        }
+    }
+}
+
+#define ATTEND_ARGS const Item *it, const void *q, int64_t q_stride, const void *k_cache, \
+    const void *v_cache, const int32_t *table, int context_len, int q_start, void *out, \
+    int64_t out_stride, int H, int KVH, int D, int block_size, float scale, int window
+#define ATTEND_PASS(DT) it, q, q_stride, k_cache, v_cache, DT, table, context_len, q_start, out, \
+    out_stride, H, KVH, D, block_size, scale, window, DT
+
+static void attend_f32(ATTEND_ARGS) { attend(ATTEND_PASS(F32)); }
+static void attend_bf16(ATTEND_ARGS) { attend(ATTEND_PASS(BF16)); }
+
+/* Returns 0, or -1 for an unsupported shape (head size > 256 or more than 64 query heads per
+ * KV head), -2 when out of memory. Sequences: query tokens [query_start_loc[s],
+ * query_start_loc[s + 1]) attend to positions [0, seq_lens[s]) through block_tables[s]. Work
+ * items take every KV head of a sequence (streaming its blocks) when there are enough of them
+ * for the threads, else one KV head each. */
+int omni_paged_attention(const void *q, int64_t q_stride, const void *key, int64_t key_stride,
+                         const void *value, int64_t value_stride, const int64_t *slot_mapping,
+                         int num_tokens, void *k_cache, void *v_cache, const int32_t *block_tables,
+                         int64_t table_stride, const int32_t *query_start_loc,
+                         const int32_t *seq_lens, int num_seqs, void *out, int64_t out_stride,
+                         int H, int KVH, int D, int block_size, float scale, int window, int dt,
+                         int nthreads) {
+    void (*run)(ATTEND_ARGS) = dt == F32 ? attend_f32 : attend_bf16;
+    int G = H / KVH;
+    if (D > MAX_HEAD || G > MAX_ROWS) return -1;
+    write_kv(key, key_stride, value, value_stride, k_cache, v_cache, dt, slot_mapping, num_tokens,
+             KVH * D);
+    int num_tiles = 0;
+    for (int s = 0; s < num_seqs; s++)
+        num_tiles += (query_start_loc[s + 1] - query_start_loc[s] + QTILE - 1) / QTILE;
+#ifndef MIN_TILES
+#define MIN_TILES 4
+#endif
+    int heads = num_tiles >= MIN_TILES * nthreads ? KVH : 1;  /* KV heads per item */
+    if (heads * G > MAX_ROWS) heads = MAX_ROWS / G;
+    int per_tile = (KVH + heads - 1) / heads;
+    Item *items = malloc(sizeof(Item) * (num_tiles * per_tile > 0 ? num_tiles * per_tile : 1));
+    if (!items) return -2;
+    int n = 0;
+    for (int s = 0; s < num_seqs; s++) {
+        int len = query_start_loc[s + 1] - query_start_loc[s];
+        for (int t0 = 0; t0 < len; t0 += QTILE)
+            for (int h = 0; h < KVH; h += heads)
+                items[n++] = (Item){s, h, h + heads < KVH ? h + heads : KVH, t0,
+                                    t0 + QTILE < len ? t0 + QTILE : len};
+    }
+    (void)nthreads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
+    for (int i = 0; i < n; i++) {
+        const Item *it = &items[i];
+        int s = it->seq;
+        int q_len = query_start_loc[s + 1] - query_start_loc[s];
+        run(it, q, q_stride, k_cache, v_cache, block_tables + (size_t)s * table_stride,
+            seq_lens[s] - q_len, query_start_loc[s], out, out_stride, H, KVH, D, block_size, scale,
+            window);
+    }
+    free(items);
+    return 0;
+}
+
+/* ---- elementwise pieces of a decoder layer ------------------------------------------------- */
+
+#define ROWS_PER_THREAD_MIN 16  /* below 16 rows one thread does it all */
+#define PARALLEL_ROWS(T) num_threads((T) >= 2 * ROWS_PER_THREAD_MIN ? nthreads : 1)
+
+/* out = weight * normalize(x) (RMS in float32, as transformers); with residual: x + residual
+ * first, which is also written to residual_out. The normalized value is rounded to the dtype
+ * before the weight multiplies it, as transformers does. */
+INLINE void rms_norm_row(const void *x, const void *res, void *res_out, const void *weight,
+                         void *out, int H, float eps, int dt) {
+    vf ss = (vf){0};
+    int i = 0;
+    for (; i + VL <= H; i += VL) {
+        vf v = ld(x, dt, i);
+        if (res) {
+            v += ld(res, dt, i);
+            stv(res_out, dt, i, v);
+            v = ld(res_out, dt, i);  /* the rounded sum, as the dtype holds it */
+        }
+        ss += v * v;
+    }
+    float sum = hsum(ss);
+    for (; i < H; i++) {
+        float v = ld1(x, dt, i);
+        if (res) {
+            v = round_to(dt, v + ld1(res, dt, i));
+            st1(res_out, dt, i, v);
+        }
+        sum += v * v;
+    }
+    const void *src = res ? res_out : x;
+    float r = 1.f / sqrtf(sum / H + eps);
+    for (i = 0; i + VL <= H; i += VL) {
+        vf n = ld(src, dt, i) * r;
+        if (dt == BF16) {
+            stv(out, dt, i, n);
+            n = ld(out, dt, i);
+        }
+        stv(out, dt, i, n * ld(weight, dt, i));
+    }
+    for (; i < H; i++) st1(out, dt, i, round_to(dt, ld1(src, dt, i) * r) * ld1(weight, dt, i));
+}
+
+static void rms_norm_f32(const void *x, const void *r, void *ro, const void *w, void *o, int H, float e) {
+    rms_norm_row(x, r, ro, w, o, H, e, F32);
+}
+
+static void rms_norm_bf16(const void *x, const void *r, void *ro, const void *w, void *o, int H, float e) {
+    rms_norm_row(x, r, ro, w, o, H, e, BF16);
+}
+
+/* rows of T x H, contiguous rows of H (residual and residual_out may be NULL) */
+void omni_rms_norm(const void *x, const void *residual, void *residual_out, const void *weight,
+                   void *out, int T, int H, float eps, int dt, int nthreads) {
+    void (*row)(const void *, const void *, void *, const void *, void *, int, float) =
+        dt == F32 ? rms_norm_f32 : rms_norm_bf16;
+    size_t es = dt == F32 ? 4 : 2, n = (size_t)H * es;
+    (void)nthreads;
+#pragma omp parallel for schedule(static) PARALLEL_ROWS(T)
+    for (int t = 0; t < T; t++)
+        row((const char *)x + t * n, residual ? (const char *)residual + t * n : NULL,
+            residual_out ? (char *)residual_out + t * n : NULL, weight, (char *)out + t * n, H, eps);
+}
+
+/* GPT-NeoX rotary ("rotate half"), in place: each head's first and second halves (x1, x2) become
+ * (x1 cos - x2 sin, x2 cos + x1 sin). cos/sin: float32 [max_position, head_size / 2]; in bfloat16
+ * they and each product are rounded as the torch path does. Query/key rows: `stride` elements
+ * apart. */
+INLINE void rotate_heads(void *x, size_t base, int heads, int D, const float *c, const float *s,
+                         int dt) {
+    int half = D / 2;
+    for (int h = 0; h < heads; h++) {
+        size_t o = base + (size_t)h * D;
+        int i = 0;
+        for (; i + VL <= half; i += VL) {
+            vf x1 = ld(x, dt, o + i), x2 = ld(x, dt, o + half + i);
+            vf cv = *(const vfu *)(c + i), sv = *(const vfu *)(s + i);
+            if (dt == F32) {
+                stv(x, dt, o + i, x1 * cv - x2 * sv);
+                stv(x, dt, o + half + i, x2 * cv + x1 * sv);
+            } else {
+                cv = vround_bf16(cv), sv = vround_bf16(sv);
+                stv(x, dt, o + i, vround_bf16(x1 * cv) - vround_bf16(x2 * sv));
+                stv(x, dt, o + half + i, vround_bf16(x2 * cv) + vround_bf16(x1 * sv));
+            }
+        }
+        for (; i < half; i++) {
+            float x1 = ld1(x, dt, o + i), x2 = ld1(x, dt, o + half + i);
+            float cv = round_to(dt, c[i]), sv = round_to(dt, s[i]);  /* each product rounded, */
+            st1(x, dt, o + i, round_to(dt, x1 * cv) - round_to(dt, x2 * sv));  /* as torch does */
+            st1(x, dt, o + half + i, round_to(dt, x2 * cv) + round_to(dt, x1 * sv));
+        }
+    }
+}
+
+/* Returns 0, or -1 (nothing done) when a position is outside the table's max_position rows. */
+int omni_rotary(void *q, int64_t q_stride, void *k, int64_t k_stride, const int64_t *positions,
+                const float *cos, const float *sin, int max_position, int T, int num_heads,
+                int num_kv_heads, int D, int dt, int nthreads) {
+    int half = D / 2;
+    for (int t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= max_position) return -1;
+    (void)nthreads;
+#pragma omp parallel for schedule(static) PARALLEL_ROWS(T)
+    for (int t = 0; t < T; t++) {
+        const float *c = cos + (size_t)positions[t] * half, *s = sin + (size_t)positions[t] * half;
+        if (dt == F32) {
+            rotate_heads(q, (size_t)t * q_stride, num_heads, D, c, s, F32);
+            rotate_heads(k, (size_t)t * k_stride, num_kv_heads, D, c, s, F32);
+        } else {
+            rotate_heads(q, (size_t)t * q_stride, num_heads, D, c, s, BF16);
+            rotate_heads(k, (size_t)t * k_stride, num_kv_heads, D, c, s, BF16);
+        }
+    }
+    return 0;
+}
+
+/* out[T, I] = silu(x[:, :I]) * x[:, I:] for x [T, 2I] (silu rounded to the dtype first) */
+INLINE void silu_mul_row(const void *x, void *out, int I, int dt) {
+    int i = 0;
+    for (; i + VL <= I; i += VL) {
+        vf g = ld(x, dt, i), u = ld(x, dt, I + i);
+        vf a = g / (1.0f + vexp(-g));
+        if (dt == BF16) {
+            stv(out, dt, i, a);
+            a = ld(out, dt, i);
+        }
+        stv(out, dt, i, a * u);
+    }
+    for (; i < I; i++) {
+        float g = ld1(x, dt, i);
+        st1(out, dt, i, round_to(dt, g / (1.f + expf(-g))) * ld1(x, dt, I + i));
+    }
+}
+
+static void silu_mul_f32(const void *x, void *o, int I) { silu_mul_row(x, o, I, F32); }
+static void silu_mul_bf16(const void *x, void *o, int I) { silu_mul_row(x, o, I, BF16); }
+
+void omni_silu_and_mul(const void *x, void *out, int T, int I, int dt, int nthreads) {
+    void (*row)(const void *, void *, int) = dt == F32 ? silu_mul_f32 : silu_mul_bf16;
+    size_t es = dt == F32 ? 4 : 2;
+    (void)nthreads;
+#pragma omp parallel for schedule(static) PARALLEL_ROWS(T)
+    for (int t = 0; t < T; t++) row((const char *)x + (size_t)t * 2 * I * es, (char *)out + (size_t)t * I * es, I);
+}

@@ -1,0 +1,105 @@
+"""The CPU linear method: the compiled kernel for a row or two, oneDNN's prepacked weights above.
+
+torch's `F.linear` on the checkpoint's [out, in] weight streams it at about half the memory
+bandwidth for one row, and at a quarter for 2-16 rows (measured in docs/performance.md). So:
+
+* up to `kernel_rows` rows (decode at batch 1-2): ``omni_linear``, which reads each weight row
+  once, sequentially, at close to the machine's bandwidth;
+* more rows: oneDNN with the weight reordered once, at load, into its blocked layout
+  (``torch.ops.mkldnn._reorder_linear_weight``): 1.2-2x torch's `F.linear` at 9-2048 rows.
+
+The packed copy costs the weight's bytes again (the [out, in] weight stays: the kernel and a
+tied embedding read it), so it is made only while all of them fit in a quarter of the memory
+available at load (`OMNIINFER_CPU_PACK_WEIGHTS=0/1` forces it off/on); without it the kernel
+serves up to `max_rows` rows and `F.linear` the rest.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from omniinfer.logger import init_logger
+from omniinfer.models.layers.linear import LinearMethod
+
+logger = init_logger(__name__)
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+ENV_PACK = "OMNIINFER_CPU_PACK_WEIGHTS"
+KERNEL_ROWS = 2  # the kernel beats oneDNN's packed weights up to here (fp32 and bf16)
+MAX_ROWS = 16  # ... and torch's F.linear up to here
+PACK_HINT_ROWS = 64  # the batch size oneDNN is told to expect (any size works)
+
+
+def onednn_pack(weight: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
+    """oneDNN's blocked copy of an [out, in] weight, or (None, why not)."""
+    if not torch.backends.mkldnn.is_available():
+        return None, "torch was built without oneDNN"
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None, "oneDNN has no bfloat16 support on this CPU"
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_HINT_ROWS), None
+    except (RuntimeError, AttributeError) as e:
+        return None, f"oneDNN could not reorder the weight ({e})"
+
+
+class CpuLinearMethod(LinearMethod):
+    def __init__(self, kernels, pack: bool = False, max_rows: int = MAX_ROWS):
+        self.linear = kernels.linear if kernels is not None else None
+        self.pack = pack
+        self.max_rows = max_rows
+        self._warned = False
+
+    @property
+    def kernel_rows(self) -> int:
+        """Batches up to this many rows run the compiled kernel (with packed weights)."""
+        return KERNEL_ROWS if self.pack else self.max_rows
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if not layer.weight.is_contiguous():
+            layer.weight.data = layer.weight.data.contiguous()
+        layer.packed_weight = None
+        if self.pack and layer.weight.dtype in DTYPE_CODES:
+            layer.packed_weight, why = onednn_pack(layer.weight)
+            if why and not self._warned:
+                self._warned = True
+                logger.warning("linear layers use torch's F.linear above %d rows: %s", self.max_rows, why)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        weight = layer.weight
+        rows = x.shape[0] if x.dim() == 2 else -1
+        packed = getattr(layer, "packed_weight", None)
+        limit = KERNEL_ROWS if packed is not None else self.max_rows
+        if 0 < rows <= limit and self.linear is not None and x.dtype == weight.dtype in DTYPE_CODES:
+            return self._kernel(x, weight, bias)
+        if packed is not None and x.dtype == weight.dtype and rows > 0:
+            if bias is not None and bias.dtype != x.dtype:
+                bias = bias.to(x.dtype)
+            return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        return F.linear(x, weight, bias)
+
+    def _kernel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        rows, num_out = x.shape[0], weight.shape[0]
+        out = torch.empty(rows, num_out, dtype=x.dtype)
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
+        self.linear(x.data_ptr(), x.stride(0), weight.data_ptr(),
+                    None if bias is None else bias.data_ptr(), out.data_ptr(), num_out,
+                    rows, num_out, x.shape[1], DTYPE_CODES[x.dtype], torch.get_num_threads())
+        return out
+
+
+def should_pack(model: torch.nn.Module, available_bytes: int) -> bool:
+    """OMNIINFER_CPU_PACK_WEIGHTS=0/1, else whether a second copy of every linear weight fits in
+    a quarter of `available_bytes`."""
+    setting = os.environ.get(ENV_PACK, "auto").strip().lower()
+    if setting in ("0", "1"):
+        return setting == "1"
+    if setting != "auto":
+        raise ValueError(f"{ENV_PACK}={setting!r}: expected 0, 1 or auto")
+    weights = {id(m.weight): m.weight for m in model.modules() if hasattr(m, "linear_method")}
+    extra = sum(w.numel() * w.element_size() for w in weights.values())
+    return extra <= available_bytes // 4

@@ -1,0 +1,275 @@
+"""The CPU plugin's compiled kernels against torch, the engine on them, and the torch fallback
+when they are unavailable (switched off, or no compiler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omniinfer import LLM, SamplingParams
+from omniinfer.attention.backend import AttentionSpec
+from omniinfer.attention.selector import select_attention_backend
+from omniinfer.platforms.registry import PluginRegistry
+from omniinfer.testing.conformance.cases import Case, assert_matches_reference, run_case
+from omniinfer_cpu.attention.paged import CpuPagedBackend
+from omniinfer_cpu.kernels import build
+from omniinfer_cpu.linear import CpuLinearMethod
+from omniinfer_cpu.platform import CpuPlatform
+
+needs_kernels = pytest.mark.skipif(build.load() is None, reason=f"CPU kernels unavailable: "
+                                   f"{build.unavailable_reason()}")
+def cpu_spec():
+    return AttentionSpec(device_type="cpu", platform_name="cpu", dtype=torch.float32, head_size=64,
+                         num_heads=4, num_kv_heads=2, block_size=16)
+
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.fixture
+def kernels_off(monkeypatch):
+    monkeypatch.setenv(build.ENV_SWITCH, "0")
+    build.reset()
+    yield
+    monkeypatch.undo()
+    build.reset()
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("k,n", [(64, 100), (256, 1027), (896, 160), (33, 7), (1024, 3)])
+def test_linear_kernel_matches_torch(dtype, rows, k, n):
+    gen = torch.Generator().manual_seed(rows * k + n)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    layer = _Layer(torch.randn(n, k, generator=gen).to(dtype))
+    bias = torch.randn(n, generator=gen).to(dtype)
+    method = CpuLinearMethod(build.load())
+    method.process_weights_after_loading(layer)
+    expected = F.linear(x.float(), layer.weight.float(), bias.float())
+    for b in (None, bias):
+        out = method.apply(layer, x, b)
+        assert out.dtype == dtype and out.shape == (rows, n)
+        want = expected if b is not None else expected - bias.float()
+        torch.testing.assert_close(out.float(), want, **TOL[dtype])
+
+
+@needs_kernels
+def test_linear_kernel_reads_strided_rows_and_falls_back_for_big_batches():
+    gen = torch.Generator().manual_seed(0)
+    layer = _Layer(torch.randn(48, 32, generator=gen))
+    method = CpuLinearMethod(build.load(), max_rows=4)
+    method.process_weights_after_loading(layer)
+    wide = torch.randn(3, 80, generator=gen)
+    x = wide[:, 16:48]  # rows 80 elements apart
+    torch.testing.assert_close(method.apply(layer, x), F.linear(x, layer.weight))
+    big = torch.randn(9, 32, generator=gen)
+    torch.testing.assert_close(method.apply(layer, big), F.linear(big, layer.weight))
+    half = _Layer(layer.weight.half())
+    torch.testing.assert_close(method.apply(half, x.half()), F.linear(x.half(), half.weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 9, 64, 130])
+def test_onednn_packed_weights_match_torch(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    layer = _Layer(torch.randn(300, 96, generator=gen).to(dtype))
+    bias = torch.randn(300, generator=gen).to(dtype)
+    method = CpuLinearMethod(build.load(), pack=True)
+    method.process_weights_after_loading(layer)
+    if layer.packed_weight is None:
+        pytest.skip("oneDNN cannot pack weights here")
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    torch.testing.assert_close(method.apply(layer, x, bias).float(),
+                               F.linear(x.float(), layer.weight.float(), bias.float()), **TOL[dtype])
+
+
+@needs_kernels
+@pytest.mark.parametrize("case", [
+    Case("decode", ((1, 1), (8, 1), (40, 1), (70, 1)), group=4),
+    Case("mixed", ((0, 9), (13, 6), (32, 1), (5, 1)), block_size=8, seed=1),
+    Case("window", ((0, 40), (24, 5), (50, 1)), sliding_window=19, seed=2),
+    Case("heads80", ((0, 20), (17, 1)), head_size=80, num_kv_heads=1, group=8, seed=3),
+])
+def test_paged_attention_bfloat16(case):
+    """The conformance kit covers float32; the bfloat16 path here."""
+    assert_matches_reference(run_case(CpuPagedBackend, case, "cpu", torch.bfloat16), torch.bfloat16)
+
+
+@needs_kernels
+def test_engine_runs_on_the_kernels(checkpoint_dir, hf_greedy):
+    path = checkpoint_dir("llama_tied")
+    llm = LLM(path, num_kv_blocks=64)
+    engine = llm.llm_engine
+    assert engine.attn_backend.name == "CPU_PAGED"
+    model = engine.executor.worker.model_runner.model
+    methods = [m.linear_method for m in model.modules() if hasattr(m, "linear_method")]
+    assert len(methods) == 2 * 4 + 1 and all(isinstance(m, CpuLinearMethod) for m in methods)
+    calls = []
+    kernel = methods[0].linear
+    methods[0].linear = lambda *args: calls.append(args[6]) or kernel(*args)  # rows per call
+    prompts = [[5, 6, 7], list(range(10, 45))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8)
+    assert 2 in calls  # the two sequences' decodes went through the kernel
+
+
+def test_kernels_switched_off_fall_back_to_torch(kernels_off, checkpoint_dir, hf_greedy):
+    assert build.load() is None
+    assert build.unavailable_reason() == "switched off (OMNIINFER_CPU_KERNELS=0)"
+    assert CpuPagedBackend.validate(cpu_spec()) == [
+        "the CPU kernels are unavailable: switched off (OMNIINFER_CPU_KERNELS=0)"]
+    registry = PluginRegistry(only="cpu")
+    assert select_attention_backend(CpuPlatform, cpu_spec(), registry.backends).name == "TORCH_SDPA"
+    path = checkpoint_dir("llama")
+    llm = LLM(path, num_kv_blocks=64)
+    model = llm.llm_engine.executor.worker.model_runner.model
+    methods = {m.linear_method for m in model.modules() if hasattr(m, "linear_method")}
+    assert len(methods) == 1 and all(m.linear is None for m in methods)  # oneDNN packing only
+    prompt = [5, 6, 7, 8]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6,
+                                                                     ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(path, prompt, 6)
+
+
+def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
+    if build.load() is None and "x86-64" in (build.unavailable_reason() or ""):
+        pytest.skip(build.unavailable_reason())
+    monkeypatch.setenv(build.ENV_CACHE, str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # exits 1, prints nothing
+    build.reset()
+    try:
+        assert build.load() is None
+        assert build.unavailable_reason() in ("false failed to build cpu_kernels.c: exit status 1",
+                                              "the CPU has neither AVX-512 nor AVX2+FMA")
+        assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+    finally:
+        monkeypatch.undo()
+        build.reset()
+
+
+@pytest.fixture
+def two_threads():
+    """The kernels split work across torch's thread count (tests otherwise run one thread)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernels_split_across_threads(two_threads, dtype):
+    gen = torch.Generator().manual_seed(5)
+    layer = _Layer(torch.randn(1001, 64, generator=gen).to(dtype))
+    x = torch.randn(2, 64, generator=gen).to(dtype)
+    out = CpuLinearMethod(build.load()).apply(layer, x)
+    torch.testing.assert_close(out.float(), F.linear(x.float(), layer.weight.float()), **TOL[dtype])
+    for case in (Case("decode", tuple((17 * i, 1) for i in range(1, 9))), Case("one", ((40, 1),)),
+                 Case("prefill", ((0, 50), (9, 20)), group=4)):
+        assert_matches_reference(run_case(CpuPagedBackend, case, "cpu", dtype), dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_ops_match_torch(dtype):
+    """Norm, activation and rotary: bfloat16 results round like torch's, so they are equal."""
+    from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS
+    from omniinfer_cpu.layer_ops import CpuLayerOps
+
+    ops = CpuLayerOps(build.load())
+    exact = dict(atol=0, rtol=0) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    gen = torch.Generator().manual_seed(7)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    for rows, hidden in ((1, 64), (5, 257), (40, 1024)):
+        x, res, w = rand(rows, hidden), rand(rows, hidden), rand(hidden)
+        torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), TORCH_LAYER_OPS.rms_norm(x, w, 1e-6), **exact)
+        for a, b in zip(ops.rms_norm(x, w, 1e-5, res), TORCH_LAYER_OPS.rms_norm(x, w, 1e-5, res)):
+            torch.testing.assert_close(a, b, **exact)
+        gate_up = rand(rows, 2 * hidden)
+        torch.testing.assert_close(ops.silu_and_mul(gate_up), TORCH_LAYER_OPS.silu_and_mul(gate_up), **exact)
+    for head in (32, 64, 80, 128):
+        qkv = rand(9, 8 * head)
+        cos, sin = torch.randn(50, head // 2, generator=gen), torch.randn(50, head // 2, generator=gen)
+        positions = torch.randint(0, 50, (9,), generator=gen)
+        want = TORCH_LAYER_OPS.rotary(positions, *qkv.split([4 * head, 2 * head, 2 * head], -1)[:2],
+                                      cos, sin, head)
+        q, k, _ = qkv.clone().split([4 * head, 2 * head, 2 * head], -1)  # strided views, rotated in place
+        got = ops.rotary(positions, q, k, cos, sin, head)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, **exact)
+    with pytest.raises(IndexError, match="outside the rotary table"):
+        ops.rotary(torch.tensor([50]), rand(1, 64), rand(1, 64), cos[:, :32].contiguous(),
+                   sin[:, :32].contiguous(), 64)
+
+
+def test_weights_and_caches_in_huge_pages(monkeypatch, checkpoint_dir, hf_greedy):
+    from omniinfer_cpu import memory
+
+    if memory.huge_pages_unavailable():
+        pytest.skip(memory.huge_pages_unavailable())
+    zeros = memory.huge_page_zeros((2, 300, 16, 2, 64), torch.bfloat16)
+    assert zeros.shape == (2, 300, 16, 2, 64) and zeros.dtype == torch.bfloat16
+    assert zeros.data_ptr() % memory.HUGE_PAGE == 0 and not zeros.any()
+    monkeypatch.setattr(memory, "MIN_BYTES", 0)  # the tiny model's tensors move too
+    path = checkpoint_dir("llama_tied")
+    llm = LLM(path, num_kv_blocks=64)
+    runner = llm.llm_engine.executor.worker.model_runner
+    start = torch.frombuffer(runner._weight_arena, dtype=torch.uint8).data_ptr()
+    for name, param in runner.model.named_parameters():
+        assert start <= param.data_ptr() < start + len(runner._weight_arena), name
+    prompt = [9, 8, 7, 6, 5]
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6,
+                                                                     ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(path, prompt, 6)
+    monkeypatch.setenv(memory.ENV_HUGE_PAGES, "0")
+    assert memory.move_to_huge_pages(runner.model) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("march", ["-march=haswell", "-march=skylake-avx512"])
+def test_portable_builds(march):
+    """The AVX2 build (GCC splits each 16-lane vector) and the AVX-512 build without bfloat16
+    instructions, run here on a CPU that has more."""
+    from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS
+    from omniinfer_cpu.layer_ops import CpuLayerOps
+
+    kernels = build.Kernels(build.library_path((march,)))
+    gen = torch.Generator().manual_seed(11)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = _Layer(torch.randn(70, 96, generator=gen).to(dtype))
+        for rows in (1, 2, 5):
+            x = torch.randn(rows, 96, generator=gen).to(dtype)
+            out = CpuLinearMethod(kernels).apply(layer, x)
+            torch.testing.assert_close(out.float(), F.linear(x.float(), layer.weight.float()), **TOL[dtype])
+        x, w = torch.randn(3, 200, generator=gen).to(dtype), torch.randn(200, generator=gen).to(dtype)
+        torch.testing.assert_close(CpuLayerOps(kernels).rms_norm(x, w, 1e-6, x),
+                                   TORCH_LAYER_OPS.rms_norm(x, w, 1e-6, x), **TOL[dtype])
+        gate_up = torch.randn(3, 200, generator=gen).to(dtype)
+        torch.testing.assert_close(CpuLayerOps(kernels).silu_and_mul(gate_up),
+                                   TORCH_LAYER_OPS.silu_and_mul(gate_up), **TOL[dtype])
+
+        class Impl(CpuPagedBackend.get_impl_cls()):
+            def __init__(self, *args):
+                super().__init__(*args)
+                self.kernel = kernels.paged_attention
+
+        class Backend(CpuPagedBackend):
+            @classmethod
+            def get_impl_cls(cls):
+                return Impl
+
+        case = Case("mixed", ((0, 9), (13, 6), (32, 1), (5, 1)), block_size=8, seed=1)
+        assert_matches_reference(run_case(Backend, case, "cpu", dtype), dtype)
