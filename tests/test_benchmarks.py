@@ -51,3 +51,14 @@ def test_host_overhead(tmp_path):
 def test_spec_decode(tmp_path):
     text = run("spec_decode.py", "--k", "2", "--batch", "1", "--max-tokens", "8", "--repeats", "1")
     assert "upper bound" in text
+
+
+def test_the_same_suite_behind_omniinfer_bench():
+    env = dict(os.environ, OMNIINFER_LOG_LEVEL="WARNING")
+    omniinfer = os.path.join(os.path.dirname(sys.executable), "omniinfer")
+    proc = subprocess.run([omniinfer, "bench", "throughput", "--shape", "tiny",
+                           "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--json"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["shape"] == "tiny" and result["omniinfer"]["mfu"] > 0  # the --compare path: above

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from omniinfer.benchmarks.perf import SHAPES
 from omniinfer.entrypoints.cli_generate import default_model
 from omniinfer.entrypoints.engine_flags import add_engine_args, engine_kwargs, env_default
 
@@ -21,7 +22,7 @@ def register(sub) -> None:
 
     t = kinds.add_parser("throughput", help="offline: many prompts at once; tokens/s")
     _offline_args(t)
-    t.add_argument("--num-prompts", type=int, default=32)
+    t.add_argument("--num-prompts", type=int, default=None, help="default 32 (or the --shape workload's)")
     t.add_argument("--prompts-file", help="one prompt per line (default: random token ids)")
     t.set_defaults(func=run_throughput)
 
@@ -51,8 +52,13 @@ def register(sub) -> None:
 def _offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=env_default("model", None) or default_model(),
                    help="checkpoint directory (default: the shipped demo model)")
-    p.add_argument("--input-len", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=None, help="default 32 (or the --shape workload's)")
+    p.add_argument("--output-len", type=int, default=None, help="default 32 (or the --shape workload's)")
+    p.add_argument("--shape", choices=sorted(SHAPES),
+                   help="the performance workloads: a random checkpoint of this shape, model FLOP "
+                        "utilisation / weight bandwidth against this machine's measured peaks")
+    p.add_argument("--compare", choices=["transformers"],
+                   help="also run transformers on the same checkpoint and workload, and print ratios")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_engine_args(p)
@@ -74,10 +80,22 @@ def _print(args, result: dict, lines: list[str]) -> int:
     return 0
 
 
+def _perf_dtype(args) -> str:
+    return "float32" if args.dtype in (None, "auto") else args.dtype
+
+
 def run_throughput(args) -> int:
-    from omniinfer.benchmarks import offline
+    from omniinfer.benchmarks import offline, perf
     from omniinfer.benchmarks.stats import latency_table
 
+    if args.shape or args.compare:  # the performance suite (benchmarks/throughput.py)
+        perf.quiet()
+        r = perf.throughput(args.shape, _perf_dtype(args), args.num_prompts, args.input_len,
+                            args.output_len, args.compare, None if args.shape else args.model,
+                            args.max_num_batched_tokens or 2048)
+        return _print(args, r, [perf.throughput_table(r)])
+    args.num_prompts = args.num_prompts or 32
+    args.input_len, args.output_len = args.input_len or 32, args.output_len or 32
     llm = _llm(args)
     prompts = (offline.read_prompts(args.prompts_file) if args.prompts_file else
                offline.random_prompts(llm.get_tokenizer(), llm.llm_engine.config.model.vocab_size,
@@ -92,9 +110,15 @@ def run_throughput(args) -> int:
 
 
 def run_latency(args) -> int:
-    from omniinfer.benchmarks import offline
+    from omniinfer.benchmarks import offline, perf
     from omniinfer.benchmarks.stats import latency_table
 
+    if args.shape or args.compare:  # the performance suite (benchmarks/latency.py): batch 1
+        perf.quiet()
+        r = perf.latency(args.shape, _perf_dtype(args), args.input_len or 128, args.output_len or 64,
+                         args.num_iters, args.compare, None if args.shape else args.model)
+        return _print(args, r, [perf.latency_table(r)])
+    args.input_len, args.output_len = args.input_len or 32, args.output_len or 32
     llm = _llm(args)
     prompts = offline.random_prompts(llm.get_tokenizer(), llm.llm_engine.config.model.vocab_size,
                                      args.batch_size, args.input_len, args.seed)

@@ -1,0 +1,322 @@
+"""The issue-8 performance workloads: shapes, model FLOPs and bytes, the machine's matmul peak
+and memory bandwidth, our engine and transformers on the same checkpoint and workload.
+
+Behind `benchmarks/throughput.py`, `benchmarks/latency.py` and `omniinfer bench throughput |
+latency --shape ...`. Every function returns plain dicts; the callers print and save them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+
+import torch
+
+SHAPES = {
+    # Llama shape from the performance issue
+    "small": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                  intermediate_size=1024, vocab_size=32000, arch="llama"),
+    # shaped like Qwen2.5-0.5B
+    "medium": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                   intermediate_size=4864, vocab_size=151936, arch="qwen2", tie_word_embeddings=True),
+    # for the CI smoke test of the scripts: every code path, seconds to run
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512, arch="llama"),
+    # a one-layer model of the small vocabulary (host-overhead runs swap its forward out)
+    "trivial": dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                    intermediate_size=128, vocab_size=32000, arch="llama"),
+}
+
+DEFAULT_WORKLOADS = {"small": (64, 128, 128), "medium": (32, 128, 64)}  # N, input, output
+
+
+def build_random_checkpoint(path: str, shape: str, dtype: str = "float32") -> str:
+    """A randomly initialised checkpoint of `shape` (with the tiny test tokenizer) at `path`."""
+    from omniinfer.testing.tiny_models import build_tiny_checkpoint
+
+    spec = dict(SHAPES[shape])
+    arch = spec.pop("arch")
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    return build_tiny_checkpoint(path, arch, dtype=dtype, max_position_embeddings=2048,
+                                 initializer_range=0.02, **spec)
+
+
+def model_flops(shape: dict, num_prompts: int, input_len: int, output_len: int) -> float:
+    """Model FLOPs of the workload: linear layers for every token, the LM head only where
+    logits are needed (the last prompt token and every generated one but the last), and
+    attention (QK^T and PV) over each token's context."""
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    head = h // heads
+    inter, vocab = shape["intermediate_size"], shape["vocab_size"]
+    per_layer = h * (heads + 2 * kv_heads) * head + heads * head * h + 3 * h * inter
+    tokens = num_prompts * (input_len + output_len - 1)  # the last sampled token is never fed back
+    linear = 2 * per_layer * layers * tokens
+    lm_head = 2 * h * vocab * num_prompts * output_len
+    # context seen by each token: positions 1..input_len+output_len-1
+    total_ctx = sum(range(1, input_len + output_len))
+    attention = 4 * heads * head * layers * num_prompts * total_ctx
+    return float(linear + lm_head + attention)
+
+
+def weight_bytes(shape: dict, dtype: torch.dtype) -> int:
+    """Bytes read per decoded token: every linear weight plus the LM head (tied or not)."""
+    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
+    head = h // heads
+    per_layer = h * (heads + 2 * kv) * head + heads * head * h + 3 * h * shape["intermediate_size"]
+    params = per_layer * layers + h * shape["vocab_size"]
+    return params * torch.empty((), dtype=dtype).element_size()
+
+
+def matmul_peak(shape: dict, dtype: torch.dtype, rows: list[int], seconds: float = 0.5) -> float:
+    """Best GFLOP/s of x @ W over the workload's linear shapes (W stored [out, in])."""
+    h, inter, vocab = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
+    best = 0.0
+    for m in rows:
+        for k, n in ((h, 2 * inter), (inter, h), (h, vocab)):
+            x = torch.randn(m, k, dtype=dtype)
+            w = torch.randn(n, k, dtype=dtype)
+            torch.nn.functional.linear(x, w)
+            count, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds / 3:
+                torch.nn.functional.linear(x, w)
+                count += 1
+            best = max(best, 2 * m * k * n * count / (time.perf_counter() - t0) / 1e9)
+    return best
+
+
+def copy_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> dict:
+    """GB/s of a torch copy (bytes read + written) and of a sum (bytes read)."""
+    src = torch.ones(num_bytes // 4)
+    dst = torch.empty_like(src)
+    copies, sums = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copies.append(2 * num_bytes / (time.perf_counter() - t0) / 1e9)
+        t0 = time.perf_counter()
+        src.sum()
+        sums.append(num_bytes / (time.perf_counter() - t0) / 1e9)
+    return {"copy_gbps": statistics.median(copies), "read_gbps": statistics.median(sums)}
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def omniinfer_throughput(path: str, prompts, output_len: int, dtype: str, engine_args: dict) -> float:
+    from omniinfer import LLM, SamplingParams
+
+    llm = LLM(path, dtype=dtype, max_num_seqs=len(prompts), max_model_len=2048, **engine_args)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
+                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
+    llm.llm_engine.shutdown()
+    return elapsed
+
+
+def transformers_static(path: str, prompts, output_len: int, dtype: torch.dtype,
+                            batch: int) -> float:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        model.generate(ids[:2], max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+        t0 = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            chunk = ids[i:i + batch]
+            out = model.generate(chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=output_len,
+                                 min_new_tokens=output_len, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)
+            assert out.shape[1] == chunk.shape[1] + output_len
+    return time.perf_counter() - t0
+
+
+def transformers_continuous(path: str, prompts, output_len: int, dtype: torch.dtype) -> float | None:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    if not hasattr(model, "generate_batch"):
+        return None
+    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    return time.perf_counter() - t0
+
+
+def omniinfer_latency(path: str, prompt: list[int], output_len: int, dtype: str, repeats: int) -> dict:
+    from omniinfer import LLM, SamplingParams
+
+    llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=2048)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    ttfts, per_token = [], []
+    for r in range(repeats):
+        engine.add_request(f"lat{r}", {"prompt_token_ids": prompt}, params)
+        t0 = time.perf_counter()
+        stamps = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            stamps.append(time.perf_counter())
+        ttfts.append(stamps[0] - t0)
+        per_token.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    engine.shutdown()
+    return {"ttft_ms": 1e3 * statistics.median(ttfts), "ms_per_token": 1e3 * statistics.median(per_token)}
+
+
+def transformers_latency(path: str, prompt: list[int], output_len: int, dtype: torch.dtype, repeats: int) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    ids = torch.tensor([prompt])
+    kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
+    ttfts, per_token = [], []
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=2, **kwargs)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=1, **kwargs)
+            ttft = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
+            total = time.perf_counter() - t0
+            ttfts.append(ttft)
+            per_token.append((total - ttft) / (output_len - 1))
+    return {"ttft_ms": 1e3 * statistics.median(ttfts), "ms_per_token": 1e3 * statistics.median(per_token)}
+
+
+
+def shape_of(model_dir: str) -> dict:
+    """The shape keys of a checkpoint's config.json (for FLOPs and bytes of any model)."""
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "intermediate_size", "vocab_size")
+    shape = {k: cfg[k] for k in keys if k in cfg}
+    shape.setdefault("num_key_value_heads", shape["num_attention_heads"])
+    return shape
+
+
+def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = None,
+               input_len: int | None = None, output_len: int | None = None,
+               compare: str | None = None, model: str | None = None,
+               max_num_batched_tokens: int = 2048) -> dict:
+    """N random prompts at once through LLM.generate; MFU against the measured matmul peak;
+    with compare="transformers", transformers' best static batch and continuous batching."""
+    n, i, o = DEFAULT_WORKLOADS.get(shape_name or "", (64, 128, 128))
+    n, i, o = num_prompts or n, input_len or i, output_len or o
+    torch_dtype = getattr(torch, dtype)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model or build_random_checkpoint(os.path.join(tmp, shape_name), shape_name, dtype)
+        shape = shape_of(path)
+        prompts = make_prompts(n, i, shape["vocab_size"])
+        peak = matmul_peak(shape, torch_dtype, [n, max_num_batched_tokens])
+        flops = model_flops(shape, n, i, o)
+        elapsed = omniinfer_throughput(path, prompts, o, dtype,
+                                       {"max_num_batched_tokens": max_num_batched_tokens})
+        result = {
+            "shape": shape_name or os.path.basename(os.path.normpath(path)), "dtype": dtype,
+            "num_prompts": n, "input_len": i, "output_len": o,
+            "threads": torch.get_num_threads(), "matmul_peak_gflops": peak,
+            "omniinfer": {"seconds": elapsed, "requests_per_s": n / elapsed,
+                          "output_tokens_per_s": n * o / elapsed,
+                          "total_tokens_per_s": n * (i + o) / elapsed,
+                          "model_gflops": flops / elapsed / 1e9, "mfu": flops / elapsed / 1e9 / peak},
+        }
+        if compare == "transformers":
+            batches = [b for b in (8, 32, 64) if b <= n] or [n]
+            static = {b: transformers_static(path, prompts, o, torch_dtype, b) for b in batches}
+            best = min(static, key=static.get)
+            result["transformers_static"] = {"best_batch": best, "seconds": static[best],
+                                             "output_tokens_per_s": n * o / static[best],
+                                             "all_batches_s": static}
+            cont = transformers_continuous(path, prompts, o, torch_dtype)
+            if cont is not None:
+                result["transformers_continuous"] = {"seconds": cont, "output_tokens_per_s": n * o / cont}
+    return result
+
+
+def throughput_table(r: dict) -> str:
+    lines = [f"throughput: {r['shape']} {r['dtype']}  N={r['num_prompts']} I={r['input_len']} "
+             f"O={r['output_len']}  threads={r['threads']}  matmul peak {r['matmul_peak_gflops']:.0f} GFLOP/s"]
+    e = r["omniinfer"]
+    lines.append(f"  omniinfer            {e['output_tokens_per_s']:8.0f} out tok/s  "
+                 f"{e['total_tokens_per_s']:8.0f} total tok/s  {e['requests_per_s']:6.2f} req/s  "
+                 f"MFU {100 * e['mfu']:5.1f}%")
+    for key, label in (("transformers_static", "transformers static"),
+                       ("transformers_continuous", "transformers cont.")):
+        if key in r:
+            t = r[key]
+            extra = f" (batch {t['best_batch']})" if "best_batch" in t else ""
+            lines.append(f"  {label:<20} {t['output_tokens_per_s']:8.0f} out tok/s{extra}  -> omniinfer is "
+                         f"{e['output_tokens_per_s'] / t['output_tokens_per_s']:.2f}x")
+    return "\n".join(lines)
+
+
+def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len: int = 64,
+            repeats: int = 3, compare: str | None = None, model: str | None = None) -> dict:
+    """One request at a time: TTFT, ms per output token, the weight bandwidth that implies and
+    the copy/read bandwidth measured first; with compare="transformers", the same for it."""
+    torch_dtype = getattr(torch, dtype)
+    bandwidth = copy_bandwidth()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = model or build_random_checkpoint(os.path.join(tmp, shape_name), shape_name, dtype)
+        shape = shape_of(path)
+        prompt = make_prompts(1, input_len, shape["vocab_size"])[0]
+        ours = omniinfer_latency(path, prompt, output_len, dtype, repeats)
+        result = {"shape": shape_name or os.path.basename(os.path.normpath(path)), "dtype": dtype,
+                  "input_len": input_len, "output_len": output_len,
+                  "threads": torch.get_num_threads(), **bandwidth,
+                  "weight_bytes": weight_bytes(shape, torch_dtype), "omniinfer": ours}
+        ours["weight_gbps"] = result["weight_bytes"] / ours["ms_per_token"] / 1e6
+        if compare == "transformers":
+            theirs = transformers_latency(path, prompt, output_len, torch_dtype, repeats)
+            theirs["weight_gbps"] = result["weight_bytes"] / theirs["ms_per_token"] / 1e6
+            result["transformers"] = theirs
+    return result
+
+
+def latency_table(r: dict) -> str:
+    lines = [f"latency: {r['shape']} {r['dtype']}  I={r['input_len']} O={r['output_len']}  threads="
+             f"{r['threads']}  copy {r['copy_gbps']:.1f} GB/s, read {r['read_gbps']:.1f} GB/s, "
+             f"weights {r['weight_bytes'] / 1e9:.2f} GB/token"]
+    for name in ("omniinfer", "transformers"):
+        if name in r:
+            x = r[name]
+            lines.append(f"  {name:<13} TTFT {x['ttft_ms']:8.1f} ms  {x['ms_per_token']:7.2f} ms/token  "
+                         f"weights at {x['weight_gbps']:5.1f} GB/s")
+    if "transformers" in r:
+        lines.append(f"  decode speed-up over transformers: "
+                     f"{r['transformers']['ms_per_token'] / r['omniinfer']['ms_per_token']:.2f}x")
+    return "\n".join(lines)
+
+
+def append_json(path: str, result: dict) -> None:
+    rows = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            rows = json.load(f)
+    rows.append(result)
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=2)
+
+
+def quiet() -> None:
+    os.environ.setdefault("OMNIINFER_LOG_LEVEL", "WARNING")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
