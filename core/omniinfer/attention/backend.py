@@ -312,3 +312,39 @@ class AttentionImpl:
         then attends over everything cached for each sequence (causal within the step).
         """
         raise NotImplementedError
+
+
+class StagedAttentionImpl(AttentionImpl):
+    """The shape most backends share: write the step's keys and values into the cache, then
+    run the prefill part and the decode part with their own kernels, each filling its rows of
+    the output. Subclasses implement the three primitives."""
+
+    def forward(self, query, key, value, kv_cache, metadata):
+        num_tokens = query.shape[0]
+        q = query.view(num_tokens, self.num_heads, self.head_size)
+        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        self.write_kv(k, v, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        n = metadata.num_prefill_tokens
+        if (prefill := metadata.prefill_metadata) is not None:
+            self.prefill(out[:n], q[:n], k[:n], v[:n], kv_cache, prefill)
+        if (decode := metadata.decode_metadata) is not None:
+            self.decode(out[n:], q[n:], kv_cache, decode)
+        return out.view(num_tokens, self.num_heads * self.head_size)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store key/value [T, kv_heads, head] at their slots."""
+        raise NotImplementedError
+
+    def prefill(self, out: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """Fill `out` [prefill tokens, heads, head] (key/value are this step's, also cached)."""
+        raise NotImplementedError
+
+    def decode(self, out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: AttentionMetadata) -> None:
+        """Fill `out` [decode tokens, heads, head] from the cache."""
+        raise NotImplementedError
+

@@ -21,13 +21,15 @@ add ``k_scale, v_scale`` (fp8 caches) before ``alibi_slopes``: 1.0 is passed whe
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import inspect
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from omniinfer.attention.backend import AttentionBackend, AttentionImpl
+from omniinfer.attention.backend import AttentionBackend, AttentionImpl, AttentionSpec
 
 
 def _takes_scales(fn) -> bool:
@@ -86,10 +88,29 @@ class PagedOpsImpl(AttentionImpl):
         return out.view(num_tokens, self.num_heads * self.head_size)
 
 
+def library_reason(module: str, install_hint: str) -> str | None:
+    """Why `module` cannot be used (not installed, or failing to import), or None."""
+    if importlib.util.find_spec(module) is None:  # cheap: asked on every engine start
+        return f"{module} is not installed ({install_hint})"
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # built for another torch, most often
+        return f"{module} is not importable ({type(e).__name__}: {e})"
+    return None
+
+
 class PagedOpsBackend(AttentionBackend):
-    """Descriptor base: the [2, blocks, kv_heads, block_size, head] layout, no sliding window."""
+    """Descriptor base: the [2, blocks, kv_heads, block_size, head] layout, no sliding window,
+    refused with the reason when its `library` does not import."""
 
     supports_sliding_window: ClassVar[bool] = False
+    library: ClassVar[str] = ""  # the module providing the ops
+    install_hint: ClassVar[str] = ""  # e.g. "pip install 'omniinfer-cpu[ipex]'"
+
+    @classmethod
+    def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
+        reason = library_reason(cls.library, cls.install_hint) if cls.library else None
+        return [reason] if reason else []
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,

@@ -12,26 +12,18 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from omniinfer.attention.backend import AttentionBackend, AttentionImpl
+from omniinfer.attention.backend import AttentionBackend, StagedAttentionImpl
 from omniinfer.attention.ops import causal_mask, gather_kv, write_to_kv_cache
 
 
-class TorchSDPAImpl(AttentionImpl):
-    def forward(self, query, key, value, kv_cache, metadata):
-        num_tokens = query.shape[0]
-        q = query.view(num_tokens, self.num_heads, self.head_size)
-        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
-        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        write_to_kv_cache(k, v, kv_cache, metadata.slot_mapping)
-        out = torch.empty_like(q)
-        if (prefill := metadata.prefill_metadata) is not None:
-            self._prefill(q, k, v, kv_cache, prefill, out)
-        if (decode := metadata.decode_metadata) is not None:
-            t0 = metadata.num_prefill_tokens
-            out[t0:] = self._decode(q[t0:], kv_cache, decode)
-        return out.view(num_tokens, self.num_heads * self.head_size)
+class TorchSDPAImpl(StagedAttentionImpl):
+    def write_kv(self, key, value, kv_cache, slot_mapping):
+        write_to_kv_cache(key, value, kv_cache, slot_mapping)
 
-    def _prefill(self, q, k, v, kv_cache, md, out) -> None:
+    def decode(self, out, query, kv_cache, metadata):
+        out[:] = self._decode(query, kv_cache, metadata)
+
+    def prefill(self, out, q, k, v, kv_cache, md) -> None:
         qsl = md.query_start_loc.tolist()
         for i, seq_len in enumerate(md.seq_lens):
             q0, q1 = qsl[i], qsl[i + 1]

@@ -11,11 +11,7 @@ from typing import ClassVar
 
 import torch
 
-from omniinfer.attention.backend import (
-    AttentionBackend,
-    AttentionImpl,
-    AttentionSpec,
-)
+from omniinfer.attention.backend import AttentionBackend, AttentionSpec, StagedAttentionImpl
 
 MAX_HEAD_SIZE = 256
 # Triton 3 generates code for NVIDIA compute capability 7.5 and newer.
@@ -63,20 +59,15 @@ def prefill(out: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, md, 
                             sliding_window)
 
 
-class TritonImpl(AttentionImpl):
-    def forward(self, query, key, value, kv_cache, metadata):
-        num_tokens = query.shape[0]
-        q = query.view(num_tokens, self.num_heads, self.head_size)
-        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
-        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        write_kv(k, v, kv_cache, metadata.slot_mapping)
-        out = torch.empty_like(q)
-        n = metadata.num_prefill_tokens
-        if (p := metadata.prefill_metadata) is not None:
-            prefill(out[:n], q[:n], kv_cache, p, self.scale, self.sliding_window)
-        if (d := metadata.decode_metadata) is not None:
-            decode(out[n:], q[n:], kv_cache, d, self.scale, self.sliding_window)
-        return out.view(num_tokens, self.num_heads * self.head_size)
+class TritonImpl(StagedAttentionImpl):
+    def write_kv(self, key, value, kv_cache, slot_mapping):
+        write_kv(key, value, kv_cache, slot_mapping)
+
+    def prefill(self, out, query, key, value, kv_cache, metadata):
+        prefill(out, query, kv_cache, metadata, self.scale, self.sliding_window)
+
+    def decode(self, out, query, kv_cache, metadata):
+        decode(out, query, kv_cache, metadata, self.scale, self.sliding_window)
 
 
 class TritonBackend(AttentionBackend):

@@ -33,10 +33,10 @@ import torch
 
 from omniinfer.attention.backend import (
     AttentionBackend,
-    AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
     AttentionSpec,
+    StagedAttentionImpl,
 )
 from omniinfer.attention.backends import triton as triton_ops
 
@@ -149,26 +149,18 @@ class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
         )
 
 
-class FlashAttentionImpl(AttentionImpl):
+class FlashAttentionImpl(StagedAttentionImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ops = load_flash_ops()
         w = self.sliding_window
         self.window_size = (w - 1, 0) if w else (-1, -1)
 
-    def forward(self, query, key, value, kv_cache, metadata):
-        num_tokens = query.shape[0]
-        q = query.view(num_tokens, self.num_heads, self.head_size)
-        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
-        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        triton_ops.write_kv(k, v, kv_cache, metadata.slot_mapping)
-        out = torch.empty_like(q)
-        n = metadata.num_prefill_tokens
-        if (p := metadata.prefill_metadata) is not None:
-            out[:n] = self._prefill(q[:n], k[:n], v[:n], kv_cache, p)
-        if (d := metadata.decode_metadata) is not None:
-            self._decode(out[n:], q[n:], kv_cache, d)
-        return out.view(num_tokens, self.num_heads * self.head_size)
+    def write_kv(self, key, value, kv_cache, slot_mapping):
+        triton_ops.write_kv(key, value, kv_cache, slot_mapping)
+
+    def prefill(self, out, query, key, value, kv_cache, metadata):
+        out[:] = self._prefill(query, key, value, kv_cache, metadata)
 
     def _prefill(self, q, k, v, kv_cache, md: FlashAttentionMetadata) -> torch.Tensor:
         kwargs = dict(softmax_scale=self.scale, causal=True, window_size=self.window_size)
@@ -185,7 +177,7 @@ class FlashAttentionImpl(AttentionImpl):
         return self.ops.varlen(q, keys, values, md.query_start_loc, md.cu_seqlens_k,
                                md.max_query_len, md.max_seq_len, **kwargs)
 
-    def _decode(self, out, q, kv_cache, md: FlashAttentionMetadata) -> None:
+    def decode(self, out, q, kv_cache, md: FlashAttentionMetadata) -> None:
         if not self.ops.takes_block_table(kv_cache.shape[2]):
             triton_ops.decode(out, q, kv_cache, md, self.scale, self.sliding_window)
             return

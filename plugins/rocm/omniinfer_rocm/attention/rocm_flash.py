@@ -14,7 +14,7 @@ from typing import ClassVar
 
 import torch
 
-from omniinfer.attention.backend import AttentionBackend, AttentionImpl, AttentionSpec
+from omniinfer.attention.backend import AttentionBackend, AttentionSpec, StagedAttentionImpl
 from omniinfer.attention.backends import triton as triton_ops
 from omniinfer.attention.common import PrefillKeySlotsMetadata, PrefillKeySlotsMetadataBuilder
 
@@ -27,29 +27,24 @@ def load_ck_varlen():
         return None
 
 
-class RocmFlashImpl(AttentionImpl):
+class RocmFlashImpl(StagedAttentionImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.ck_varlen = load_ck_varlen()
         w = self.sliding_window
         self.window_size = (w - 1, 0) if w else (-1, -1)
 
-    def forward(self, query, key, value, kv_cache, metadata):
-        num_tokens = query.shape[0]
-        q = query.view(num_tokens, self.num_heads, self.head_size)
-        k = key.view(num_tokens, self.num_kv_heads, self.head_size)
-        v = value.view(num_tokens, self.num_kv_heads, self.head_size)
-        triton_ops.write_kv(k, v, kv_cache, metadata.slot_mapping)
-        out = torch.empty_like(q)
-        n = metadata.num_prefill_tokens
-        if (p := metadata.prefill_metadata) is not None:
-            if self.ck_varlen is None:
-                triton_ops.prefill(out[:n], q[:n], kv_cache, p, self.scale, self.sliding_window)
-            else:
-                out[:n] = self._ck_prefill(q[:n], k[:n], v[:n], kv_cache, p)
-        if (d := metadata.decode_metadata) is not None:
-            triton_ops.decode(out[n:], q[n:], kv_cache, d, self.scale, self.sliding_window)
-        return out.view(num_tokens, self.num_heads * self.head_size)
+    def write_kv(self, key, value, kv_cache, slot_mapping):
+        triton_ops.write_kv(key, value, kv_cache, slot_mapping)
+
+    def prefill(self, out, query, key, value, kv_cache, metadata):
+        if self.ck_varlen is None:
+            triton_ops.prefill(out, query, kv_cache, metadata, self.scale, self.sliding_window)
+        else:
+            out[:] = self._ck_prefill(query, key, value, kv_cache, metadata)
+
+    def decode(self, out, query, kv_cache, metadata):
+        triton_ops.decode(out, query, kv_cache, metadata, self.scale, self.sliding_window)
 
     def _ck_prefill(self, q, k, v, kv_cache, md: PrefillKeySlotsMetadata) -> torch.Tensor:
         cu_q = md.query_start_loc
