@@ -34,6 +34,7 @@ class AttentionSpec:
     block_size: int
     sliding_window: int | None = None
     device_capability: tuple[int, int] | None = None  # e.g. (9, 0) for an H100; None off-GPU
+    min_triton_capability: tuple[int, int] | None = None  # the platform's floor for Triton kernels
 
 
 class AttentionBackend:

@@ -15,7 +15,6 @@ import itertools
 import time
 from collections.abc import Iterable
 
-from omniinfer.attention.backend import AttentionSpec
 from omniinfer.attention.selector import select_attention_backend
 from omniinfer.config import EngineArgs, EngineConfig, dtype_name
 from omniinfer.engine.detokenizer import find_stop, make_detokenizer
@@ -74,11 +73,10 @@ class LLMEngine:
                              + "; ".join(reasons))
         m = config.model
         tp = config.parallel.tensor_parallel_size
-        spec = AttentionSpec(
-            device_type=self.platform.device_type, platform_name=self.platform.name,
+        spec = self.platform.attention_spec(
             dtype=m.dtype, head_size=m.head_size, num_heads=m.num_heads // tp,
             num_kv_heads=max(1, m.num_kv_heads // tp), block_size=config.cache.block_size,
-            sliding_window=m.sliding_window, device_capability=self.platform.device_capability())
+            sliding_window=m.sliding_window)
         self.attn_backend = select_attention_backend(self.platform, spec, registry.backends,
                                                      config.device.attention_backend)
         logger.info("platform %s (plugin %s %s), %s, devices: %s; attention backend %s; dtype %s",

@@ -12,7 +12,6 @@ from omniinfer.version import PLUGIN_API_VERSION, __version__
 def collect() -> dict:
     import torch
 
-    from omniinfer.attention.backend import AttentionSpec
     from omniinfer.attention.selector import select_attention_backend
     from omniinfer.platforms.registry import PluginError, get_registry
 
@@ -58,10 +57,9 @@ def collect() -> dict:
     try:
         chosen = registry.select_platform(None)
         report["selected_platform"] = chosen.name
-        spec = AttentionSpec(device_type=chosen.device_type, platform_name=chosen.name,
-                             dtype=torch.bfloat16 if chosen.device_type != "cpu" else torch.float32,
-                             head_size=128, num_heads=32, num_kv_heads=8, block_size=16,
-                             device_capability=chosen.device_capability())
+        spec = chosen.attention_spec(
+            dtype=torch.bfloat16 if chosen.device_type != "cpu" else torch.float32,
+            head_size=128, num_heads=32, num_kv_heads=8, block_size=16)
         backend = select_attention_backend(chosen, spec, registry.backends)
         report["selected_attention_backend"] = (f"{backend.name} (for {str(spec.dtype)[6:]}, head "
                                                 f"size {spec.head_size})")

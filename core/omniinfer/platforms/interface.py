@@ -85,6 +85,9 @@ class Platform:
     supported_dtypes: ClassVar[tuple[str, ...]] = ("float32", "bfloat16", "float16")
     ray_resource: ClassVar[str] = "GPU"  # the Ray resource one rank reserves
 
+    # Lowest device capability Triton generates code for on this platform (None: no floor).
+    min_triton_capability: ClassVar[tuple[int, int] | None] = None
+
     # Set by the registry: the distribution that provided it, and its version.
     plugin_name: ClassVar[str] = ""
     plugin_version: ClassVar[str] = ""
@@ -104,6 +107,19 @@ class Platform:
     def device_capability(cls) -> tuple[int, int] | None:
         """(major, minor) of device 0 where the vendor has such a notion (CUDA), else None."""
         return None
+
+    @classmethod
+    def attention_spec(cls, *, dtype: torch.dtype, head_size: int, num_heads: int,
+                       num_kv_heads: int, block_size: int, sliding_window: int | None = None):
+        """The `AttentionSpec` backends validate against on this platform (its device type,
+        name, capability and kernel floors filled in)."""
+        from omniinfer.attention.backend import AttentionSpec
+
+        return AttentionSpec(device_type=cls.device_type, platform_name=cls.name, dtype=dtype,
+                             head_size=head_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                             block_size=block_size, sliding_window=sliding_window,
+                             device_capability=cls.device_capability(),
+                             min_triton_capability=cls.min_triton_capability)
 
     @classmethod
     def device_names(cls) -> list[str]:

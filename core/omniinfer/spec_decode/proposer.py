@@ -12,7 +12,6 @@ import dataclasses
 
 import torch
 
-from omniinfer.attention.backend import AttentionSpec
 from omniinfer.attention.selector import select_attention_backend
 from omniinfer.config import EngineConfig
 from omniinfer.engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -48,11 +47,10 @@ class DraftProposer:
         self.max_model_len = config.model.max_model_len
         draft = spec_config.draft
         draft_config = dataclasses.replace(config, model=draft)
-        spec = AttentionSpec(
-            device_type=platform.device_type, platform_name=platform.name, dtype=draft.dtype,
-            head_size=draft.head_size, num_heads=draft.num_heads, num_kv_heads=draft.num_kv_heads,
-            block_size=config.cache.block_size, sliding_window=draft.sliding_window,
-            device_capability=platform.device_capability())
+        spec = platform.attention_spec(
+            dtype=draft.dtype, head_size=draft.head_size, num_heads=draft.num_heads,
+            num_kv_heads=draft.num_kv_heads, block_size=config.cache.block_size,
+            sliding_window=draft.sliding_window)
         backend = select_attention_backend(platform, spec, backends, config.device.attention_backend)
         self.device = platform.device(0)
         self.runner = DraftModelRunner(draft_config, backend, self.device)

@@ -13,6 +13,7 @@ class CudaPlatform(AcceleratorPlatform):
     dist_backend = "nccl"
     attention_backend_preferences = ("FLASH_ATTN", "XFORMERS", "TRITON", "TORCH_SDPA", "REFERENCE")
     supported_dtypes = ("float16", "bfloat16", "float32")
+    min_triton_capability = (7, 5)  # Triton 3 generates code for sm_75 and newer
 
     @classmethod
     def is_available(cls) -> Availability:

@@ -62,7 +62,8 @@ def cuda_spec(dtype=torch.bfloat16, head_size=64, block_size=16, capability="pla
         capability = CudaPlatform.device_capability()
     return AttentionSpec(device_type="cuda", platform_name="cuda", dtype=dtype, head_size=head_size,
                          num_heads=8, num_kv_heads=2, block_size=block_size,
-                         device_capability=capability, **kw)
+                         device_capability=capability,
+                         min_triton_capability=CudaPlatform.min_triton_capability, **kw)
 
 
 def select(registry, spec, platform="cuda"):

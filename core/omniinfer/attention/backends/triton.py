@@ -14,8 +14,6 @@ import torch
 from omniinfer.attention.backend import AttentionBackend, AttentionSpec, StagedAttentionImpl
 
 MAX_HEAD_SIZE = 256
-# Triton 3 generates code for NVIDIA compute capability 7.5 and newer.
-MIN_CUDA_CAPABILITY = (7, 5)
 
 
 def triton_reasons(spec: AttentionSpec) -> list[str]:
@@ -25,10 +23,10 @@ def triton_reasons(spec: AttentionSpec) -> list[str]:
     reasons = unavailable_reasons(spec.device_type)
     if spec.head_size > MAX_HEAD_SIZE:
         reasons.append(f"head size {spec.head_size} > {MAX_HEAD_SIZE} (the kernels keep a head in registers)")
-    capability = spec.device_capability
-    if spec.platform_name == "cuda" and capability is not None and capability < MIN_CUDA_CAPABILITY:
-        reasons.append(f"triton needs compute capability {MIN_CUDA_CAPABILITY[0]}."
-                       f"{MIN_CUDA_CAPABILITY[1]}+, this GPU has {capability[0]}.{capability[1]}")
+    capability, floor = spec.device_capability, spec.min_triton_capability
+    if capability is not None and floor is not None and capability < floor:
+        reasons.append(f"triton needs compute capability {floor[0]}.{floor[1]}+, this GPU has "
+                       f"{capability[0]}.{capability[1]}")
     return reasons
 
 

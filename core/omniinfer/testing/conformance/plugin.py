@@ -36,11 +36,9 @@ class Conformance:
     def spec(self, dtype: torch.dtype, *, head_size: int = 64, num_heads: int = 4,
              num_kv_heads: int = 2, block_size: int = 16, sliding_window: int | None = None
              ) -> AttentionSpec:
-        return AttentionSpec(device_type=self.platform.device_type, platform_name=self.platform.name,
-                             dtype=dtype, head_size=head_size, num_heads=num_heads,
-                             num_kv_heads=num_kv_heads, block_size=block_size,
-                             sliding_window=sliding_window,
-                             device_capability=self.platform.device_capability())
+        return self.platform.attention_spec(dtype=dtype, head_size=head_size, num_heads=num_heads,
+                                            num_kv_heads=num_kv_heads, block_size=block_size,
+                                            sliding_window=sliding_window)
 
     def backend(self, name: str) -> type[AttentionBackend]:
         return self.classes[name]
