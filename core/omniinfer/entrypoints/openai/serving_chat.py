@@ -13,6 +13,7 @@ from omniinfer.entrypoints.openai.protocol import (
 )
 from omniinfer.entrypoints.openai.serving_common import (
     ServingContext,
+    StreamProgress,
     chat_logprobs,
     engine_error,
     merge,
@@ -69,17 +70,9 @@ async def _full(ctx, req, request_id, num_prompt, stream) -> dict:
 
 
 async def _stream(ctx, req, request_id, num_prompt, stream) -> AsyncIterator[str]:
-    created = now()
-    sent_text: dict[int, int] = {}
-    sent_tokens: dict[int, int] = {}
-    finished: set[int] = set()
-
-    def chunk(choices: list, with_usage: bool | None) -> str:
-        body = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                "model": ctx.model_name, "choices": choices}
-        if req.include_usage:
-            body["usage"] = usage(num_prompt, sum(sent_tokens.values())) if with_usage else None
-        return sse(body)
+    progress = StreamProgress(request_id, "chat.completion.chunk", ctx.model_name, num_prompt,
+                              req.include_usage, now())
+    chunk = progress.chunk
 
     try:
         for index in range(req.n):  # the role first, as OpenAI does
@@ -90,18 +83,15 @@ async def _stream(ctx, req, request_id, num_prompt, stream) -> AsyncIterator[str
                 if (error := output_error(out)) is not None:
                     raise error
                 for c in out.outputs:
-                    start_text, start_tokens = sent_text.get(c.index, 0), sent_tokens.get(c.index, 0)
-                    text, new_ids = c.text[start_text:], c.token_ids[start_tokens:]
-                    wants_logprobs = req.logprobs and new_ids
-                    if c.index in finished or not (text or wants_logprobs or c.finish_reason):
-                        continue  # nothing to say yet (a partial character, a held-back stop)
+                    news = progress.news(c.index, c, bool(req.logprobs))
+                    if news is None:
+                        continue
+                    text, new_ids, _, start_tokens = news
                     logprobs = None
                     if req.logprobs:
                         steps = (c.logprobs or [])[start_tokens:start_tokens + len(new_ids)]
                         logprobs = chat_logprobs(ctx.tokenizer, new_ids, steps, req.top_logprobs or 0)
-                    sent_text[c.index], sent_tokens[c.index] = len(c.text), len(c.token_ids)
-                    if c.finish_reason is not None:
-                        finished.add(c.index)
+                    progress.sent(c.index, c)
                     yield chunk([{"index": c.index, "delta": {"content": text} if text else {},
                                   "logprobs": logprobs, "finish_reason": c.finish_reason,
                                   "stop_reason": c.stop_reason if c.finish_reason else None}],

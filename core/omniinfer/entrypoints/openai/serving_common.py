@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 from omniinfer.engine.outputs import RequestOutput
 from omniinfer.entrypoints.openai.async_engine import AsyncLLMEngine, EngineDeadError
-from omniinfer.entrypoints.openai.protocol import GENERATION_DEFAULTS, APIError
+from omniinfer.entrypoints.openai.protocol import GENERATION_DEFAULTS, APIError, usage
 from omniinfer.sampling.params import SamplingParams
 
 
@@ -136,6 +136,42 @@ async def merge(streams: list[AsyncIterator[RequestOutput]],
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class StreamProgress:
+    """What a streamed response has sent so far, per choice index, and how to frame a chunk."""
+
+    def __init__(self, request_id: str, object_name: str, model: str, num_prompt: int,
+                 include_usage: bool, created: int):
+        self.header = {"id": request_id, "object": object_name, "created": created, "model": model}
+        self.num_prompt = num_prompt
+        self.include_usage = include_usage
+        self.sent_text: dict[int, int] = {}  # characters sent
+        self.sent_tokens: dict[int, int] = {}  # tokens sent
+        self.finished: set[int] = set()
+
+    def news(self, index: int, completion, wants_logprobs: bool):
+        """(new text, new token ids, text sent before, tokens sent before), or None when there
+        is nothing to say yet (a partial character, a held-back stop string)."""
+        start_text = self.sent_text.get(index, 0)
+        start_tokens = self.sent_tokens.get(index, 0)
+        text, new_ids = completion.text[start_text:], completion.token_ids[start_tokens:]
+        if index in self.finished or not (text or (wants_logprobs and new_ids)
+                                          or completion.finish_reason):
+            return None
+        return text, new_ids, start_text, start_tokens
+
+    def sent(self, index: int, completion) -> None:
+        self.sent_text[index], self.sent_tokens[index] = len(completion.text), len(completion.token_ids)
+        if completion.finish_reason is not None:
+            self.finished.add(index)
+
+    def chunk(self, choices: list, with_usage: bool | None) -> str:
+        body = {**self.header, "choices": choices}
+        if self.include_usage:
+            body["usage"] = (usage(self.num_prompt, sum(self.sent_tokens.values()))
+                             if with_usage else None)
+        return sse(body)
 
 
 def sse(payload: dict | str) -> str:

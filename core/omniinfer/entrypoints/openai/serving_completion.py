@@ -8,6 +8,7 @@ from contextlib import aclosing
 from omniinfer.entrypoints.openai.protocol import CompletionRequest, now, random_id, usage
 from omniinfer.entrypoints.openai.serving_common import (
     ServingContext,
+    StreamProgress,
     completion_logprobs,
     engine_error,
     merge,
@@ -68,18 +69,10 @@ async def _full(ctx, req, request_id, inputs, streams) -> dict:
 
 
 async def _stream(ctx, req, request_id, inputs, streams) -> AsyncIterator[str]:
-    created = now()
     num_prompt = sum(len(p["prompt_token_ids"]) for p in inputs)
-    sent_text: dict[int, int] = {}  # choice index -> characters sent
-    sent_tokens: dict[int, int] = {}  # choice index -> tokens sent
-    finished: set[int] = set()
-
-    def chunk(choices: list, with_usage: bool | None) -> str:
-        body = {"id": request_id, "object": "text_completion", "created": created,
-                "model": ctx.model_name, "choices": choices}
-        if req.include_usage:
-            body["usage"] = usage(num_prompt, sum(sent_tokens.values())) if with_usage else None
-        return sse(body)
+    progress = StreamProgress(request_id, "text_completion", ctx.model_name, num_prompt,
+                              req.include_usage, now())
+    chunk = progress.chunk
 
     try:
         async with aclosing(merge(streams)) as merged:
@@ -88,21 +81,18 @@ async def _stream(ctx, req, request_id, inputs, streams) -> AsyncIterator[str]:
                     raise error
                 for c in out.outputs:
                     index = i * req.n + c.index
-                    start_text, start_tokens = sent_text.get(index, 0), sent_tokens.get(index, 0)
-                    text, new_ids = c.text[start_text:], c.token_ids[start_tokens:]
-                    wants_logprobs = req.logprobs is not None and new_ids
-                    if index in finished or not (text or wants_logprobs or c.finish_reason):
-                        continue  # nothing to say yet (a partial character, a held-back stop)
-                    prefix = _echo(ctx, inputs[i]) if req.echo and index not in sent_text else ""
+                    news = progress.news(index, c, req.logprobs is not None)
+                    if news is None:
+                        continue
+                    text, new_ids, start_text, start_tokens = news
+                    prefix = _echo(ctx, inputs[i]) if req.echo and index not in progress.sent_text else ""
                     logprobs = None
                     if req.logprobs is not None:
                         steps = (c.logprobs or [])[start_tokens:start_tokens + len(new_ids)]
                         offset = start_text + (len(_echo(ctx, inputs[i])) if req.echo else 0)
                         logprobs = completion_logprobs(ctx.tokenizer, new_ids, steps, req.logprobs,
                                                        offset)
-                    sent_text[index], sent_tokens[index] = len(c.text), len(c.token_ids)
-                    if c.finish_reason is not None:
-                        finished.add(index)
+                    progress.sent(index, c)
                     yield chunk([{"index": index, "text": prefix + text, "logprobs": logprobs,
                                   "finish_reason": c.finish_reason,
                                   "stop_reason": c.stop_reason if c.finish_reason else None}],
