@@ -104,6 +104,25 @@ def test_paged_attention_bfloat16(case):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [
+    # blocks smaller than a 16-key chunk: the chunk's keys are gathered from several blocks
+    Case("blocks1", ((0, 5), (3, 4), (20, 1)), block_size=1),
+    Case("blocks4", ((0, 21), (9, 3), (37, 1)), block_size=4, seed=4),
+    # chunks at offsets inside a big block, a window starting mid-chunk
+    Case("blocks64", ((0, 70), (100, 9), (130, 1)), block_size=64, sliding_window=37, seed=5),
+    # 7 query heads per KV head: 9-token tiles of 63 rows, rows not a multiple of 4
+    Case("group7", ((0, 40), (11, 13), (60, 1)), group=7, num_kv_heads=2, seed=6),
+    # more than 16 query tokens, group 1: tiles of 16 tokens, heads split across items
+    Case("long", ((0, 50),), group=1, num_kv_heads=2, head_size=48, seed=7),
+])
+def test_paged_attention_layouts(case, dtype):
+    """Shapes the kernel handles on separate paths: gathered chunks, offsets inside a block,
+    partial row groups, head sizes that are not a multiple of 16 vector lanes."""
+    assert_matches_reference(run_case(CpuPagedBackend, case, "cpu", dtype), dtype)
+
+
+@needs_kernels
 def test_engine_runs_on_the_kernels(checkpoint_dir, hf_greedy):
     path = checkpoint_dir("llama_tied")
     llm = LLM(path, num_kv_blocks=64)

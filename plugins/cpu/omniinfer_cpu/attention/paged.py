@@ -3,11 +3,16 @@
 One call per layer writes the step's keys and values into the cache and attends every query
 token of the batch (prompts, chunks after a cached context, decodes) over its sequence's
 cached keys, read in place through the block table: no per-step gather of the cache and no
-Python loop over sequences. Work is split across threads by (sequence, tile of 16 query tokens,
-and KV head when there are too few sequences to keep the threads busy); an item reads each key
-once for all the query heads that share it (GQA), prefetches the next blocks into L2, and runs
-an online softmax in float32. Refused, with the reason, when the kernels are unavailable (the
-next preference, TORCH_SDPA, serves then).
+Python loop over sequences. Work is split across threads by (sequence, tile of up to 16 query
+tokens, and KV head when there are too few sequences to keep the threads busy); an item reads
+each key once for all its query rows (tokens x the query heads sharing the KV head), 16 keys at a
+time, prefetches the next chunks into L2, and runs an online softmax in float32.
+
+The cache has its own layout, ``[2, blocks, kv_heads, block_size, head]``: one head's tile of a
+block is contiguous, and the keys inside it are stored transposed (packed by pairs of components
+in bfloat16) so that 16 keys' scores are one vector of multiply-adds (``vdpbf16ps`` in bfloat16).
+Refused, with the reason, when the kernels are unavailable (the next preference, TORCH_SDPA,
+serves then).
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ class CpuPagedImpl(AttentionImpl):
             value.stride(0), slots.contiguous().data_ptr(), num_tokens, kv_cache[0].data_ptr(),
             kv_cache[1].data_ptr(), tables.data_ptr(), tables.stride(0), qsl.contiguous().data_ptr(),
             seq_lens.contiguous().data_ptr(), len(metadata.seq_lens), out.data_ptr(), out.stride(0),
-            self.num_heads, self.num_kv_heads, self.head_size, kv_cache.shape[2], self.scale,
+            self.num_heads, self.num_kv_heads, self.head_size, kv_cache.shape[3], self.scale,
             self.sliding_window or 0, DTYPE_CODES[kv_cache.dtype], torch.get_num_threads())
         if result != 0:
             raise RuntimeError(f"omni_paged_attention failed ({result})")
@@ -71,6 +76,13 @@ class CpuPagedBackend(AttentionBackend):
     name: ClassVar[str] = "CPU_PAGED"
     supported_device_types: ClassVar[tuple[str, ...]] = ("cpu",)
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = tuple(DTYPE_CODES)
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
+                           head_size: int) -> tuple[int, ...]:
+        """[2, blocks, kv_heads, block_size, head]; inside each head's tile the keys are stored
+        transposed: component d of token o at [d // x][o][d % x], x = 1 (float32) or 2 (bfloat16)."""
+        return (2, num_blocks, num_kv_heads, block_size, head_size)
 
     @classmethod
     def allocate_kv_cache(cls, shape, dtype, device):
@@ -83,6 +95,8 @@ class CpuPagedBackend(AttentionBackend):
         reasons = []
         if spec.head_size > MAX_HEAD_SIZE:
             reasons.append(f"head size {spec.head_size} > {MAX_HEAD_SIZE}")
+        if spec.dtype == torch.bfloat16 and spec.head_size % 2:
+            reasons.append(f"odd head size {spec.head_size} in bfloat16 (keys are stored in pairs)")
         if spec.num_heads // max(1, spec.num_kv_heads) > MAX_GROUP:
             reasons.append(f"more than {MAX_GROUP} query heads per KV head")
         if build.load() is None:

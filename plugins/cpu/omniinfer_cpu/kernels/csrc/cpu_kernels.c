@@ -350,201 +350,312 @@ void omni_linear(const void *x, int64_t ldx, const void *w, const void *bias, vo
 }
 
 /* ---- paged attention ------------------------------------------------------------------------ */
+/* Cache layout (CpuPagedBackend.get_kv_cache_shape: [2, blocks, kv_heads, block_size, head]): one
+ * head's block_size x head tile is contiguous. Values are stored as the shape says. Keys are
+ * stored transposed inside the tile and packed by KX (1 for float32, 2 for bfloat16): element
+ * (token o, component d) sits at [d / KX][o][d % KX], so 16 consecutive keys' components
+ * d .. d + KX - 1 are one 64-byte vector. A chunk's scores are then D / KX multiply-adds into one
+ * vector of 16 key lanes (vdpbf16ps on pairs of bfloat16 components where the CPU has it),
+ * with no horizontal sums and no widening of the keys. */
 
 #define MAX_HEAD 256
-#define MAX_ROWS 64  /* query heads one work item holds (MAX_ROWS x MAX_HEAD floats, twice) */
-#define CHUNK 16
-#define QTILE 16
+#define MAX_ROWS 64  /* query rows (tokens x query heads of one KV head) an item holds */
+#define CHUNK 16     /* keys per step: one vector of lanes */
 #ifndef PREFETCH_CHUNKS
 #define PREFETCH_CHUNKS 3
 #endif
 #ifndef PF_LOCALITY
 #define PF_LOCALITY 2
 #endif
-#ifndef PF_STRIDE
-#define PF_STRIDE 64
-#endif
+#define KX(dt) ((dt) == F32 ? 1 : 2)
+
+typedef uint32_t vuu __attribute__((vector_size(64), aligned(4), may_alias));
 
 /* query tokens [t0, t1) of one sequence (relative to its start) x KV heads [h0, h1) */
 typedef struct {
     int seq, h0, h1, t0, t1;
 } Item;
 
-/* The cache is [blocks, block_size, kv_heads, head] (the default layout): one block of one
- * sequence is contiguous for all heads, so an item that takes every head streams it. */
+/* Each token's key and value into its slot (slot -1: padding, nothing written). */
 static void write_kv(const void *key, int64_t key_stride, const void *value, int64_t value_stride,
                      void *k_cache, void *v_cache, int dt, const int64_t *slots, int num_tokens,
-                     int width) {
-    size_t es = dt == F32 ? 4 : 2, n = (size_t)width * es;
+                     int KVH, int D, int bs) {
+    size_t es = dt == F32 ? 4 : 2;
     for (int t = 0; t < num_tokens; t++) {
-        if (slots[t] < 0) continue;  /* padding */
-        memcpy((char *)k_cache + (size_t)slots[t] * n, (const char *)key + (size_t)t * key_stride * es, n);
-        memcpy((char *)v_cache + (size_t)slots[t] * n, (const char *)value + (size_t)t * value_stride * es, n);
-    }
-}
-
-/* Dot products of one query (NV * 16 floats, in registers) with 16 cached keys at key_off[j],
- * summed by reduce16. NV is a compile-time constant at every call. */
-INLINE void scores16(const void *k_cache, int cdt, const size_t *key_off, const float *qf, int NV,
-                     float *sc) {
-    vf q[8], part[16];
-#pragma GCC unroll 8
-    for (int v = 0; v < NV; v++) q[v] = *(const vfu *)(qf + v * VL);
-#pragma GCC unroll 16
-    for (int j = 0; j < 16; j++) {
-        vf s = ld(k_cache, cdt, key_off[j]) * q[0];
-#pragma GCC unroll 8
-        for (int v = 1; v < NV; v++) s += ld(k_cache, cdt, key_off[j] + v * VL) * q[v];
-        part[j] = s;
-    }
-    *(vfu *)sc = reduce16(part);
-}
-
-INLINE void scores_any(const void *k_cache, int cdt, const size_t *key_off, const float *qf, int D,
-                       int n, float *sc) {
-    int nv = D / VL;
-    for (int j = 0; j < n; j++) {
-        vf s = (vf){0};
-        int d = 0;
-        for (int v = 0; v < nv; v++, d += VL) s += ld(k_cache, cdt, key_off[j] + d) * *(const vfu *)(qf + d);
-        float x = hsum(s);
-        for (; d < D; d++) x += ld1(k_cache, cdt, key_off[j] + d) * qf[d];
-        sc[j] = x;
-    }
-}
-
-/* Scores of one chunk (keys of one block) -> probabilities in place; updates the running max
- * and denominator and rescales the accumulator (online softmax, float32). */
-INLINE void softmax_chunk(float *sc, int n, float *mx, float *den, float *acc, int D) {
-    vf m = (vf){0} + *mx;
-    int j = 0;
-    for (; j + VL <= n; j += VL) {
-        vf v = *(const vfu *)(sc + j);
-        m = vsel((vu)(v > m), v, m);
-    }
-    float mnew = hmax(m);
-    for (; j < n; j++) mnew = sc[j] > mnew ? sc[j] : mnew;
-    vf sum = (vf){0};
-    for (j = 0; j + VL <= n; j += VL) {
-        vf p = vexp(*(const vfu *)(sc + j) - mnew);
-        *(vfu *)(sc + j) = p;
-        sum += p;
-    }
-    float total = hsum(sum);
-    for (; j < n; j++) {
-        sc[j] = expf(sc[j] - mnew);
-        total += sc[j];
-    }
-    if (mnew != *mx) {
-        float alpha = expf(*mx - mnew);  /* 0 on the first chunk (max -inf) */
-        *den *= alpha;
-        int d = 0;
-        for (; d + VL <= D; d += VL) *(vfu *)(acc + d) *= alpha;
-        for (; d < D; d++) acc[d] *= alpha;
-    }
-    *den += total;
-    *mx = mnew;
-}
-
-/* Software prefetch of keys and values [j0, j0 + n) (every head), a cache line at a time. */
-INLINE void prefetch_keys(const void *k_cache, const void *v_cache, size_t es, const int32_t *table,
-                          int j0, int n, int block_size, size_t row) {
-    for (int j = j0; j < j0 + n;) {
-        int o = j % block_size, run = block_size - o < j0 + n - j ? block_size - o : j0 + n - j;
-        size_t start = ((size_t)table[j / block_size] * block_size + o) * row * es;
-        for (size_t b = 0; b < (size_t)run * row * es; b += PF_STRIDE) {
-            __builtin_prefetch((const char *)k_cache + start + b, 0, PF_LOCALITY);
-            __builtin_prefetch((const char *)v_cache + start + b, 0, PF_LOCALITY);
+        if (slots[t] < 0) continue;
+        size_t b = (size_t)slots[t] / bs, o = (size_t)slots[t] % bs;
+        for (int h = 0; h < KVH; h++) {
+            size_t tile = (b * KVH + h) * bs * D, src = (size_t)h * D;
+            memcpy((char *)v_cache + (tile + o * D) * es,
+                   (const char *)value + ((size_t)t * value_stride + src) * es, D * es);
+            if (dt == F32) {
+                const float *k = (const float *)key + (size_t)t * key_stride + src;
+                float *kc = (float *)k_cache + tile + o;
+                for (int d = 0; d < D; d++) kc[(size_t)d * bs] = k[d];
+            } else {  /* pairs of components as one 32-bit word */
+                const uint16_t *k = (const uint16_t *)key + (size_t)t * key_stride + src;
+                uint32_t *kc = (uint32_t *)((uint16_t *)k_cache + tile) + o;
+                for (int d = 0; d < D; d += 2) {
+                    uint32_t w;
+                    memcpy(&w, k + d, 4);
+                    kc[(size_t)(d / 2) * bs] = w;
+                }
+            }
         }
-        j += run;
     }
 }
 
-/* One work item: each query token attends, for every query head of KV heads [h0, h1), over its
- * keys [window start, position], CHUNK keys at a time with an online softmax. */
+/* Scores of NR rows against one chunk: s[i] lane l = q_i . key_l, as a vector of 16 lanes.
+ * kt: the chunk's first packed row, kstride: elements (float32) or words (bfloat16) between
+ * rows; q: float32 rows (or, for bfloat16 with vdpbf16ps, pairs as words) at stride MAX_HEAD.
+ * Two accumulators per row (even and odd rows of the keys) halve the dependency chains. */
+INLINE void qk_rows(const void *kt, size_t kstride, const void *q, int NR, int D, int dt, vf *s) {
+    vf a[4][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++) a[i][0] = a[i][1] = (vf){0};
+    if (dt == F32) {
+        const float *k = kt, *qf = q;
+        int d = 0;
+        for (; d + 2 <= D; d += 2)
+#pragma GCC unroll 2
+            for (int e = 0; e < 2; e++) {
+                vf kv = *(const vfu *)(k + (size_t)(d + e) * kstride);
+#pragma GCC unroll 4
+                for (int i = 0; i < NR; i++) a[i][e] += qf[i * MAX_HEAD + d + e] * kv;
+            }
+        for (; d < D; d++) {
+            vf kv = *(const vfu *)(k + (size_t)d * kstride);
+#pragma GCC unroll 4
+            for (int i = 0; i < NR; i++) a[i][0] += qf[i * MAX_HEAD + d] * kv;
+        }
+    } else {  /* D even: D / 2 rows of component pairs */
+        const uint32_t *k = kt;
+        int d = 0;
+#if defined(__AVX512BF16__)
+        const uint32_t *qp = q;
+        for (; d + 2 <= D / 2; d += 2)
+#pragma GCC unroll 2
+            for (int e = 0; e < 2; e++) {
+                __m512i kv = _mm512_loadu_si512((const void *)(k + (size_t)(d + e) * kstride));
+#pragma GCC unroll 4
+                for (int i = 0; i < NR; i++)
+                    a[i][e] = (vf)_mm512_dpbf16_ps((__m512)a[i][e], (__m512bh)kv,
+                                                   (__m512bh)_mm512_set1_epi32((int)qp[i * MAX_HEAD + d + e]));
+            }
+        for (; d < D / 2; d++) {
+            __m512i kv = _mm512_loadu_si512((const void *)(k + (size_t)d * kstride));
+#pragma GCC unroll 4
+            for (int i = 0; i < NR; i++)
+                a[i][0] = (vf)_mm512_dpbf16_ps((__m512)a[i][0], (__m512bh)kv,
+                                               (__m512bh)_mm512_set1_epi32((int)qp[i * MAX_HEAD + d]));
+        }
+#else
+        const float *qf = q;
+        for (; d < D / 2; d++) {
+            vu kv = *(const vuu *)(k + (size_t)d * kstride);
+            vf lo = (vf)(kv << 16), hi = (vf)(kv & 0xffff0000u);
+#pragma GCC unroll 4
+            for (int i = 0; i < NR; i++) {
+                a[i][0] += qf[i * MAX_HEAD + 2 * d] * lo;
+                a[i][1] += qf[i * MAX_HEAD + 2 * d + 1] * hi;
+            }
+        }
+#endif
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++) s[i] = a[i][0] + a[i][1];
+}
+
+/* acc[i][d0 + :NV*16] += sum_j p[i][j] * v_j[d0 + :NV*16] for NR rows and keys j in [ja, jb)
+ * (value rows at voff[j]); keys split in two accumulator sets when registers allow. */
+INLINE void pv_block(const void *v_cache, int dt, const size_t *voff, int ja, int jb,
+                     const float (*p)[CHUNK], float (*acc)[MAX_HEAD], int NR, int NV, int d0) {
+    enum { S = 2 };
+    int split = NR * NV <= 8;
+    vf a[S][4][4];
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++)
+#pragma GCC unroll 4
+        for (int u = 0; u < NV; u++) {
+            a[0][i][u] = *(const vfu *)&acc[i][d0 + u * VL];
+            a[1][i][u] = (vf){0};
+        }
+    int j = ja;
+    if (split)
+        for (; j + 2 <= jb; j += 2)
+#pragma GCC unroll 2
+            for (int e = 0; e < 2; e++) {
+                vf v[4];
+#pragma GCC unroll 4
+                for (int u = 0; u < NV; u++) v[u] = ld(v_cache, dt, voff[j + e] + d0 + u * VL);
+#pragma GCC unroll 4
+                for (int i = 0; i < NR; i++)
+#pragma GCC unroll 4
+                    for (int u = 0; u < NV; u++) a[e][i][u] += p[i][j + e] * v[u];
+            }
+    for (; j < jb; j++) {
+        vf v[4];
+#pragma GCC unroll 4
+        for (int u = 0; u < NV; u++) v[u] = ld(v_cache, dt, voff[j] + d0 + u * VL);
+#pragma GCC unroll 4
+        for (int i = 0; i < NR; i++)
+#pragma GCC unroll 4
+            for (int u = 0; u < NV; u++) a[0][i][u] += p[i][j] * v[u];
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NR; i++)
+#pragma GCC unroll 4
+        for (int u = 0; u < NV; u++) *(vfu *)&acc[i][d0 + u * VL] = a[0][i][u] + a[1][i][u];
+}
+
+INLINE void pv_rows(const void *v_cache, int dt, const size_t *voff, int ja, int jb,
+                    const float (*p)[CHUNK], float (*acc)[MAX_HEAD], int NR, int D) {
+    int d = 0;
+    for (; d + 4 * VL <= D; d += 4 * VL) pv_block(v_cache, dt, voff, ja, jb, p, acc, NR, 4, d);
+    switch ((D - d) / VL) {
+    case 3: pv_block(v_cache, dt, voff, ja, jb, p, acc, NR, 3, d); break;
+    case 2: pv_block(v_cache, dt, voff, ja, jb, p, acc, NR, 2, d); break;
+    case 1: pv_block(v_cache, dt, voff, ja, jb, p, acc, NR, 1, d); break;
+    default: break;
+    }
+    for (d += (D - d) / VL * VL; d < D; d++)
+        for (int i = 0; i < NR; i++) {
+            float x = acc[i][d];
+            for (int j = ja; j < jb; j++) x += p[i][j] * ld1(v_cache, dt, voff[j] + d);
+            acc[i][d] = x;
+        }
+}
+
+/* Prefetch (into L2) the packed keys and the values of one head's chunk at key position a. */
+INLINE void prefetch_chunk(const void *k_cache, const void *v_cache, size_t es, const int32_t *table,
+                           int a, int h, int KVH, int D, int bs, int x) {
+    size_t tile = ((size_t)table[a / bs] * KVH + h) * bs * D, o = (size_t)(a % bs);
+    const char *k = (const char *)k_cache + (tile + o * x) * es;
+    for (int d = 0; d < D / x; d++) __builtin_prefetch(k + (size_t)d * bs * x * es, 0, PF_LOCALITY);
+    size_t n = (size_t)(bs - (int)o < CHUNK ? bs - (int)o : CHUNK) * D * es;
+    const char *v = (const char *)v_cache + (tile + o * D) * es;
+    for (size_t b = 0; b < n; b += 64) __builtin_prefetch(v + b, 0, PF_LOCALITY);
+}
+
+/* One work item: the rows (token, query head) of each KV head in [h0, h1) attend over the keys
+ * the causal mask (and sliding window) allows them, a chunk of 16 keys at a time with an online
+ * softmax in float32. */
 INLINE void attend(const Item *it, const void *q, int64_t q_stride, const void *k_cache,
-                   const void *v_cache, int cdt, const int32_t *table, int context_len, int q_start,
-                   void *out, int64_t out_stride, int H, int KVH, int D, int block_size, float scale,
-                   int window, int dt) {
-    int G = H / KVH, nv = D / VL, rows = (it->h1 - it->h0) * G;
-    size_t row = (size_t)KVH * D, es = cdt == F32 ? 4 : 2;  /* elements per cached token */
-    float qf[MAX_ROWS][MAX_HEAD] __attribute__((aligned(64)));
+                   const void *v_cache, int dt, const int32_t *table, int context_len, int q_start,
+                   void *out, int64_t out_stride, int H, int KVH, int D, int bs, float scale,
+                   int window) {
+    int G = H / KVH, nt = it->t1 - it->t0, R = nt * G, x = KX(dt);
+    size_t es = dt == F32 ? 4 : 2;
+#if defined(__AVX512BF16__)
+    int packed_q = dt == BF16;  /* the query as bfloat16 pairs, for vdpbf16ps */
+#else
+    int packed_q = 0;
+#endif
+    float qbuf[MAX_ROWS][MAX_HEAD] __attribute__((aligned(64)));
     float acc[MAX_ROWS][MAX_HEAD] __attribute__((aligned(64)));
-    float sc[MAX_ROWS][CHUNK] __attribute__((aligned(64)));
+    float p[MAX_ROWS][CHUNK] __attribute__((aligned(64)));
     float mx[MAX_ROWS], den[MAX_ROWS];
-    size_t base[CHUNK], off[CHUNK];
-    float kbuf[CHUNK * MAX_HEAD] __attribute__((aligned(64)));  /* bfloat16 caches, widened */
-    float vbuf[CHUNK * MAX_HEAD] __attribute__((aligned(64)));
-    for (int t = it->t0; t < it->t1; t++) {
-        int pos = context_len + t;  /* absolute position of this query token */
+    int lo_r[MAX_ROWS], hi_r[MAX_ROWS];
+    uint32_t kgather[MAX_HEAD / 2 * CHUNK * 2] __attribute__((aligned(64)));  /* block_size < 16 */
+    size_t voff[CHUNK];
+    /* key range of each row: [lo, pos] */
+    int lo_all = INT32_MAX, hi_all = -1;
+    for (int r = 0; r < R; r++) {
+        int pos = context_len + it->t0 + r / G;
         int lo = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-        size_t qrow = (size_t)(q_start + t) * q_stride + (size_t)it->h0 * G * D;
-        for (int r = 0; r < rows; r++) {
-            for (int d = 0; d < D; d++) qf[r][d] = ld1(q, dt, qrow + (size_t)r * D + d) * scale;
+        lo_r[r] = lo, hi_r[r] = pos;
+        lo_all = lo < lo_all ? lo : lo_all;
+        hi_all = pos > hi_all ? pos : hi_all;
+    }
+    int first = lo_all & ~(CHUNK - 1);
+    int nchunks = (hi_all - first) / CHUNK + 1;
+    const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int h = it->h0; h < it->h1; h++) {
+        for (int r = 0; r < R; r++) {
+            size_t qrow = (size_t)(q_start + it->t0 + r / G) * q_stride + ((size_t)h * G + r % G) * D;
+            if (packed_q) memcpy(qbuf[r], (const uint16_t *)q + qrow, D * 2);
+            else for (int d = 0; d < D; d++) qbuf[r][d] = ld1(q, dt, qrow + d);
             for (int d = 0; d < D; d++) acc[r][d] = 0.f;
-            mx[r] = -INFINITY;
-            den[r] = 0.f;
+            mx[r] = -INFINITY, den[r] = 0.f;
         }
-        for (int j0 = lo; j0 <= pos; j0 += CHUNK) {
-            int n = pos + 1 - j0 < CHUNK ? pos + 1 - j0 : CHUNK;
-            /* blocks are scattered: fetch the next chunks while this one runs */
-            for (int a = j0 + CHUNK; a <= pos && a <= j0 + PREFETCH_CHUNKS * CHUNK; a += CHUNK)
-                prefetch_keys(k_cache, v_cache, es, table, a, pos + 1 - a < CHUNK ? pos + 1 - a : CHUNK,
-                              block_size, row);
-            int blk = j0 / block_size, o = j0 % block_size;
-            for (int j = 0; j < n; j++) {
-                base[j] = ((size_t)table[blk] * block_size + o) * row;
-                if (++o == block_size) o = 0, blk++;
+        for (int c = 0; c < nchunks; c++) {
+            int j0 = first + c * CHUNK;
+            /* the chunk PREFETCH_CHUNKS ahead (of this head, then of the next) while this one runs */
+            for (int a = c ? c + PREFETCH_CHUNKS : 1; a <= c + PREFETCH_CHUNKS; a++) {
+                int hh = h + a / nchunks, ka = first + (a % nchunks) * CHUNK;
+                if (hh >= it->h1) break;
+                if (bs >= CHUNK) prefetch_chunk(k_cache, v_cache, es, table, ka, hh, KVH, D, bs, x);
             }
-            for (int h = it->h0; h < it->h1; h++) {
-                const void *kc = k_cache, *vc = v_cache;
-                int kdt = cdt;
-                for (int j = 0; j < n; j++) off[j] = base[j] + (size_t)h * D;
-                if (cdt == BF16) {  /* widen the chunk once for all G query heads */
-                    for (int j = 0; j < n; j++) {
+            int ja = lo_all > j0 ? lo_all - j0 : 0;
+            int jb = hi_all + 1 - j0 < CHUNK ? hi_all + 1 - j0 : CHUNK;
+            const void *kt;
+            size_t kstride;
+            if (bs >= CHUNK) {  /* the chunk lies in one block: its packed rows in place */
+                size_t tile = ((size_t)table[j0 / bs] * KVH + h) * bs * D, o = (size_t)(j0 % bs);
+                kt = (const char *)k_cache + (tile + o * x) * es;
+                kstride = (size_t)bs;  /* floats or 32-bit pairs per packed row */
+                for (int j = ja; j < jb; j++) voff[j] = tile + (o + j) * D;
+            } else {  /* small blocks: gather the chunk's packed keys */
+                memset(kgather, 0, sizeof(uint32_t) * (size_t)(D / x) * CHUNK);
+                for (int j = ja; j < jb; j++) {
+                    int key = j0 + j;
+                    size_t tile = ((size_t)table[key / bs] * KVH + h) * bs * D, o = (size_t)(key % bs);
+                    voff[j] = tile + o * D;
+                    for (int d = 0; d < D / x; d++) {
+                        if (dt == F32) kgather[d * CHUNK + j] = ((const uint32_t *)k_cache)[tile + (size_t)d * bs + o];
+                        else kgather[d * CHUNK + j] = ((const uint32_t *)((const uint16_t *)k_cache + tile))[(size_t)d * bs + o];
+                    }
+                }
+                kt = kgather;
+                kstride = CHUNK;
+            }
+            vf kpos = lane + (float)j0;
+            for (int r0 = 0; r0 < R; r0 += 4) {
+                int nr = R - r0 < 4 ? R - r0 : 4;
+                vf s[4];
+                switch (nr) {
+                case 1: qk_rows(kt, kstride, qbuf[r0], 1, D, dt, s); break;
+                case 2: qk_rows(kt, kstride, qbuf[r0], 2, D, dt, s); break;
+                case 3: qk_rows(kt, kstride, qbuf[r0], 3, D, dt, s); break;
+                default: qk_rows(kt, kstride, qbuf[r0], 4, D, dt, s); break;
+                }
+                for (int i = 0; i < nr; i++) {
+                    int r = r0 + i;
+                    vu ok = (vu)(kpos >= (float)lo_r[r]) & (vu)(kpos <= (float)hi_r[r]);
+                    vf sc = vsel(ok, s[i] * scale, (vf){0} - INFINITY);
+                    float cm = hmax(sc);
+                    if (cm == -INFINITY) {  /* no key of this chunk is visible to this row */
+                        *(vfu *)p[r] = (vf){0};
+                        continue;
+                    }
+                    float mnew = cm > mx[r] ? cm : mx[r];
+                    vf pr = vsel(ok, vexp(sc - mnew), (vf){0});
+                    if (mnew != mx[r]) {
+                        float alpha = expf(mx[r] - mnew);  /* 0 on the first chunk (max -inf) */
+                        den[r] *= alpha;
                         int d = 0;
-                        for (; d + VL <= D; d += VL) {
-                            *(vfu *)&kbuf[j * D + d] = ld(k_cache, BF16, off[j] + d);
-                            *(vfu *)&vbuf[j * D + d] = ld(v_cache, BF16, off[j] + d);
-                        }
-                        for (; d < D; d++) {
-                            kbuf[j * D + d] = ld1(k_cache, BF16, off[j] + d);
-                            vbuf[j * D + d] = ld1(v_cache, BF16, off[j] + d);
-                        }
-                        off[j] = (size_t)j * D;
+                        for (; d + VL <= D; d += VL) *(vfu *)&acc[r][d] *= alpha;
+                        for (; d < D; d++) acc[r][d] *= alpha;
+                        mx[r] = mnew;
                     }
-                    kc = kbuf, vc = vbuf, kdt = F32;
+                    den[r] += hsum(pr);
+                    *(vfu *)p[r] = pr;
                 }
-                for (int r = (h - it->h0) * G; r < (h - it->h0 + 1) * G; r++) {
-                    if (n == CHUNK && D == 32) scores16(kc, kdt, off, qf[r], 2, sc[r]);
-                    else if (n == CHUNK && D == 64) scores16(kc, kdt, off, qf[r], 4, sc[r]);
-                    else if (n == CHUNK && D == 128) scores16(kc, kdt, off, qf[r], 8, sc[r]);
-                    else scores_any(kc, kdt, off, qf[r], D, n, sc[r]);
-                    softmax_chunk(sc[r], n, &mx[r], &den[r], acc[r], D);
-                    /* acc += p V, keys innermost in two register accumulators */
-                    const float *p = sc[r];
-                    for (int v = 0; v < nv; v++) {
-                        vf a0 = *(const vfu *)&acc[r][v * VL], a1 = (vf){0};
-                        int j = 0;
-                        for (; j + 1 < n; j += 2) {
-                            a0 += p[j] * ld(vc, kdt, off[j] + v * VL);
-                            a1 += p[j + 1] * ld(vc, kdt, off[j + 1] + v * VL);
-                        }
-                        if (j < n) a0 += p[j] * ld(vc, kdt, off[j] + v * VL);
-                        *(vfu *)&acc[r][v * VL] = a0 + a1;
-                    }
-                    for (int d = nv * VL; d < D; d++) {
-                        float a = acc[r][d];
-                        for (int j = 0; j < n; j++) a += p[j] * ld1(vc, kdt, off[j] + d);
-                        acc[r][d] = a;
-                    }
+            }
+            for (int r0 = 0; r0 < R; r0 += 4) {
+                int nr = R - r0 < 4 ? R - r0 : 4;
+                switch (nr) {
+                case 1: pv_rows(v_cache, dt, voff, ja, jb, &p[r0], &acc[r0], 1, D); break;
+                case 2: pv_rows(v_cache, dt, voff, ja, jb, &p[r0], &acc[r0], 2, D); break;
+                case 3: pv_rows(v_cache, dt, voff, ja, jb, &p[r0], &acc[r0], 3, D); break;
+                default: pv_rows(v_cache, dt, voff, ja, jb, &p[r0], &acc[r0], 4, D); break;
                 }
             }
         }
-        size_t orow = (size_t)(q_start + t) * out_stride + (size_t)it->h0 * G * D;
-        for (int r = 0; r < rows; r++) {
+        for (int r = 0; r < R; r++) {
+            size_t orow = (size_t)(q_start + it->t0 + r / G) * out_stride + ((size_t)h * G + r % G) * D;
             float inv = 1.f / den[r];
-            for (int d = 0; d < D; d++) st1(out, dt, orow + (size_t)r * D + d, acc[r][d] * inv);
+            for (int d = 0; d < D; d++) st1(out, dt, orow + d, acc[r][d] * inv);
         }
     }
 }
@@ -553,16 +664,17 @@ INLINE void attend(const Item *it, const void *q, int64_t q_stride, const void *
     const void *v_cache, const int32_t *table, int context_len, int q_start, void *out, \
     int64_t out_stride, int H, int KVH, int D, int block_size, float scale, int window
 #define ATTEND_PASS(DT) it, q, q_stride, k_cache, v_cache, DT, table, context_len, q_start, out, \
-    out_stride, H, KVH, D, block_size, scale, window, DT
+    out_stride, H, KVH, D, block_size, scale, window
 
 static void attend_f32(ATTEND_ARGS) { attend(ATTEND_PASS(F32)); }
 static void attend_bf16(ATTEND_ARGS) { attend(ATTEND_PASS(BF16)); }
 
-/* Returns 0, or -1 for an unsupported shape (head size > 256 or more than 64 query heads per
- * KV head), -2 when out of memory. Sequences: query tokens [query_start_loc[s],
- * query_start_loc[s + 1]) attend to positions [0, seq_lens[s]) through block_tables[s]. Work
- * items take every KV head of a sequence (streaming its blocks) when there are enough of them
- * for the threads, else one KV head each. */
+/* Returns 0, or -1 for an unsupported shape (head size > 256, an odd head size in bfloat16, or
+ * more than 64 query heads per KV head), -2 when out of memory. Sequences: query tokens
+ * [query_start_loc[s], query_start_loc[s + 1]) attend to positions [0, seq_lens[s]) through
+ * block_tables[s]. Work items: a tile of query tokens (as many as keep tokens x query heads per
+ * KV head within MAX_ROWS, at most 16) x every KV head of the sequence when there are enough
+ * tiles for the threads, else one KV head each. */
 int omni_paged_attention(const void *q, int64_t q_stride, const void *key, int64_t key_stride,
                          const void *value, int64_t value_stride, const int64_t *slot_mapping,
                          int num_tokens, void *k_cache, void *v_cache, const int32_t *block_tables,
@@ -572,27 +684,27 @@ int omni_paged_attention(const void *q, int64_t q_stride, const void *key, int64
                          int nthreads) {
     void (*run)(ATTEND_ARGS) = dt == F32 ? attend_f32 : attend_bf16;
     int G = H / KVH;
-    if (D > MAX_HEAD || G > MAX_ROWS) return -1;
+    if (D > MAX_HEAD || G > MAX_ROWS || (dt == BF16 && D % 2)) return -1;
     write_kv(key, key_stride, value, value_stride, k_cache, v_cache, dt, slot_mapping, num_tokens,
-             KVH * D);
+             KVH, D, block_size);
+    int qtile = MAX_ROWS / G < 16 ? MAX_ROWS / G : 16;
     int num_tiles = 0;
     for (int s = 0; s < num_seqs; s++)
-        num_tiles += (query_start_loc[s + 1] - query_start_loc[s] + QTILE - 1) / QTILE;
+        num_tiles += (query_start_loc[s + 1] - query_start_loc[s] + qtile - 1) / qtile;
 #ifndef MIN_TILES
 #define MIN_TILES 4
 #endif
     int heads = num_tiles >= MIN_TILES * nthreads ? KVH : 1;  /* KV heads per item */
-    if (heads * G > MAX_ROWS) heads = MAX_ROWS / G;
     int per_tile = (KVH + heads - 1) / heads;
     Item *items = malloc(sizeof(Item) * (num_tiles * per_tile > 0 ? num_tiles * per_tile : 1));
     if (!items) return -2;
     int n = 0;
     for (int s = 0; s < num_seqs; s++) {
         int len = query_start_loc[s + 1] - query_start_loc[s];
-        for (int t0 = 0; t0 < len; t0 += QTILE)
+        for (int t0 = 0; t0 < len; t0 += qtile)
             for (int h = 0; h < KVH; h += heads)
                 items[n++] = (Item){s, h, h + heads < KVH ? h + heads : KVH, t0,
-                                    t0 + QTILE < len ? t0 + QTILE : len};
+                                    t0 + qtile < len ? t0 + qtile : len};
     }
     (void)nthreads;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
