@@ -8,6 +8,7 @@ users are the raw model's (log_softmax of the logits before any processing).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -70,9 +71,11 @@ def _cpu_argmax(array: np.ndarray) -> np.ndarray:
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, generator: torch.Generator | None = None):
+    def __init__(self, vocab_size: int, generator: torch.Generator | None = None,
+                 argmax_rows: Callable[[torch.Tensor], list[int]] = greedy_tokens):
         self.vocab_size = vocab_size
         self.generator = generator  # for unseeded requests
+        self.argmax_rows = argmax_rows  # the greedy fast paths' argmax (a platform's LayerOps)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         out = SamplerOutput()
@@ -89,7 +92,7 @@ class Sampler:
     # ---- sampling ----------------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata, out: SamplerOutput) -> None:
         if self._greedy_only(md):  # the common case, with no per-row work at all
-            out.greedy = (md.seqs, greedy_tokens(logits))
+            out.greedy = (md.seqs, self.argmax_rows(logits))
             return
         rows: list[SampleRow] = []  # one per sampled token (n on a row that forks its request)
         for seq, n in zip(md.seqs, md.num_samples):
@@ -128,7 +131,7 @@ class Sampler:
         index = torch.tensor([s.start_row + j for s in spec for j in range(k + 1)],
                              device=logits.device)
         if all(s.seq.group.params.is_plain_greedy for s in spec):  # prefix matching, no probs
-            targets = greedy_tokens(logits[index])
+            targets = self.argmax_rows(logits[index])
             for i, s in enumerate(spec):
                 row = targets[i * (k + 1): (i + 1) * (k + 1)]
                 accepted = 0

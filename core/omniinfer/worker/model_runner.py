@@ -12,7 +12,7 @@ from omniinfer.attention.backend import AttentionBackend
 from omniinfer.config import EngineConfig
 from omniinfer.engine.scheduler import ScheduledSeq
 from omniinfer.models.intermediate import IntermediateTensors
-from omniinfer.models.layers.layer_ops import LayerOps, install_layer_ops
+from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS, LayerOps, install_layer_ops
 from omniinfer.models.layers.linear import LinearMethod, install_linear_methods
 from omniinfer.models.loader import load_model
 from omniinfer.sampling.sampler import Sampler, SamplerOutput
@@ -36,11 +36,13 @@ class ModelRunner:
     def load_model(self, progress: bool = True) -> None:
         self.model = load_model(self.model_config, self.attn_backend, self.device, progress)
         install_linear_methods(self.model, self.linear_method)
-        if (ops := self.layer_ops()) is not None:
+        ops = self.layer_ops()
+        if ops is not None:
             install_layer_ops(self.model, ops)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(self.model_config.seed)
-        self.sampler = Sampler(self.model_config.vocab_size, generator)
+        self.sampler = Sampler(self.model_config.vocab_size, generator,
+                               (ops or TORCH_LAYER_OPS).argmax_rows)
 
     def linear_method(self, layer: torch.nn.Module) -> LinearMethod | None:
         """This platform's `LinearMethod` for one linear layer or LM head of the loaded model, or
@@ -48,8 +50,8 @@ class ModelRunner:
         return None
 
     def layer_ops(self) -> LayerOps | None:
-        """This platform's `LayerOps` (norm, rotary, activation) for the loaded model, or None
-        to keep torch's."""
+        """This platform's `LayerOps` (norm, rotary, activation, the greedy argmax) for the loaded
+        model, or None to keep torch's."""
         return None
 
     def model_bytes(self) -> int:

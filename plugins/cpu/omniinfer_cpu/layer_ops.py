@@ -1,6 +1,8 @@
 """The CPU plugin's layer ops: RMS norm (+ residual add), rotary embedding and SiLU-and-multiply
 as single compiled passes (``omni_rms_norm``, ``omni_rotary``, ``omni_silu_and_mul``) instead of
-5-14 torch ops each; anything the kernels do not cover goes to the torch versions."""
+5-14 torch ops each, and the greedy argmax straight from bfloat16 or float32 logits
+(``omni_argmax``: no float32 copy, one pass); anything the kernels do not cover goes to the
+torch versions."""
 
 from __future__ import annotations
 
@@ -49,3 +51,14 @@ class CpuLayerOps(LayerOps):
         self.k.silu_and_mul(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1] // 2, dt,
                             torch.get_num_threads())
         return out
+
+    def argmax_rows(self, logits):
+        dt = DTYPE_CODES.get(logits.dtype)
+        if (dt is None or logits.dim() != 2 or logits.device.type != "cpu" or logits.stride(1) != 1
+                or logits.shape[1] == 0):
+            return super().argmax_rows(logits)
+        rows = logits.shape[0]
+        out = torch.empty(rows, dtype=torch.int64)
+        self.k.argmax(logits.data_ptr(), logits.stride(0), rows, logits.shape[1], dt, out.data_ptr(),
+                      torch.get_num_threads())
+        return out.tolist()

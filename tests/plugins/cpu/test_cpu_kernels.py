@@ -14,6 +14,7 @@ from omniinfer.platforms.registry import PluginRegistry
 from omniinfer.testing.conformance.cases import Case, assert_matches_reference, run_case
 from omniinfer_cpu.attention.paged import CpuPagedBackend
 from omniinfer_cpu.kernels import build
+from omniinfer_cpu.layer_ops import CpuLayerOps
 from omniinfer_cpu.linear import CpuLinearMethod
 from omniinfer_cpu.platform import CpuPlatform
 
@@ -123,12 +124,31 @@ def test_paged_attention_layouts(case, dtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_matches_torch(dtype):
+    ops = CpuLayerOps(build.load())
+    gen = torch.Generator().manual_seed(0)
+    for rows, cols in [(1, 1), (3, 17), (64, 32000), (2, 151936), (9, 33)]:
+        x = torch.randn(rows, cols + 5, generator=gen).to(dtype)[:, :cols]  # strided rows
+        assert ops.argmax_rows(x) == x.argmax(-1).tolist(), (rows, cols)
+    x = torch.full((5, 40), float("-inf"), dtype=dtype)  # row 0: all -inf
+    x[1, 7] = 3
+    x[2, 5] = x[2, 30] = x[2, 39] = float("nan")  # the first NaN wins, in vector lanes and the tail
+    x[3, 20] = x[3, 33] = x[3, 3] = 1  # ties: the first index, across lanes and the tail
+    x[4, 38] = float("nan")
+    x[4, 1] = float("inf")
+    assert ops.argmax_rows(x) == x.argmax(-1).tolist() == [0, 7, 5, 3, 38]
+
+
+@needs_kernels
 def test_engine_runs_on_the_kernels(checkpoint_dir, hf_greedy):
     path = checkpoint_dir("llama_tied")
     llm = LLM(path, num_kv_blocks=64)
     engine = llm.llm_engine
     assert engine.attn_backend.name == "CPU_PAGED"
-    model = engine.executor.worker.model_runner.model
+    runner = engine.executor.worker.model_runner
+    assert runner.sampler.argmax_rows.__func__ is CpuLayerOps.argmax_rows  # the greedy argmax too
+    model = runner.model
     methods = [m.linear_method for m in model.modules() if hasattr(m, "linear_method")]
     assert len(methods) == 2 * 4 + 1 and all(isinstance(m, CpuLinearMethod) for m in methods)
     calls = []

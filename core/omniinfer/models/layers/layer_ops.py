@@ -1,5 +1,5 @@
-"""The elementwise pieces of a decoder layer (RMS norm, rotary embedding, SiLU-and-multiply) as
-one swappable object.
+"""The elementwise pieces of a decoder layer (RMS norm, rotary embedding, SiLU-and-multiply), and
+the greedy sampler's argmax over the logits, as one swappable object.
 
 The core's `LayerOps` are torch ops. A platform's model runner may install its own subclass
 after loading (`ModelRunner.layer_ops`): fused kernels that make one pass over memory where
@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from omniinfer.sampling.sampler import greedy_tokens
 
 
 class LayerOps:
@@ -41,6 +43,11 @@ class LayerOps:
         """[T, 2 * I] -> silu(x[:, :I]) * x[:, I:]"""
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def argmax_rows(self, logits: torch.Tensor) -> list[int]:
+        """The index of the first maximum of each row of [rows, vocab] logits, as torch.argmax
+        (a NaN counts as the maximum): the sampler's greedy tokens."""
+        return greedy_tokens(logits)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int) -> torch.Tensor:

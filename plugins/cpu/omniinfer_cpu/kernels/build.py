@@ -50,6 +50,8 @@ SIGNATURES = {
     "omni_rotary": ([_P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
     # x, out, T, I, dtype, nthreads
     "omni_silu_and_mul": ([_P, _P, _I32, _I32, _I32, _I32], None),
+    # x, ld, rows, cols, dtype, out (int64), nthreads
+    "omni_argmax": ([_P, _I64, _I32, _I32, _I32, _P, _I32], None),
 }
 
 

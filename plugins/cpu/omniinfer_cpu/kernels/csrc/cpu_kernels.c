@@ -5,10 +5,13 @@
  * omni_paged_attention: writes the step's keys/values into the paged cache, then attention of
  *                       every query token over its sequence's cached keys (varlen prefills, chunks
  *                       after a cached context and decodes in one call; causal; sliding window).
+ * omni_rms_norm, omni_rotary, omni_silu_and_mul: the elementwise pieces of a decoder layer.
+ * omni_argmax:          the greedy token of each row of the logits.
  *
  * Written with GCC vector extensions, so one source builds for AVX-512 (16 float lanes in one
- * register), AVX2 (two) or anything else GCC targets. dtypes: 0 = float32, 1 = bfloat16
- * (widened on load; results rounded to nearest even once, at the end); the query, keys, values,
+ * register), AVX2 (two) or anything else GCC targets (AVX-512 BF16's vdpbf16ps where the CPU has
+ * it). dtypes: 0 = float32, 1 = bfloat16 (widened on load, or multiplied in pairs by vdpbf16ps;
+ * sums in float32; results rounded to nearest even once, at the end); the query, keys, values,
  * cache and output of one call share a dtype, as do a linear's input, weight, bias and output.
  */
 #include <math.h>
@@ -864,4 +867,51 @@ void omni_silu_and_mul(const void *x, void *out, int T, int I, int dt, int nthre
     (void)nthreads;
 #pragma omp parallel for schedule(static) PARALLEL_ROWS(T)
     for (int t = 0; t < T; t++) row((const char *)x + (size_t)t * 2 * I * es, (char *)out + (size_t)t * I * es, I);
+}
+
+/* ---- greedy sampling ------------------------------------------------------------------------ */
+
+static int64_t first_nan(const void *x, int cols, int dt) {
+    for (int i = 0; i < cols; i++) {
+        float v = ld1(x, dt, i);
+        if (v != v) return i;
+    }
+    return 0;
+}
+
+/* The index of the first maximum of one row, as torch.argmax (a NaN counts as the maximum, so
+ * the first NaN wins). Each lane keeps its first maximum; lanes then tie-break on the index. */
+static int64_t argmax_row(const void *x, int cols, int dt) {
+    const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    vf m = (vf){0} - INFINITY, idx = (vf){0} - 1, at = lane;  /* indices as floats: exact < 2^24 */
+    vu nan = (vu){0};
+    int i = 0;
+    for (; i + VL <= cols; i += VL, at += (float)VL) {
+        vf v = ld(x, dt, i);
+        vu gt = (vu)(v > m);
+        m = vsel(gt, v, m);
+        idx = vsel(gt, at, idx);
+        nan |= (vu)(v != v);
+    }
+    float best = ld1(x, dt, 0);
+    int64_t arg = 0;
+    for (int l = 0; l < VL; l++) {
+        if (nan[l]) return first_nan(x, cols, dt);
+        if (idx[l] >= 0 && (m[l] > best || (m[l] == best && (int64_t)idx[l] < arg)))
+            best = m[l], arg = (int64_t)idx[l];
+    }
+    for (; i < cols; i++) {
+        float v = ld1(x, dt, i);
+        if (v != v) return first_nan(x, cols, dt);
+        if (v > best) best = v, arg = i;
+    }
+    return arg;
+}
+
+/* out[r] = argmax of row r of x[rows, cols] (row stride ld elements); cols >= 1 */
+void omni_argmax(const void *x, int64_t ld, int rows, int cols, int dt, int64_t *out, int nthreads) {
+    size_t es = dt == F32 ? 4 : 2;
+    (void)nthreads;
+#pragma omp parallel for schedule(static) num_threads(rows >= 2 * 4 ? nthreads : 1)
+    for (int r = 0; r < rows; r++) out[r] = argmax_row((const char *)x + (size_t)r * ld * es, cols, dt);
 }
