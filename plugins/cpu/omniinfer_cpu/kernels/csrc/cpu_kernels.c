@@ -557,7 +557,8 @@ INLINE void attend(const Item *it, const void *q, int64_t q_stride, const void *
     float qbuf[MAX_ROWS][MAX_HEAD] __attribute__((aligned(64)));
     float acc[MAX_ROWS][MAX_HEAD] __attribute__((aligned(64)));
     float p[MAX_ROWS][CHUNK] __attribute__((aligned(64)));
-    float mx[MAX_ROWS], den[MAX_ROWS];
+    float mx[MAX_ROWS];
+    vf den[MAX_ROWS];  /* the softmax denominators, summed across lanes at the end */
     int lo_r[MAX_ROWS], hi_r[MAX_ROWS];
     uint32_t kgather[MAX_HEAD / 2 * CHUNK * 2] __attribute__((aligned(64)));  /* block_size < 16 */
     size_t voff[CHUNK];
@@ -579,7 +580,7 @@ INLINE void attend(const Item *it, const void *q, int64_t q_stride, const void *
             if (packed_q) memcpy(qbuf[r], (const uint16_t *)q + qrow, D * 2);
             else for (int d = 0; d < D; d++) qbuf[r][d] = ld1(q, dt, qrow + d);
             for (int d = 0; d < D; d++) acc[r][d] = 0.f;
-            mx[r] = -INFINITY, den[r] = 0.f;
+            mx[r] = -INFINITY, den[r] = (vf){0};
         }
         for (int c = 0; c < nchunks; c++) {
             int j0 = first + c * CHUNK;
@@ -641,7 +642,7 @@ INLINE void attend(const Item *it, const void *q, int64_t q_stride, const void *
                         for (; d < D; d++) acc[r][d] *= alpha;
                         mx[r] = mnew;
                     }
-                    den[r] += hsum(pr);
+                    den[r] += pr;
                     *(vfu *)p[r] = pr;
                 }
             }
@@ -657,7 +658,7 @@ INLINE void attend(const Item *it, const void *q, int64_t q_stride, const void *
         }
         for (int r = 0; r < R; r++) {
             size_t orow = (size_t)(q_start + it->t0 + r / G) * out_stride + ((size_t)h * G + r % G) * D;
-            float inv = 1.f / den[r];
+            float inv = 1.f / hsum(den[r]);
             for (int d = 0; d < D; d++) st1(out, dt, orow + d, acc[r][d] * inv);
         }
     }
