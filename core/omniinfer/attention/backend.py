@@ -81,7 +81,7 @@ class AttentionBackend:
     def allocate_kv_cache(cls, shape: tuple[int, ...], dtype: torch.dtype,
                           device: torch.device) -> torch.Tensor:
         """One layer's cache, zero-filled (padded reads of never-written slots must be finite).
-        A backend may place it where its kernels read it fastest (the CPU plugin's: huge pages)."""
+        A backend may place it where its kernels read it fastest."""
         return torch.zeros(shape, dtype=dtype, device=device)
 
     @classmethod

@@ -1,17 +1,19 @@
-"""Weights and KV caches in transparent huge pages.
+"""Weights in transparent huge pages.
 
-Decode streams every weight once per token and reads each sequence's scattered cache blocks;
-with 4 KiB pages that is a TLB miss every 4 KiB. Linux hands out 2 MiB pages to anonymous
-private memory advised ``MADV_HUGEPAGE`` (the default THP mode, "madvise", gives them to nothing
-else), which reads 10-30% faster here (docs/performance.md). So after loading, the big
-parameters are copied into one such mapping (pages are faulted in as the copy proceeds and each
-old tensor is freed after its copy, so peak memory grows by about one parameter, not by the
-model), and the CPU_PAGED backend allocates its caches in one each.
+Decode streams every weight once per token; with 4 KiB pages that is a TLB miss every 4 KiB.
+Linux hands out 2 MiB pages to anonymous private memory advised ``MADV_HUGEPAGE`` (the default
+THP mode, "madvise", gives them to nothing else), which reads 10-30% faster here
+(docs/performance.md). So after loading, the big parameters are copied into one such mapping
+(pages are faulted in as the copy proceeds and each old tensor is freed after its copy, so peak
+memory grows by about one parameter, not by the model).
+
+KV caches stay in ordinary pages (``torch.zeros``, every page touched at start-up): getting huge
+pages costs the kernel compaction at the first touch (~0.3 s per 128 MiB here), which either
+lands in the middle of serving or multiplies start-up time, for ~5% of decode attention.
 """
 
 from __future__ import annotations
 
-import math
 import mmap
 import os
 
@@ -48,14 +50,6 @@ def _huge_mapping(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
     buffer = torch.frombuffer(arena, dtype=torch.uint8)
     offset = -buffer.data_ptr() % HUGE_PAGE
     return arena, buffer[offset: offset + nbytes]
-
-
-def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """torch.zeros(shape, dtype) in huge pages when they are available (and it is big enough)."""
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    if nbytes < MIN_BYTES or huge_pages_unavailable():
-        return torch.zeros(shape, dtype=dtype)
-    return _huge_mapping(nbytes)[1].view(dtype).view(shape)
 
 
 def move_to_huge_pages(model: torch.nn.Module) -> mmap.mmap | None:

@@ -254,14 +254,11 @@ def test_layer_ops_match_torch(dtype):
                    sin[:, :32].contiguous(), 64)
 
 
-def test_weights_and_caches_in_huge_pages(monkeypatch, checkpoint_dir, hf_greedy):
+def test_weights_in_huge_pages(monkeypatch, checkpoint_dir, hf_greedy):
     from omniinfer_cpu import memory
 
     if memory.huge_pages_unavailable():
         pytest.skip(memory.huge_pages_unavailable())
-    zeros = memory.huge_page_zeros((2, 300, 16, 2, 64), torch.bfloat16)
-    assert zeros.shape == (2, 300, 16, 2, 64) and zeros.dtype == torch.bfloat16
-    assert zeros.data_ptr() % memory.HUGE_PAGE == 0 and not zeros.any()
     monkeypatch.setattr(memory, "MIN_BYTES", 0)  # the tiny model's tensors move too
     path = checkpoint_dir("llama_tied")
     llm = LLM(path, num_kv_blocks=64)

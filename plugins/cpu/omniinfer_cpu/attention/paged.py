@@ -85,12 +85,6 @@ class CpuPagedBackend(AttentionBackend):
         return (2, num_blocks, num_kv_heads, block_size, head_size)
 
     @classmethod
-    def allocate_kv_cache(cls, shape, dtype, device):
-        from omniinfer_cpu.memory import huge_page_zeros
-
-        return huge_page_zeros(shape, dtype)  # scattered block reads: a TLB miss per 4 KiB page
-
-    @classmethod
     def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
         reasons = []
         if spec.head_size > MAX_HEAD_SIZE:
