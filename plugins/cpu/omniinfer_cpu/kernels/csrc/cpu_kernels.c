@@ -531,8 +531,8 @@ INLINE void pv_rows(const void *v_cache, int dt, const size_t *voff, int ja, int
 
 /* Prefetch (into L2) the packed keys and the values of one head's chunk at key position a. */
 INLINE void prefetch_chunk(const void *k_cache, const void *v_cache, size_t es, const int32_t *table,
-                           int a, int h, int KVH, int D, int bs, int x) {
-    size_t tile = ((size_t)table[a / bs] * KVH + h) * bs * D, o = (size_t)(a % bs);
+                           int a, int h, int KVH, int D, int bs, int bsh, int x) {
+    size_t tile = ((size_t)table[a >> bsh] * KVH + h) * bs * D, o = (size_t)(a & (bs - 1));
     const char *k = (const char *)k_cache + (tile + o * x) * es;
     for (int d = 0; d < D / x; d++) __builtin_prefetch(k + (size_t)d * bs * x * es, 0, PF_LOCALITY);
     size_t n = (size_t)(bs - (int)o < CHUNK ? bs - (int)o : CHUNK) * D * es;
@@ -547,7 +547,7 @@ INLINE void attend(const Item *it, const void *q, int64_t q_stride, const void *
                    const void *v_cache, int dt, const int32_t *table, int context_len, int q_start,
                    void *out, int64_t out_stride, int H, int KVH, int D, int bs, float scale,
                    int window) {
-    int G = H / KVH, nt = it->t1 - it->t0, R = nt * G, x = KX(dt);
+    int G = H / KVH, nt = it->t1 - it->t0, R = nt * G, x = KX(dt), bsh = __builtin_ctz((unsigned)bs);
     size_t es = dt == F32 ? 4 : 2;
 #if defined(__AVX512BF16__)
     int packed_q = dt == BF16;  /* the query as bfloat16 pairs, for vdpbf16ps */
@@ -585,17 +585,19 @@ INLINE void attend(const Item *it, const void *q, int64_t q_stride, const void *
         for (int c = 0; c < nchunks; c++) {
             int j0 = first + c * CHUNK;
             /* the chunk PREFETCH_CHUNKS ahead (of this head, then of the next) while this one runs */
-            for (int a = c ? c + PREFETCH_CHUNKS : 1; a <= c + PREFETCH_CHUNKS; a++) {
-                int hh = h + a / nchunks, ka = first + (a % nchunks) * CHUNK;
-                if (hh >= it->h1) break;
-                if (bs >= CHUNK) prefetch_chunk(k_cache, v_cache, es, table, ka, hh, KVH, D, bs, x);
-            }
+            if (bs >= CHUNK)
+                for (int a = c ? c + PREFETCH_CHUNKS : 1, hh = h; a <= c + PREFETCH_CHUNKS; a++) {
+                    int ca = a - (hh - h) * nchunks;  /* chunk index within head hh */
+                    while (ca >= nchunks) ca -= nchunks, hh++;
+                    if (hh >= it->h1) break;
+                    prefetch_chunk(k_cache, v_cache, es, table, first + ca * CHUNK, hh, KVH, D, bs, bsh, x);
+                }
             int ja = lo_all > j0 ? lo_all - j0 : 0;
             int jb = hi_all + 1 - j0 < CHUNK ? hi_all + 1 - j0 : CHUNK;
             const void *kt;
             size_t kstride;
             if (bs >= CHUNK) {  /* the chunk lies in one block: its packed rows in place */
-                size_t tile = ((size_t)table[j0 / bs] * KVH + h) * bs * D, o = (size_t)(j0 % bs);
+                size_t tile = ((size_t)table[j0 >> bsh] * KVH + h) * bs * D, o = (size_t)(j0 & (bs - 1));
                 kt = (const char *)k_cache + (tile + o * x) * es;
                 kstride = (size_t)bs;  /* floats or 32-bit pairs per packed row */
                 for (int j = ja; j < jb; j++) voff[j] = tile + (o + j) * D;
@@ -603,7 +605,7 @@ INLINE void attend(const Item *it, const void *q, int64_t q_stride, const void *
                 memset(kgather, 0, sizeof(uint32_t) * (size_t)(D / x) * CHUNK);
                 for (int j = ja; j < jb; j++) {
                     int key = j0 + j;
-                    size_t tile = ((size_t)table[key / bs] * KVH + h) * bs * D, o = (size_t)(key % bs);
+                    size_t tile = ((size_t)table[key >> bsh] * KVH + h) * bs * D, o = (size_t)(key & (bs - 1));
                     voff[j] = tile + o * D;
                     for (int d = 0; d < D / x; d++) {
                         if (dt == F32) kgather[d * CHUNK + j] = ((const uint32_t *)k_cache)[tile + (size_t)d * bs + o];
@@ -673,8 +675,9 @@ INLINE void attend(const Item *it, const void *q, int64_t q_stride, const void *
 static void attend_f32(ATTEND_ARGS) { attend(ATTEND_PASS(F32)); }
 static void attend_bf16(ATTEND_ARGS) { attend(ATTEND_PASS(BF16)); }
 
-/* Returns 0, or -1 for an unsupported shape (head size > 256, an odd head size in bfloat16, or
- * more than 64 query heads per KV head), -2 when out of memory. Sequences: query tokens
+/* Returns 0, or -1 for an unsupported shape (head size > 256, an odd head size in bfloat16, more
+ * than 64 query heads per KV head, a block size that is not a power of two), -2 when out of
+ * memory. Sequences: query tokens
  * [query_start_loc[s], query_start_loc[s + 1]) attend to positions [0, seq_lens[s]) through
  * block_tables[s]. Work items: a tile of query tokens (as many as keep tokens x query heads per
  * KV head within MAX_ROWS, at most 16) x every KV head of the sequence when there are enough
@@ -688,7 +691,9 @@ int omni_paged_attention(const void *q, int64_t q_stride, const void *key, int64
                          int nthreads) {
     void (*run)(ATTEND_ARGS) = dt == F32 ? attend_f32 : attend_bf16;
     int G = H / KVH;
-    if (D > MAX_HEAD || G > MAX_ROWS || (dt == BF16 && D % 2)) return -1;
+    if (D > MAX_HEAD || G > MAX_ROWS || (dt == BF16 && D % 2) || block_size < 1 ||
+        (block_size & (block_size - 1)))
+        return -1;
     write_kv(key, key_stride, value, value_stride, k_cache, v_cache, dt, slot_mapping, num_tokens,
              KVH, D, block_size);
     int qtile = MAX_ROWS / G < 16 ? MAX_ROWS / G : 16;
