@@ -104,7 +104,13 @@ INLINE float round_to(int dt, float v) {  /* v as the dtype would hold it */
     return v;
 }
 
-INLINE vf vsel(vu mask, vf a, vf b) { return (vf)((mask & (vu)a) | (~mask & (vu)b)); }
+INLINE vf vsel(vu mask, vf a, vf b) {  /* mask lanes all-ones: a, else b */
+#if defined(__AVX512F__)
+    return (vf)_mm512_ternarylogic_epi32((__m512i)mask, (__m512i)a, (__m512i)b, 0xca);
+#else
+    return (vf)((mask & (vu)a) | (~mask & (vu)b));
+#endif
+}
 
 typedef uint32_t v8u __attribute__((vector_size(32)));
 typedef uint32_t v4u __attribute__((vector_size(16)));
@@ -125,8 +131,12 @@ INLINE float hmax(vf v) {
  * float range (e^-88 -> ~0, e^89 -> inf is clamped to e^88.7). */
 INLINE vf vexp(vf x) {
     const vf hi = (vf){0} + 88.7f, lo = (vf){0} - 87.3f;
+#if defined(__AVX512F__)
+    x = _mm512_max_ps(lo, _mm512_min_ps(hi, x));  /* a NaN x stays NaN: both return their 2nd operand then */
+#else
     x = vsel((vu)(x > hi), hi, x);
     x = vsel((vu)(x < lo), lo, x);
+#endif
     vf t = x * 1.44269504088896341f + 12582912.0f; /* round(x / ln2) in the low mantissa bits */
     vf n = t - 12582912.0f;
     vf r = x - n * 0.693359375f;
