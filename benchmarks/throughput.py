@@ -6,7 +6,7 @@ shapes and dtype). `--compare transformers` runs transformers on the same checkp
 workload in the same process: static batching at its best batch size among 8/32/64, and
 its continuous-batching mode where the installed version has one.
 
-    python benchmarks/throughput.py --shape small --dtype float32 [--compare transformers]
+    python benchmarks/throughput.py --shape small --dtype float32 [--compare transformers] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -27,10 +27,14 @@ def main() -> None:
     parser.add_argument("--model", help="an existing checkpoint instead of a random one")
     parser.add_argument("--json", help="append the result to this JSON file")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="timed runs of each configuration (after its warm-up); the median counts")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: expected a positive number of runs")
     quiet()
     result = throughput(args.shape, args.dtype, args.num_prompts, args.input_len, args.output_len,
-                        args.compare, args.model, args.max_num_batched_tokens)
+                        args.compare, args.model, args.max_num_batched_tokens, args.repeats)
     print(throughput_table(result))
     if args.json:
         append_json(args.json, result)

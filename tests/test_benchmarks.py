@@ -24,11 +24,23 @@ def run(script: str, *args: str, timeout: int = 300) -> str:
 def test_throughput_with_transformers_comparison(tmp_path):
     out = tmp_path / "t.json"
     text = run("throughput.py", "--shape", "tiny", "-n", "4", "--input-len", "8", "--output-len", "4",
-               "--compare", "transformers", "--json", str(out))
-    assert "MFU" in text and "transformers static" in text
+               "--compare", "transformers", "--repeats", "2", "--json", str(out))
+    assert "MFU" in text and "transformers static" in text and "median of 2 runs" in text
     (result,) = json.loads(out.read_text())
     assert result["omniinfer"]["output_tokens_per_s"] > 0 and result["omniinfer"]["mfu"] > 0
     assert result["transformers_static"]["best_batch"] == 4  # fewer prompts than 8: one batch
+    for key in ("omniinfer", "transformers_static", "transformers_continuous"):
+        if key in result:  # continuous batching only where transformers has it
+            runs = result[key]["runs_s"]
+            assert len(runs) == 2 and min(runs) <= result[key]["seconds"] <= max(runs), key
+
+
+def test_throughput_rejects_a_bad_repeat_count():
+    env = dict(os.environ, OMNIINFER_LOG_LEVEL="WARNING")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "throughput.py"),
+                           "--shape", "tiny", "--repeats", "0"], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 2 and "--repeats 0: expected a positive number of runs" in proc.stderr
 
 
 def test_latency_with_transformers_comparison(tmp_path):
@@ -56,9 +68,10 @@ def test_spec_decode(tmp_path):
 def test_the_same_suite_behind_omniinfer_bench():
     env = dict(os.environ, OMNIINFER_LOG_LEVEL="WARNING")
     omniinfer = os.path.join(os.path.dirname(sys.executable), "omniinfer")
-    proc = subprocess.run([omniinfer, "bench", "throughput", "--shape", "tiny",
+    proc = subprocess.run([omniinfer, "bench", "throughput", "--shape", "tiny", "--repeats", "2",
                            "--num-prompts", "4", "--input-len", "8", "--output-len", "4", "--json"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["shape"] == "tiny" and result["omniinfer"]["mfu"] > 0  # the --compare path: above
+    assert len(result["omniinfer"]["runs_s"]) == 2

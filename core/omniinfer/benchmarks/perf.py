@@ -115,40 +115,48 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def omniinfer_throughput(path: str, prompts, output_len: int, dtype: str, engine_args: dict) -> float:
+def omniinfer_throughput(path: str, prompts, output_len: int, dtype: str, engine_args: dict,
+                         repeats: int = 1) -> list[float]:
+    """Seconds of each of `repeats` runs of the whole workload through one engine."""
     from omniinfer import LLM, SamplingParams
 
     llm = LLM(path, dtype=dtype, max_num_seqs=len(prompts), max_model_len=2048, **engine_args)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
                  SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+        assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
     llm.llm_engine.shutdown()
-    return elapsed
+    return times
 
 
 def transformers_static(path: str, prompts, output_len: int, dtype: torch.dtype,
-                            batch: int) -> float:
+                        batch: int, repeats: int = 1) -> list[float]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     ids = torch.tensor(prompts)
+    times = []
     with torch.inference_mode():
         model.generate(ids[:2], max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
-        t0 = time.perf_counter()
-        for i in range(0, len(prompts), batch):
-            chunk = ids[i:i + batch]
-            out = model.generate(chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=output_len,
-                                 min_new_tokens=output_len, do_sample=False, eos_token_id=None,
-                                 pad_token_id=0)
-            assert out.shape[1] == chunk.shape[1] + output_len
-    return time.perf_counter() - t0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for i in range(0, len(prompts), batch):
+                chunk = ids[i:i + batch]
+                out = model.generate(chunk, attention_mask=torch.ones_like(chunk),
+                                     max_new_tokens=output_len, min_new_tokens=output_len,
+                                     do_sample=False, eos_token_id=None, pad_token_id=0)
+                assert out.shape[1] == chunk.shape[1] + output_len
+            times.append(time.perf_counter() - t0)
+    return times
 
 
-def transformers_continuous(path: str, prompts, output_len: int, dtype: torch.dtype) -> float | None:
+def transformers_continuous(path: str, prompts, output_len: int, dtype: torch.dtype,
+                            repeats: int = 1) -> list[float] | None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -156,10 +164,13 @@ def transformers_continuous(path: str, prompts, output_len: int, dtype: torch.dt
         return None
     config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None,
                               pad_token_id=0)
+    times = []
     with torch.inference_mode():
-        t0 = time.perf_counter()
-        model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
-    return time.perf_counter() - t0
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+            times.append(time.perf_counter() - t0)
+    return times
 
 
 def omniinfer_latency(path: str, prompt: list[int], output_len: int, dtype: str, repeats: int) -> dict:
@@ -219,9 +230,13 @@ def shape_of(model_dir: str) -> dict:
 def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = None,
                input_len: int | None = None, output_len: int | None = None,
                compare: str | None = None, model: str | None = None,
-               max_num_batched_tokens: int = 2048) -> dict:
+               max_num_batched_tokens: int = 2048, repeats: int = 1) -> dict:
     """N random prompts at once through LLM.generate; MFU against the measured matmul peak;
-    with compare="transformers", transformers' best static batch and continuous batching."""
+    with compare="transformers", transformers' best static batch and continuous batching.
+    Every timed configuration runs `repeats` times (after its warm-up) and reports the median
+    run; the runs are kept under "runs_s"."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: expected a positive number of runs")
     n, i, o = DEFAULT_WORKLOADS.get(shape_name or "", (64, 128, 128))
     n, i, o = num_prompts or n, input_len or i, output_len or o
     torch_dtype = getattr(torch, dtype)
@@ -233,33 +248,41 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
         peak = matmul_peak(shape, torch_dtype, [n, max_num_batched_tokens],
                            **(dict(seconds=0.05, rounds=1) if quick else {}))
         flops = model_flops(shape, n, i, o)
-        elapsed = omniinfer_throughput(path, prompts, o, dtype,
-                                       {"max_num_batched_tokens": max_num_batched_tokens})
+        runs = omniinfer_throughput(path, prompts, o, dtype,
+                                    {"max_num_batched_tokens": max_num_batched_tokens}, repeats)
+        elapsed = statistics.median(runs)
         result = {
             "shape": shape_name or os.path.basename(os.path.normpath(path)), "dtype": dtype,
-            "num_prompts": n, "input_len": i, "output_len": o,
+            "num_prompts": n, "input_len": i, "output_len": o, "repeats": repeats,
             "threads": torch.get_num_threads(), "matmul_peak_gflops": peak,
-            "omniinfer": {"seconds": elapsed, "requests_per_s": n / elapsed,
+            "omniinfer": {"seconds": elapsed, "runs_s": runs, "requests_per_s": n / elapsed,
                           "output_tokens_per_s": n * o / elapsed,
                           "total_tokens_per_s": n * (i + o) / elapsed,
                           "model_gflops": flops / elapsed / 1e9, "mfu": flops / elapsed / 1e9 / peak},
         }
         if compare == "transformers":
             batches = [b for b in (8, 32, 64) if b <= n] or [n]
-            static = {b: transformers_static(path, prompts, o, torch_dtype, b) for b in batches}
+            static_runs = {b: transformers_static(path, prompts, o, torch_dtype, b, repeats)
+                           for b in batches}
+            static = {b: statistics.median(t) for b, t in static_runs.items()}
             best = min(static, key=static.get)
             result["transformers_static"] = {"best_batch": best, "seconds": static[best],
+                                             "runs_s": static_runs[best],
                                              "output_tokens_per_s": n * o / static[best],
                                              "all_batches_s": static}
-            cont = transformers_continuous(path, prompts, o, torch_dtype)
-            if cont is not None:
-                result["transformers_continuous"] = {"seconds": cont, "output_tokens_per_s": n * o / cont}
+            cont_runs = transformers_continuous(path, prompts, o, torch_dtype, repeats)
+            if cont_runs is not None:
+                cont = statistics.median(cont_runs)
+                result["transformers_continuous"] = {"seconds": cont, "runs_s": cont_runs,
+                                                     "output_tokens_per_s": n * o / cont}
     return result
 
 
 def throughput_table(r: dict) -> str:
+    runs = f"  median of {r['repeats']} runs" if r.get("repeats", 1) > 1 else ""
     lines = [f"throughput: {r['shape']} {r['dtype']}  N={r['num_prompts']} I={r['input_len']} "
-             f"O={r['output_len']}  threads={r['threads']}  matmul peak {r['matmul_peak_gflops']:.0f} GFLOP/s"]
+             f"O={r['output_len']}  threads={r['threads']}  matmul peak {r['matmul_peak_gflops']:.0f} GFLOP/s"
+             + runs]
     e = r["omniinfer"]
     lines.append(f"  omniinfer            {e['output_tokens_per_s']:8.0f} out tok/s  "
                  f"{e['total_tokens_per_s']:8.0f} total tok/s  {e['requests_per_s']:6.2f} req/s  "

@@ -24,6 +24,8 @@ def register(sub) -> None:
     _offline_args(t)
     t.add_argument("--num-prompts", type=int, default=None, help="default 32 (or the --shape workload's)")
     t.add_argument("--prompts-file", help="one prompt per line (default: random token ids)")
+    t.add_argument("--repeats", type=int, default=1,
+                   help="with --shape/--compare: timed runs of each configuration; the median counts")
     t.set_defaults(func=run_throughput)
 
     lat = kinds.add_parser("latency", help="offline: one batch, timed over several iterations")
@@ -88,11 +90,13 @@ def run_throughput(args) -> int:
     from omniinfer.benchmarks import offline, perf
     from omniinfer.benchmarks.stats import latency_table
 
+    if args.repeats < 1:
+        raise SystemExit(f"error: --repeats {args.repeats}: expected a positive number of runs")
     if args.shape or args.compare:  # the performance suite (benchmarks/throughput.py)
         perf.quiet()
         r = perf.throughput(args.shape, _perf_dtype(args), args.num_prompts, args.input_len,
                             args.output_len, args.compare, None if args.shape else args.model,
-                            args.max_num_batched_tokens or 2048)
+                            args.max_num_batched_tokens or 2048, args.repeats)
         return _print(args, r, [perf.throughput_table(r)])
     args.num_prompts = args.num_prompts or 32
     args.input_len, args.output_len = args.input_len or 32, args.output_len or 32
