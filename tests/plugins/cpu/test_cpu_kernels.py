@@ -116,6 +116,8 @@ def test_paged_attention_bfloat16(case):
     Case("group7", ((0, 40), (11, 13), (60, 1)), group=7, num_kv_heads=2, seed=6),
     # more than 16 query tokens, group 1: tiles of 16 tokens, heads split across items
     Case("long", ((0, 50),), group=1, num_kv_heads=2, head_size=48, seed=7),
+    # scores hundreds apart: the lazily moved softmax offset must rescale, and never overflow
+    Case("peaky", ((0, 40), (70, 1), (33, 9)), query_scale=100.0, block_size=32, seed=8),
 ])
 def test_paged_attention_layouts(case, dtype):
     """Shapes the kernel handles on separate paths: gathered chunks, offsets inside a block,

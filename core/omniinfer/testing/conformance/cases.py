@@ -34,6 +34,7 @@ class Case:
     block_size: int = 16
     sliding_window: int | None = None
     seed: int = 0
+    query_scale: float = 1.0  # > 1: scores spread far apart (online softmax rescaling)
 
     @property
     def num_heads(self) -> int:
@@ -106,6 +107,7 @@ def run_case(backend: type[AttentionBackend], case: Case, device: torch.device |
         num_tokens = sum(q for _, q in batch)
         q, k, v = (torch.randn(num_tokens, n * width, generator=gen).to(dtype).to(device)
                    for n in (case.num_heads, case.num_kv_heads, case.num_kv_heads))
+        q = q * case.query_scale if case.query_scale != 1.0 else q
         outs, metadata = {}, None
         for cls, impl in impls.items():
             md = build_metadata(cls, case, batch, batch_tables)

@@ -67,3 +67,10 @@ def test_single_kv_head(conformance, conformance_backend):
 def test_sliding_window(conformance, conformance_backend, window):
     _check(conformance, conformance_backend,
            Case("window", MIXED + CHUNKED, sliding_window=window, block_size=16, seed=5))
+
+
+def test_scores_far_apart(conformance, conformance_backend):
+    """Queries 100x larger: scores spread over hundreds, so a running-max softmax must rescale
+    its sums many times along a sequence, and a backend that defers rescaling must stay exact."""
+    _check(conformance, conformance_backend,
+           Case("peaky", MIXED + CHUNKED, query_scale=100.0, block_size=16, seed=6))

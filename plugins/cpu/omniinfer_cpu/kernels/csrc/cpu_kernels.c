@@ -539,6 +539,19 @@ INLINE void pv_rows(const void *v_cache, int dt, const size_t *voff, int ja, int
         }
 }
 
+#define LAZY_MAX 8.0f  /* how far a score may pass the softmax's exponent offset */
+
+INLINE int any_gt(vf a, float b) {  /* some lane of a > b (false for NaN lanes) */
+#if defined(__AVX512F__)
+    return _mm512_cmp_ps_mask((__m512)a, _mm512_set1_ps(b), _CMP_GT_OQ) != 0;
+#else
+    vu gt = (vu)(a > b);
+    uint32_t any = 0;
+    for (int l = 0; l < VL; l++) any |= gt[l];
+    return any != 0;
+#endif
+}
+
 /* Prefetch (into L2) the packed keys and the values of one head's chunk at key position a. */
 INLINE void prefetch_chunk(const void *k_cache, const void *v_cache, size_t es, const int32_t *table,
                            int a, int h, int KVH, int D, int bs, int bsh, int x) {
@@ -637,23 +650,30 @@ INLINE void attend(const Item *it, const void *q, int64_t q_stride, const void *
                 }
                 for (int i = 0; i < nr; i++) {
                     int r = r0 + i;
-                    vu ok = (vu)(kpos >= (float)lo_r[r]) & (vu)(kpos <= (float)hi_r[r]);
-                    vf sc = vsel(ok, s[i] * scale, (vf){0} - INFINITY);
-                    float cm = hmax(sc);
-                    if (cm == -INFINITY) {  /* no key of this chunk is visible to this row */
-                        *(vfu *)p[r] = (vf){0};
-                        continue;
+                    /* lanes outside the row's keys (causal edge, window start): only at the edges */
+                    int edge = j0 < lo_r[r] || j0 + CHUNK - 1 > hi_r[r];
+                    vu ok = (vu){0};
+                    vf sc = s[i] * scale;
+                    if (edge) {
+                        ok = (vu)(kpos >= (float)lo_r[r]) & (vu)(kpos <= (float)hi_r[r]);
+                        sc = vsel(ok, sc, (vf){0} - INFINITY);
                     }
-                    float mnew = cm > mx[r] ? cm : mx[r];
-                    vf pr = vsel(ok, vexp(sc - mnew), (vf){0});
-                    if (mnew != mx[r]) {
+                    /* Lazy rescaling: the exponent offset moves only when a score passes it by
+                     * more than LAZY_MAX, so most chunks need no horizontal max (p <= e^8). */
+                    if (any_gt(sc, mx[r] + LAZY_MAX)) {
+                        float mnew = hmax(sc);  /* > mx[r] */
                         float alpha = expf(mx[r] - mnew);  /* 0 on the first chunk (max -inf) */
                         den[r] *= alpha;
                         int d = 0;
                         for (; d + VL <= D; d += VL) *(vfu *)&acc[r][d] *= alpha;
                         for (; d < D; d++) acc[r][d] *= alpha;
                         mx[r] = mnew;
+                    } else if (mx[r] == -INFINITY) {  /* no key visible to this row yet */
+                        *(vfu *)p[r] = (vf){0};
+                        continue;
                     }
+                    vf pr = vexp(sc - mx[r]);
+                    if (edge) pr = vsel(ok, pr, (vf){0});
                     den[r] += pr;
                     *(vfu *)p[r] = pr;
                 }
