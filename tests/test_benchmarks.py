@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -57,6 +58,21 @@ def test_host_overhead(tmp_path):
     text = run("host_overhead.py", "--seqs", "4", "16", "--steps", "3", "--json", str(out))
     assert "ms/step" in text
     assert [r["num_seqs"] for r in json.loads(out.read_text())] == [4, 16]
+
+
+def test_cpu_paged_attention_kernel_ab(tmp_path):
+    """Two sources timed side by side (here the same one twice), each checked against torch."""
+    out = tmp_path / "k.json"
+    source = os.path.join(ROOT, "plugins", "cpu", "omniinfer_cpu", "kernels", "csrc", "cpu_kernels.c")
+    copy = tmp_path / "copy.c"
+    shutil.copyfile(source, copy)
+    text = run("cpu_paged_attention.py", "--cache", "l3", "--rounds", "1", "--iters", "1",
+               "--source", source, "--source", str(copy), "--json", str(out))
+    assert "decode" in text and "copy.c" in text
+    rows = json.loads(out.read_text())
+    assert [(r["dtype"], r["kind"]) for r in rows] == [
+        ("float32", "decode"), ("float32", "prefill"), ("bfloat16", "decode"), ("bfloat16", "prefill")]
+    assert all(len(r["us_per_layer_step"]) == 2 for r in rows)
 
 
 @pytest.mark.slow
