@@ -916,26 +916,44 @@ static int64_t first_nan(const void *x, int cols, int dt) {
 }
 
 /* The index of the first maximum of one row, as torch.argmax (a NaN counts as the maximum, so
- * the first NaN wins). Each lane keeps its first maximum; lanes then tie-break on the index. */
+ * the first NaN wins). ARGMAX_U independent (max, index) vectors take every U-th vector of the
+ * row, so the compare-and-select chains overlap (one chain waits ~4 cycles a vector); each lane
+ * keeps its first maximum, and the lanes then tie-break on the index. */
+#define ARGMAX_U 4
 static int64_t argmax_row(const void *x, int cols, int dt) {
     const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    vf m = (vf){0} - INFINITY, idx = (vf){0} - 1, at = lane;  /* indices as floats: exact < 2^24 */
+    vf m[ARGMAX_U], idx[ARGMAX_U], at[ARGMAX_U];  /* indices as floats: exact < 2^24 */
     vu nan = (vu){0};
+#pragma GCC unroll 4
+    for (int u = 0; u < ARGMAX_U; u++)
+        m[u] = (vf){0} - INFINITY, idx[u] = (vf){0} - 1, at[u] = lane + (float)(u * VL);
     int i = 0;
-    for (; i + VL <= cols; i += VL, at += (float)VL) {
-        vf v = ld(x, dt, i);
-        vu gt = (vu)(v > m);
-        m = vsel(gt, v, m);
-        idx = vsel(gt, at, idx);
+    for (; i + ARGMAX_U * VL <= cols; i += ARGMAX_U * VL) {
+#pragma GCC unroll 4
+        for (int u = 0; u < ARGMAX_U; u++) {
+            vf v = ld(x, dt, i + u * VL);
+            vu gt = (vu)(v > m[u]);
+            m[u] = vsel(gt, v, m[u]);
+            idx[u] = vsel(gt, at[u], idx[u]);
+            nan |= (vu)(v != v);
+            at[u] += (float)(ARGMAX_U * VL);
+        }
+    }
+    for (; i + VL <= cols; i += VL) {
+        vf v = ld(x, dt, i), pos = lane + (float)i;
+        vu gt = (vu)(v > m[0]);
+        m[0] = vsel(gt, v, m[0]);
+        idx[0] = vsel(gt, pos, idx[0]);
         nan |= (vu)(v != v);
     }
+    for (int l = 0; l < VL; l++)
+        if (nan[l]) return first_nan(x, cols, dt);
     float best = ld1(x, dt, 0);
     int64_t arg = 0;
-    for (int l = 0; l < VL; l++) {
-        if (nan[l]) return first_nan(x, cols, dt);
-        if (idx[l] >= 0 && (m[l] > best || (m[l] == best && (int64_t)idx[l] < arg)))
-            best = m[l], arg = (int64_t)idx[l];
-    }
+    for (int u = 0; u < ARGMAX_U; u++)
+        for (int l = 0; l < VL; l++)
+            if (idx[u][l] >= 0 && (m[u][l] > best || (m[u][l] == best && (int64_t)idx[u][l] < arg)))
+                best = m[u][l], arg = (int64_t)idx[u][l];
     for (; i < cols; i++) {
         float v = ld1(x, dt, i);
         if (v != v) return first_nan(x, cols, dt);
