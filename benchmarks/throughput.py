@@ -7,6 +7,10 @@ workload in the same process: static batching at its best batch size among 8/32/
 its continuous-batching mode where the installed version has one.
 
     python benchmarks/throughput.py --shape small --dtype float32 [--compare transformers] [--repeats 3]
+        [--num-scheduler-steps 8]
+
+With `--num-scheduler-steps K` (multi-step decoding) omniinfer runs twice, with K decode steps
+per schedule and with one, in the same process.
 """
 
 from __future__ import annotations
@@ -29,12 +33,16 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed runs of each configuration (after its warm-up); the median counts")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="decode steps per schedule (multi-step decoding); above 1 the "
+                             "single-step engine runs too")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: expected a positive number of runs")
     quiet()
     result = throughput(args.shape, args.dtype, args.num_prompts, args.input_len, args.output_len,
-                        args.compare, args.model, args.max_num_batched_tokens, args.repeats)
+                        args.compare, args.model, args.max_num_batched_tokens, args.repeats,
+                        args.num_scheduler_steps)
     print(throughput_table(result))
     if args.json:
         append_json(args.json, result)

@@ -36,6 +36,17 @@ def test_throughput_with_transformers_comparison(tmp_path):
             assert len(runs) == 2 and min(runs) <= result[key]["seconds"] <= max(runs), key
 
 
+def test_throughput_with_multi_step_decoding(tmp_path):
+    """--num-scheduler-steps K: the K-step engine and the single-step one, in the same run."""
+    out = tmp_path / "t.json"
+    text = run("throughput.py", "--shape", "tiny", "-n", "4", "--input-len", "8", "--output-len", "6",
+               "--num-scheduler-steps", "4", "--json", str(out))
+    assert "omniinfer (4 steps)" in text and "omniinfer (1 step)" in text
+    (result,) = json.loads(out.read_text())
+    assert result["num_scheduler_steps"] == 4
+    assert result["omniinfer"]["mfu"] > 0 and result["omniinfer_single_step"]["mfu"] > 0
+
+
 def test_throughput_rejects_a_bad_repeat_count():
     env = dict(os.environ, OMNIINFER_LOG_LEVEL="WARNING")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "throughput.py"),
@@ -58,6 +69,10 @@ def test_host_overhead(tmp_path):
     text = run("host_overhead.py", "--seqs", "4", "16", "--steps", "3", "--json", str(out))
     assert "ms/step" in text
     assert [r["num_seqs"] for r in json.loads(out.read_text())] == [4, 16]
+    text = run("host_overhead.py", "--seqs", "4", "--steps", "3", "--num-scheduler-steps", "4",
+               "--json", str(out))
+    assert "4 decode steps per engine step" in text
+    assert [r["num_scheduler_steps"] for r in json.loads(out.read_text())] == [4]
 
 
 def test_cpu_paged_attention_kernel_ab(tmp_path):

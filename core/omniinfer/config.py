@@ -25,6 +25,7 @@ _DTYPES = {
     "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
 }
 GiB = 1 << 30
+MAX_SCHEDULER_STEPS = 64
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -101,9 +102,14 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     preemption_mode: str = "recompute"
     num_lookahead_slots: int = 0  # extra KV slots reserved per decode (speculative decoding)
+    num_scheduler_steps: int = 1  # decode steps run per scheduling step (multi-step decoding)
 
     def __post_init__(self) -> None:
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        _check_int("num_scheduler_steps", self.num_scheduler_steps, minimum=1)
+        if self.num_scheduler_steps > MAX_SCHEDULER_STEPS:
+            raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps} is not allowed; it "
+                             f"must be <= {MAX_SCHEDULER_STEPS}")
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode={self.preemption_mode!r} is not supported; "
@@ -306,6 +312,7 @@ class EngineArgs:
     worker_cls: str = DEFAULT_WORKER_CLS
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
+    num_scheduler_steps: int = 1
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -317,6 +324,10 @@ class EngineArgs:
         model = load_model_config(self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                                   max_model_len=self.max_model_len, seed=self.seed)
         speculative = self._speculative_config(model)
+        if speculative is not None and self.num_scheduler_steps != 1:
+            raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps!r} with speculative_model="
+                             f"{self.speculative_model!r}: multi-step decoding and speculative "
+                             "decoding cannot be combined; use num_scheduler_steps=1")
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = max(2048, self.max_num_seqs)
@@ -345,6 +356,7 @@ class EngineArgs:
                 enable_chunked_prefill=bool(self.enable_chunked_prefill),
                 preemption_mode=self.preemption_mode,
                 num_lookahead_slots=speculative.num_speculative_tokens if speculative else 0,
+                num_scheduler_steps=self.num_scheduler_steps,
             ),
             parallel=parallel,
             device=DeviceConfig(device=self.device, attention_backend=self.attention_backend,

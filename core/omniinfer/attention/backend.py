@@ -239,6 +239,14 @@ class AttentionMetadata:
         blocks = self.block_tables.gather(1, (positions // block_size)[:, None])[:, 0].long()
         return blocks * block_size + positions % block_size
 
+    def clone(self) -> AttentionMetadata:
+        """A copy with its own tensors (which `advance_step` may change in place)."""
+        values = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            values[f.name] = v.clone() if isinstance(v, torch.Tensor) else v
+        return type(self)(**values)
+
     # ---- moving and broadcasting ------------------------------------------------------------
     def to(self, device: torch.device | str) -> AttentionMetadata:
         values = {}

@@ -230,11 +230,13 @@ def shape_of(model_dir: str) -> dict:
 def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = None,
                input_len: int | None = None, output_len: int | None = None,
                compare: str | None = None, model: str | None = None,
-               max_num_batched_tokens: int = 2048, repeats: int = 1) -> dict:
+               max_num_batched_tokens: int = 2048, repeats: int = 1,
+               num_scheduler_steps: int = 1) -> dict:
     """N random prompts at once through LLM.generate; MFU against the measured matmul peak;
     with compare="transformers", transformers' best static batch and continuous batching.
-    Every timed configuration runs `repeats` times (after its warm-up) and reports the median
-    run; the runs are kept under "runs_s"."""
+    With num_scheduler_steps > 1 (multi-step decoding) omniinfer also runs with one step per
+    schedule, as "omniinfer_single_step". Every timed configuration runs `repeats` times
+    (after its warm-up) and reports the median run; the runs are kept under "runs_s"."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats!r}: expected a positive number of runs")
     n, i, o = DEFAULT_WORKLOADS.get(shape_name or "", (64, 128, 128))
@@ -248,18 +250,25 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
         peak = matmul_peak(shape, torch_dtype, [n, max_num_batched_tokens],
                            **(dict(seconds=0.05, rounds=1) if quick else {}))
         flops = model_flops(shape, n, i, o)
-        runs = omniinfer_throughput(path, prompts, o, dtype,
-                                    {"max_num_batched_tokens": max_num_batched_tokens}, repeats)
-        elapsed = statistics.median(runs)
+
+        def ours(steps: int) -> dict:
+            runs = omniinfer_throughput(path, prompts, o, dtype,
+                                        {"max_num_batched_tokens": max_num_batched_tokens,
+                                         "num_scheduler_steps": steps}, repeats)
+            elapsed = statistics.median(runs)
+            return {"seconds": elapsed, "runs_s": runs, "requests_per_s": n / elapsed,
+                    "output_tokens_per_s": n * o / elapsed, "total_tokens_per_s": n * (i + o) / elapsed,
+                    "model_gflops": flops / elapsed / 1e9, "mfu": flops / elapsed / 1e9 / peak}
+
         result = {
             "shape": shape_name or os.path.basename(os.path.normpath(path)), "dtype": dtype,
             "num_prompts": n, "input_len": i, "output_len": o, "repeats": repeats,
+            "num_scheduler_steps": num_scheduler_steps,
             "threads": torch.get_num_threads(), "matmul_peak_gflops": peak,
-            "omniinfer": {"seconds": elapsed, "runs_s": runs, "requests_per_s": n / elapsed,
-                          "output_tokens_per_s": n * o / elapsed,
-                          "total_tokens_per_s": n * (i + o) / elapsed,
-                          "model_gflops": flops / elapsed / 1e9, "mfu": flops / elapsed / 1e9 / peak},
+            "omniinfer": ours(num_scheduler_steps),
         }
+        if num_scheduler_steps > 1:
+            result["omniinfer_single_step"] = ours(1)
         if compare == "transformers":
             batches = [b for b in (8, 32, 64) if b <= n] or [n]
             static_runs = {b: transformers_static(path, prompts, o, torch_dtype, b, repeats)
@@ -284,9 +293,14 @@ def throughput_table(r: dict) -> str:
              f"O={r['output_len']}  threads={r['threads']}  matmul peak {r['matmul_peak_gflops']:.0f} GFLOP/s"
              + runs]
     e = r["omniinfer"]
-    lines.append(f"  omniinfer            {e['output_tokens_per_s']:8.0f} out tok/s  "
-                 f"{e['total_tokens_per_s']:8.0f} total tok/s  {e['requests_per_s']:6.2f} req/s  "
-                 f"MFU {100 * e['mfu']:5.1f}%")
+    steps = r.get("num_scheduler_steps", 1)
+    rows = [(f"omniinfer ({steps} steps)" if steps > 1 else "omniinfer", e)]
+    if "omniinfer_single_step" in r:
+        rows.append(("omniinfer (1 step)", r["omniinfer_single_step"]))
+    for label, x in rows:
+        lines.append(f"  {label:<20} {x['output_tokens_per_s']:8.0f} out tok/s  "
+                     f"{x['total_tokens_per_s']:8.0f} total tok/s  {x['requests_per_s']:6.2f} req/s  "
+                     f"MFU {100 * x['mfu']:5.1f}%")
     for key, label in (("transformers_static", "transformers static"),
                        ("transformers_continuous", "transformers cont.")):
         if key in r:

@@ -177,6 +177,13 @@ class BlockManager:
         return done + num_new_tokens <= len(table) * bs and (
             done % bs == 0 or self.pool.ref_counts[table[done // bs]] == 1)
 
+    def num_blocks_to_add(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Free blocks `allocate_slots` would take to give a sequence that already has blocks
+        room for `num_new_tokens` more (new blocks, plus one for a copy-on-write)."""
+        table, done = self.tables[seq.seq_id], seq.num_computed_tokens
+        return (max(0, self.blocks_for(done + num_new_tokens) - len(table))
+                + int(self._needs_cow(table, done)))
+
     def _needs_cow(self, table: list[int], num_computed: int) -> bool:
         i = num_computed // self.block_size
         return (num_computed % self.block_size != 0 and i < len(table)

@@ -2,6 +2,9 @@
 
     step():  schedule  ->  execute on the workers  ->  append tokens, detokenize, stop
 
+(With multi-step decoding one `step()` runs several decode steps and appends their tokens in
+order.)
+
 Everything before `execute` is plain Python over sequences and block ids; everything
 vendor-specific sits behind the executor.
 """
@@ -207,11 +210,12 @@ class LLMEngine:
         if not sched.is_empty:
             if self.proposer is not None:
                 self.proposer.propose(sched, self.scheduler.blocks.tables)
-            result = self.executor.execute_model(self._request(sched))
-            self.scheduler.update_after_step(sched)
-            self._process(sched, result, touched)
+            results = self.executor.execute_model(self._request(sched))
+            for result in results:  # one per decode step (several with multi-step decoding)
+                self.scheduler.update_after_step(sched)
+                self._process(sched, result, touched)
             if self.proposer is not None:
-                self.proposer.after_step(sched, result)
+                self.proposer.after_step(sched, results[0])
         outputs = [self._output(g) for g in touched.values() if g.stream or g.is_finished]
         for group in touched.values():
             if group.is_finished and self.groups.pop(group.request_id, None) is not None:
@@ -222,7 +226,7 @@ class LLMEngine:
     def _request(self, sched: SchedulerOutput) -> ExecuteModelRequest:
         return ExecuteModelRequest(sched.scheduled, self.scheduler.blocks.tables,
                                    sched.blocks_to_swap_in, sched.blocks_to_swap_out,
-                                   sched.blocks_to_copy)
+                                   sched.blocks_to_copy, sched.num_steps)
 
     def _process(self, sched: SchedulerOutput, result: SamplerOutput,
                  touched: dict[str, SequenceGroup]) -> None:

@@ -6,6 +6,10 @@ prompt, then to waiting sequences in arrival order. A sequence scheduled for few
 than it has left is being prefilled in chunks; only the step that reaches its last token
 samples. When blocks run out, the most recently arrived running sequence is preempted
 (recomputed later, or swapped to host memory).
+
+Multi-step decoding (`num_scheduler_steps` > 1): when every running sequence decodes and
+nothing else could start, one scheduling step reserves the KV slots of several decode steps
+and the workers run them back to back; the engine then processes their tokens in order.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     num_preempted: int = 0
     rejected: list[Sequence] = field(default_factory=list)  # finished with an error this step
+    num_steps: int = 1  # decode steps the workers run on this schedule (multi-step decoding)
 
     @property
     def is_empty(self) -> bool:
@@ -88,7 +93,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        lookahead = self.config.num_lookahead_slots
+        lookahead = self.config.num_lookahead_slots  # drafted tokens: scored in the same pass
+        out.num_steps = self._decode_steps()
+        ahead = max(lookahead, out.num_steps - 1)  # slots reserved past a decode's token
         scheduled: dict[int, ScheduledSeq] = {}
         self._copies: dict[int, list[tuple[int, int]]] = {}  # this step's copy-on-writes per seq
         decodes, prefills = [], []
@@ -102,12 +109,13 @@ class Scheduler:
             num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
-            extra = lookahead if num_new == 1 else 0
-            if has_room(seq, num_new + extra):  # the common decode: nothing to allocate
+            slots = num_new + (ahead if num_new == 1 else 0)
+            cost = num_new + (lookahead if num_new == 1 else 0)  # tokens of this pass
+            if has_room(seq, slots):  # the common decode: nothing to allocate
                 scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
-                budget -= num_new + extra
+                budget -= cost
                 continue
-            while not self._allocate(seq, num_new + extra):
+            while not self._allocate(seq, slots):
                 victim = self._pick_victim(seq)
                 if victim is seq:
                     self._preempt(seq, out)
@@ -118,7 +126,7 @@ class Scheduler:
                 self._preempt(victim, out)
             else:
                 scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
-                budget -= num_new + extra  # drafted tokens are scored in the same pass
+                budget -= cost
 
         if out.num_preempted == 0:
             budget = self._schedule_swapped(out, scheduled, budget)
@@ -134,6 +142,27 @@ class Scheduler:
                 if metrics.first_scheduled_time is None:
                     metrics.first_scheduled_time = now
         return out
+
+    def _decode_steps(self) -> int:
+        """Decode steps to run on this schedule: `num_scheduler_steps`, or fewer so that no
+        sequence passes max_tokens or max_model_len, when every running sequence decodes with
+        nothing between its steps (see `SequenceGroup.decodes_ahead`), no waiting or swapped
+        sequence could start, and the free blocks hold every step; otherwise 1."""
+        steps = self.config.num_scheduler_steps
+        if steps == 1 or not self.running or self.swapped or (
+                self.waiting and len(self.running) < self.config.max_num_seqs):
+            return 1
+        max_len = self.config.max_model_len
+        for seq in self.running:
+            num_tokens = len(seq.token_ids)
+            num_output = num_tokens - seq.num_prompt_tokens
+            if num_tokens - seq.num_computed_tokens != 1 or not seq.group.decodes_ahead(num_output):
+                return 1
+            steps = min(steps, seq.group.max_tokens - num_output, max_len - num_tokens)
+        if steps <= 1:
+            return 1
+        need = sum(self.blocks.num_blocks_to_add(seq, steps) for seq in self.running)
+        return steps if need <= self.blocks.num_free_blocks else 1
 
     def _allocate(self, seq: Sequence, num_tokens: int, computed: list[int] | None = None) -> bool:
         copies: list[tuple[int, int]] = []

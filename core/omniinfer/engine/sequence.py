@@ -147,10 +147,10 @@ class SequenceGroup:
     is_forked: bool = False
     max_tokens: int = 0  # resolved budget of generated tokens
     eos_token_ids: list[int] = field(default_factory=list)
-    generators: dict = field(default_factory=dict)
+    generators: dict = field(default_factory=dict)  # sample index -> torch.Generator (seeded)
     stream: bool = True  # outputs every step (else only when finished)
     # set in __post_init__ / mark_forked: one token a step, no fork to make, no prompt log-probs
-    decodes_plainly: bool = field(init=False, default=False)  # sample index -> torch.Generator (seeded)
+    decodes_plainly: bool = field(init=False, default=False)
     metrics: RequestMetrics | None = None
 
     def __post_init__(self) -> None:
@@ -160,6 +160,13 @@ class SequenceGroup:
     def mark_forked(self) -> None:
         self.is_forked = True
         self.decodes_plainly = self.params.prompt_logprobs is None
+
+    def decodes_ahead(self, num_output_tokens: int) -> bool:
+        """Whether several decode steps may run before the engine sees their tokens: a plain
+        decode whose sampling reads nothing that those tokens change (no penalties, min_tokens
+        already reached)."""
+        p = self.params
+        return self.decodes_plainly and not p.has_penalties and num_output_tokens >= p.min_tokens
 
     @property
     def is_finished(self) -> bool:

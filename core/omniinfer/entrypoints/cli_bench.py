@@ -96,7 +96,8 @@ def run_throughput(args) -> int:
         perf.quiet()
         r = perf.throughput(args.shape, _perf_dtype(args), args.num_prompts, args.input_len,
                             args.output_len, args.compare, None if args.shape else args.model,
-                            args.max_num_batched_tokens or 2048, args.repeats)
+                            args.max_num_batched_tokens or 2048, args.repeats,
+                            args.num_scheduler_steps)
         return _print(args, r, [perf.throughput_table(r)])
     args.num_prompts = args.num_prompts or 32
     args.input_len, args.output_len = args.input_len or 32, args.output_len or 32

@@ -38,7 +38,8 @@ class Executor:
         self.platform = platform
         self.attn_backend = attn_backend
 
-    def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
+    def execute_model(self, request: ExecuteModelRequest) -> list[SamplerOutput]:
+        """The sampled output of each of the request's `num_steps` steps."""
         raise NotImplementedError
 
     @property

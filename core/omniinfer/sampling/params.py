@@ -117,8 +117,7 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Argmax and nothing else: the sampler's fast path."""
         return (self.temperature == 0.0 and self.logprobs is None and self.min_tokens == 0
-                and self.presence_penalty == 0 and self.frequency_penalty == 0
-                and self.repetition_penalty == 1)
+                and not self.has_penalties)
 
     @property
     def has_penalties(self) -> bool:

@@ -24,6 +24,7 @@ class ExecuteModelRequest:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    num_steps: int = 1  # decode steps to run back to back (every sequence a plain decode)
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
@@ -37,6 +38,11 @@ class WorkerInput:
     blocks_to_swap_in: torch.Tensor
     blocks_to_swap_out: torch.Tensor
     blocks_to_copy: torch.Tensor
+
+    @classmethod
+    def nothing(cls) -> WorkerInput:
+        empty = _pairs([])
+        return cls(empty, empty, empty)
 
     @classmethod
     def from_request(cls, request: ExecuteModelRequest) -> WorkerInput:

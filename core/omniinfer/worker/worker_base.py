@@ -19,6 +19,14 @@ from omniinfer.worker.model_input import ExecuteModelRequest, ModelInput, Worker
 logger = init_logger(__name__)
 
 
+def sampled_tokens(sampled: SamplerOutput, next_input: ModelInput) -> torch.Tensor:
+    """The token each sequence of a plain-decode step drew, in input order: the next step's input."""
+    if sampled.token_ids is not None:
+        return sampled.token_ids
+    seqs = next_input.sampling_metadata.seqs
+    return torch.tensor([sampled.samples[seq.seq_id].token_ids[0] for seq in seqs], dtype=torch.int64)
+
+
 class LocalOrDistributedWorkerBase:
     """The per-step protocol shared by every worker; subclasses own device and model set-up."""
 
@@ -42,16 +50,26 @@ class LocalOrDistributedWorkerBase:
         if worker_input.blocks_to_swap_in.numel():
             self.cache_engine.swap_in(worker_input.blocks_to_swap_in)
 
-    def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
+    def execute_model(self, request: ExecuteModelRequest) -> list[SamplerOutput]:
         """Driver only: prepare the step on the CPU, broadcast it once (world size > 1), run
-        this rank's part, sample."""
+        this rank's part, sample. With `request.num_steps` > 1 (plain decodes only) the same
+        input is advanced in place by the sampled tokens and run again, each step broadcast
+        like any other. One SamplerOutput per step."""
         worker_input = self.prepare_worker_input(request)
-        model_input = self.model_runner.prepare_model_input(request.scheduled, request.block_tables)
-        if self.world_size > 1:
-            broadcast_tensor_dict({**worker_input.as_broadcastable_tensor_dict(),
-                                   **model_input.as_broadcastable_tensor_dict()}, src=0)
-        logits = self.run_step(worker_input, model_input)
-        return self.model_runner.sample(logits, model_input)
+        runner = self.model_runner
+        model_input = runner.prepare_model_input(request.scheduled, request.block_tables)
+        inputs = runner.decode_step_inputs(model_input, request.num_steps)
+        outputs = []
+        for step, model_input in enumerate(inputs):
+            if step:
+                model_input.input_tokens = sampled_tokens(outputs[-1], model_input)
+                worker_input = WorkerInput.nothing()  # the cache operations ran with step 0
+            if self.world_size > 1:
+                broadcast_tensor_dict({**worker_input.as_broadcastable_tensor_dict(),
+                                       **model_input.as_broadcastable_tensor_dict()}, src=0)
+            logits = self.run_step(worker_input, model_input)
+            outputs.append(runner.sample(logits, model_input))
+        return outputs
 
     def receive_step(self) -> tuple[WorkerInput, ModelInput] | None:
         """Other ranks: the next step from the driver's broadcast; None for the stop signal."""

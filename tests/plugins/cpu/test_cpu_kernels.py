@@ -132,14 +132,22 @@ def test_argmax_matches_torch(dtype):
     gen = torch.Generator().manual_seed(0)
     for rows, cols in [(1, 1), (3, 17), (64, 32000), (2, 151936), (9, 33)]:
         x = torch.randn(rows, cols + 5, generator=gen).to(dtype)[:, :cols]  # strided rows
-        assert ops.argmax_rows(x) == x.argmax(-1).tolist(), (rows, cols)
+        assert ops.argmax_rows(x).tolist() == x.argmax(-1).tolist(), (rows, cols)
     x = torch.full((5, 40), float("-inf"), dtype=dtype)  # row 0: all -inf
     x[1, 7] = 3
     x[2, 5] = x[2, 30] = x[2, 39] = float("nan")  # the first NaN wins, in vector lanes and the tail
     x[3, 20] = x[3, 33] = x[3, 3] = 1  # ties: the first index, across lanes and the tail
     x[4, 38] = float("nan")
     x[4, 1] = float("inf")
-    assert ops.argmax_rows(x) == x.argmax(-1).tolist() == [0, 7, 5, 3, 38]
+    assert ops.argmax_rows(x).tolist() == x.argmax(-1).tolist() == [0, 7, 5, 3, 38]
+    # 230 columns: 3 rounds of the 4 interleaved vectors (0-191), 2 single vectors, a tail of 6
+    x = torch.zeros(4, 230, dtype=dtype)
+    x[0, [150, 90, 20]] = 1  # ties in different interleaved vectors: the first index
+    x[1, [64, 17]] = 2  # the later vector holds the smaller index
+    x[2, [225, 200]] = 1  # a tie between a single vector and the tail
+    x[2, 100] = 0.5
+    x[3, 210] = float("nan")
+    assert ops.argmax_rows(x).tolist() == x.argmax(-1).tolist() == [20, 17, 200, 210]
 
 
 @needs_kernels

@@ -251,7 +251,8 @@ def test_contract_xformers(fake_xformers, case):
 @pytest.mark.parametrize("backend", [FlashAttentionBackend, XFormersBackend], ids=lambda b: b.name)
 @pytest.mark.parametrize("check", ["test_common_fields", "test_prefill_and_decode_parts",
                                    "test_single_stage_batches_are_their_own_part",
-                                   "test_moves_and_round_trips", "test_multi_step_decode_metadata"])
+                                   "test_moves_and_round_trips", "test_multi_step_decode_metadata",
+                                   "test_advance_built_decode_metadata"])
 def test_builder_invariants_of_the_conformance_kit(backend, check):
     """The kit's builder checks, run here on builders whose backends need a GPU to be runnable."""
     from omniinfer.testing.conformance import test_metadata

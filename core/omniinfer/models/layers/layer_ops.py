@@ -44,9 +44,10 @@ class LayerOps:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
-    def argmax_rows(self, logits: torch.Tensor) -> list[int]:
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor:
         """The index of the first maximum of each row of [rows, vocab] logits, as torch.argmax
-        (a NaN counts as the maximum): the sampler's greedy tokens."""
+        (a NaN counts as the maximum): the sampler's greedy tokens, [rows] int64 on the logits'
+        device."""
         return greedy_tokens(logits)
 
 

@@ -88,3 +88,15 @@ def test_multi_step_decode_metadata(conformance, conformance_backend):
     _assert_same(step, build_metadata(backend, CASE, [(c + q, 1) for c, q in seqs], tables))
     step.advance_step(torch.tensor([c + q + 1 for c, q in seqs]), CASE.block_size)
     _assert_same(step, build_metadata(backend, CASE, [(c + q + 1, 1) for c, q in seqs], tables))
+
+
+def test_advance_built_decode_metadata(conformance, conformance_backend):
+    """advance_step on the builder's own decode-only metadata (multi-step decoding) gives what
+    the builder would build one token later, twice in a row."""
+    backend = conformance.backend(conformance_backend)
+    seqs = [(8, 1), (15, 1), (31, 1), (1, 1)]
+    tables = [[7, 2], [0, 5, 9], [3, 4, 6, 8, 12], [1]]
+    step = build_metadata(backend, CASE, seqs, tables)
+    for ahead in (1, 2):
+        step.advance_step(torch.tensor([c + ahead for c, _ in seqs]), CASE.block_size)
+        _assert_same(step, build_metadata(backend, CASE, [(c + ahead, 1) for c, _ in seqs], tables))
