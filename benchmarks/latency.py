@@ -22,6 +22,8 @@ def main() -> None:
     parser.add_argument("--model", help="an existing checkpoint instead of a random one")
     parser.add_argument("--json", help="append the result to this JSON file")
     args = parser.parse_args()
+    if args.output_len < 2:
+        parser.error(f"--output-len {args.output_len}: ms per output token needs at least 2 tokens")
     quiet()
     result = latency(args.shape, args.dtype, args.input_len, args.output_len, args.repeats,
                      args.compare, args.model)

@@ -9,8 +9,9 @@ its continuous-batching mode where the installed version has one.
     python benchmarks/throughput.py --shape small --dtype float32 [--compare transformers] [--repeats 3]
         [--num-scheduler-steps 8]
 
-With `--num-scheduler-steps K` (multi-step decoding) omniinfer runs twice, with K decode steps
-per schedule and with one, in the same process.
+omniinfer runs with the LLM class's default of 8 decode steps per schedule (multi-step
+decoding) and, for comparison, with one, in the same process; `--num-scheduler-steps K` sets
+the first (1: only the single-step run).
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=1,
                         help="timed runs of each configuration (after its warm-up); the median counts")
-    parser.add_argument("--num-scheduler-steps", type=int, default=1,
-                        help="decode steps per schedule (multi-step decoding); above 1 the "
-                             "single-step engine runs too")
+    parser.add_argument("--num-scheduler-steps", type=int, default=None,
+                        help="decode steps per schedule (multi-step decoding; default: the LLM "
+                             "class's, 8); above 1 the single-step engine runs too")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: expected a positive number of runs")
+    if args.num_scheduler_steps is not None and args.num_scheduler_steps < 1:
+        parser.error(f"--num-scheduler-steps {args.num_scheduler_steps}: expected a positive number")
     quiet()
     result = throughput(args.shape, args.dtype, args.num_prompts, args.input_len, args.output_len,
                         args.compare, args.model, args.max_num_batched_tokens, args.repeats,

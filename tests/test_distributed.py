@@ -42,7 +42,8 @@ STRESS_PROMPTS = make_prompts([9, 17, 20, 12, 25, 16])
 
 
 def generate(path, prompts, params=None, **kwargs):
-    """(token ids per prompt, engine stats, broadcasts per step) of one engine run."""
+    """(token ids per prompt, engine stats, (broadcasts, steps)) of one engine run; steps counts
+    decode steps (a multi-step run is several)."""
     params = params or SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     with LLM(path, **kwargs) as llm:
         engine = llm.llm_engine
@@ -51,7 +52,7 @@ def generate(path, prompts, params=None, **kwargs):
 
         def counted(request):
             nonlocal steps
-            steps += 1
+            steps += request.num_steps
             return execute(request)
 
         engine.executor.execute_model = counted
@@ -138,6 +139,29 @@ def test_tensor_and_pipeline_parallel_together(tp, pp, name, checkpoint_dir, one
                                                 pipeline_parallel_size=pp, **kwargs)
     assert tokens(outs) == tokens(ref)
     assert stats["num_preemptions"] > 0 and broadcasts == steps
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_multi_step_decoding_across_ranks(layout, checkpoint_dir, one_rank):
+    """num_scheduler_steps=4 on two ranks: the single-rank, single-step tokens, and one broadcast
+    per decode step (each step of a run goes out like any other)."""
+    kwargs = dict(block_size=8, num_kv_blocks=64, max_num_seqs=4)
+    params = SamplingParams(temperature=0.8, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True)
+    ref, _ = one_rank("llama", params=params, **kwargs)
+    with LLM(checkpoint_dir("llama"), num_scheduler_steps=4, **layout, **kwargs) as llm:
+        engine = llm.llm_engine
+        execute, runs = engine.executor.execute_model, []
+
+        def counted(request):
+            runs.append(request.num_steps)
+            return execute(request)
+
+        engine.executor.execute_model = counted
+        BroadcastStats.reset()
+        outs = llm.generate([{"prompt_token_ids": p} for p in STRESS_PROMPTS], params, use_tqdm=False)
+        assert BroadcastStats.num_broadcasts == sum(runs)
+    assert tokens(outs) == tokens(ref)
+    assert max(runs) == 4
 
 
 # ---- the broadcast dict over a real gloo group ----------------------------------------------------

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from omniinfer import LLM, SamplingParams
+from omniinfer.engine.scheduler import Scheduler
 from omniinfer.worker.graph_runner import GraphRunnerMixin, capture_with, graph_batch_sizes
 from omniinfer_cpu.model_runner import CpuModelRunner
 from omniinfer_cpu.platform import CpuPlatform
@@ -68,6 +69,27 @@ def test_replayed_decodes_match_transformers(checkpoint_dir, hf_greedy, replayin
     runner = llm.llm_engine.executor.worker.model_runner
     assert sorted(replaying_runner.captured) == [1, 2, 4, 6] == runner._graph_sizes
     assert replaying_runner.replays >= 5  # 3 running sequences replay the size-4 graph
+
+
+def test_multi_step_decodes_replay_the_graphs(checkpoint_dir, hf_greedy, replaying_runner,
+                                              monkeypatch):
+    """Every step of a multi-step run replays a graph from inputs advanced without the builder."""
+    runs = []
+    schedule = Scheduler.schedule
+
+    def recording(self):
+        out = schedule(self)
+        runs.append(out.num_steps)
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", recording)
+    path = checkpoint_dir("mistral_window")
+    rng = random.Random(6)
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (27, 3, 12)]
+    llm, tokens = _generate(path, prompts, attention_backend="TRITON", num_scheduler_steps=3)
+    for prompt, got in zip(prompts, tokens):
+        assert got == hf_greedy(path, prompt, 6)
+    assert 3 in runs and replaying_runner.replays >= 5
 
 
 def test_enforce_eager_and_unsupported_backends_run_eagerly(checkpoint_dir, replaying_runner, caplog):

@@ -7,6 +7,7 @@ import pytest
 from test_parity import MAX_TOKENS, make_prompts
 
 from omniinfer import LLM, SamplingParams
+from omniinfer.config import EngineArgs
 
 
 def record_steps(llm: LLM) -> list[int]:
@@ -127,6 +128,21 @@ def test_streamed_outputs_arrive_per_run(checkpoint_dir):
             counts.append(len(out.outputs[0].token_ids))
     assert counts == [1, 5, 9, 10]  # the prefill's token, then 4, 4 and the last 1 (max_tokens)
     assert engine.groups == {} and engine.scheduler.running == []
+
+
+def test_defaults(checkpoint_dir):
+    """The offline LLM class runs 8 steps per schedule (1 with a speculative model); the engine
+    itself, as the server builds it, runs 1."""
+    path = checkpoint_dir("llama")
+
+    def steps(**kwargs):
+        with LLM(path, num_kv_blocks=16, **kwargs) as llm:
+            return llm.llm_engine.config.scheduler.num_scheduler_steps
+
+    assert steps() == steps(num_scheduler_steps=None) == 8
+    assert steps(num_scheduler_steps=1) == 1
+    assert steps(speculative_model=path, num_speculative_tokens=2) == 1
+    assert EngineArgs(model=path).create_engine_config().scheduler.num_scheduler_steps == 1
 
 
 @pytest.mark.parametrize("value", [0, -1, 65, 2.0, True])

@@ -312,7 +312,7 @@ class EngineArgs:
     worker_cls: str = DEFAULT_WORKER_CLS
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
-    num_scheduler_steps: int = 1
+    num_scheduler_steps: int | None = None  # None: 1 (the offline LLM class picks 8)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -324,7 +324,8 @@ class EngineArgs:
         model = load_model_config(self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                                   max_model_len=self.max_model_len, seed=self.seed)
         speculative = self._speculative_config(model)
-        if speculative is not None and self.num_scheduler_steps != 1:
+        steps = 1 if self.num_scheduler_steps is None else self.num_scheduler_steps
+        if speculative is not None and steps != 1:
             raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps!r} with speculative_model="
                              f"{self.speculative_model!r}: multi-step decoding and speculative "
                              "decoding cannot be combined; use num_scheduler_steps=1")
@@ -356,7 +357,7 @@ class EngineArgs:
                 enable_chunked_prefill=bool(self.enable_chunked_prefill),
                 preemption_mode=self.preemption_mode,
                 num_lookahead_slots=speculative.num_speculative_tokens if speculative else 0,
-                num_scheduler_steps=self.num_scheduler_steps,
+                num_scheduler_steps=steps,
             ),
             parallel=parallel,
             device=DeviceConfig(device=self.device, attention_backend=self.attention_backend,

@@ -188,8 +188,9 @@ def omniinfer_latency(path: str, prompt: list[int], output_len: int, dtype: str,
         while engine.has_unfinished_requests():
             engine.step()
             stamps.append(time.perf_counter())
-        ttfts.append(stamps[0] - t0)
-        per_token.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+        ttfts.append(stamps[0] - t0)  # the prefill step, which samples the first token
+        # one step per token, or several per step with multi-step decoding (the LLM default)
+        per_token.append((stamps[-1] - stamps[0]) / (output_len - 1))
     engine.shutdown()
     return {"ttft_ms": 1e3 * statistics.median(ttfts), "ms_per_token": 1e3 * statistics.median(per_token)}
 
@@ -231,14 +232,18 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
                input_len: int | None = None, output_len: int | None = None,
                compare: str | None = None, model: str | None = None,
                max_num_batched_tokens: int = 2048, repeats: int = 1,
-               num_scheduler_steps: int = 1) -> dict:
+               num_scheduler_steps: int | None = None) -> dict:
     """N random prompts at once through LLM.generate; MFU against the measured matmul peak;
     with compare="transformers", transformers' best static batch and continuous batching.
-    With num_scheduler_steps > 1 (multi-step decoding) omniinfer also runs with one step per
-    schedule, as "omniinfer_single_step". Every timed configuration runs `repeats` times
+    num_scheduler_steps defaults to the LLM class's (8); above 1 (multi-step decoding)
+    omniinfer also runs with one step per schedule, as "omniinfer_single_step". Every timed configuration runs `repeats` times
     (after its warm-up) and reports the median run; the runs are kept under "runs_s"."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats!r}: expected a positive number of runs")
+    if num_scheduler_steps is None:
+        from omniinfer.entrypoints.llm import OFFLINE_SCHEDULER_STEPS
+
+        num_scheduler_steps = OFFLINE_SCHEDULER_STEPS
     n, i, o = DEFAULT_WORKLOADS.get(shape_name or "", (64, 128, 128))
     n, i, o = num_prompts or n, input_len or i, output_len or o
     torch_dtype = getattr(torch, dtype)
@@ -315,6 +320,8 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
             repeats: int = 3, compare: str | None = None, model: str | None = None) -> dict:
     """One request at a time: TTFT, ms per output token, the weight bandwidth that implies and
     the copy/read bandwidth measured first; with compare="transformers", the same for it."""
+    if output_len < 2:
+        raise ValueError(f"output_len={output_len!r}: ms per output token needs at least 2 tokens")
     torch_dtype = getattr(torch, dtype)
     bandwidth = copy_bandwidth()
     with tempfile.TemporaryDirectory() as tmp:
