@@ -151,11 +151,13 @@ class SequenceGroup:
     stream: bool = True  # outputs every step (else only when finished)
     # set in __post_init__ / mark_forked: one token a step, no fork to make, no prompt log-probs
     decodes_plainly: bool = field(init=False, default=False)
+    plain_greedy: bool = field(init=False, default=False)  # params.is_plain_greedy, once
     metrics: RequestMetrics | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(self.arrival_time)
         self.decodes_plainly = self.params.n == 1 and self.params.prompt_logprobs is None
+        self.plain_greedy = self.params.is_plain_greedy
 
     def mark_forked(self) -> None:
         self.is_forked = True
