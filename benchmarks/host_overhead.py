@@ -10,9 +10,10 @@ median; it leaves out the other cores' share of the argmax).
     python benchmarks/host_overhead.py [--seqs 64 256 1024] [--steps 50] [--json out.json]
         [--num-scheduler-steps K]
 
-With `--num-scheduler-steps K` (multi-step decoding) one engine step runs K decode steps; the
-figures are per decode step (an engine step's time / K), over `--steps` decode steps in all (so
-the sequences grow as long as with K = 1).
+The engine runs as the LLM class builds it: 8 decode steps per engine step (multi-step
+decoding; `--num-scheduler-steps K` to change it, 1 for one schedule per token). The figures
+are per decode step (an engine step's time / K), over `--steps` decode steps in all (so the
+sequences grow as long whatever K).
 """
 
 from __future__ import annotations
@@ -82,9 +83,14 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, nargs="+", default=[64, 256, 1024])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--json")
-    parser.add_argument("--num-scheduler-steps", type=int, default=1,
-                        help="decode steps per engine step (multi-step decoding)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=None,
+                        help="decode steps per engine step (multi-step decoding; default: the "
+                             "LLM class's, 8)")
     args = parser.parse_args()
+    if args.num_scheduler_steps is None:
+        from omniinfer.entrypoints.llm import OFFLINE_SCHEDULER_STEPS
+
+        args.num_scheduler_steps = OFFLINE_SCHEDULER_STEPS
     if args.num_scheduler_steps < 1:
         parser.error(f"--num-scheduler-steps {args.num_scheduler_steps}: expected a positive number")
     with tempfile.TemporaryDirectory() as tmp:

@@ -67,12 +67,13 @@ def test_latency_with_transformers_comparison(tmp_path):
 def test_host_overhead(tmp_path):
     out = tmp_path / "h.json"
     text = run("host_overhead.py", "--seqs", "4", "16", "--steps", "3", "--json", str(out))
-    assert "ms/step" in text
-    assert [r["num_seqs"] for r in json.loads(out.read_text())] == [4, 16]
-    text = run("host_overhead.py", "--seqs", "4", "--steps", "3", "--num-scheduler-steps", "4",
+    assert "ms/step" in text and "8 decode steps per engine step" in text  # the LLM default
+    assert [(r["num_seqs"], r["num_scheduler_steps"]) for r in json.loads(out.read_text())] == [
+        (4, 8), (16, 8)]
+    text = run("host_overhead.py", "--seqs", "4", "--steps", "3", "--num-scheduler-steps", "1",
                "--json", str(out))
-    assert "4 decode steps per engine step" in text
-    assert [r["num_scheduler_steps"] for r in json.loads(out.read_text())] == [4]
+    assert "decode steps per engine step" not in text
+    assert [r["num_scheduler_steps"] for r in json.loads(out.read_text())] == [1]
 
 
 def test_cpu_paged_attention_kernel_ab(tmp_path):
