@@ -115,22 +115,28 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def omniinfer_throughput(path: str, prompts, output_len: int, dtype: str, engine_args: dict,
-                         repeats: int = 1) -> list[float]:
-    """Seconds of each of `repeats` runs of the whole workload through one engine."""
+def omniinfer_throughput(path: str, prompts, output_len: int, dtype: str,
+                         engine_args: list[dict], repeats: int = 1) -> list[list[float]]:
+    """Seconds of each of `repeats` runs of the whole workload, for one engine per entry of
+    `engine_args`: all built first, then run in turn (round r of every engine, then round r + 1),
+    so a change in the machine's load between rounds hits them alike."""
     from omniinfer import LLM, SamplingParams
 
-    llm = LLM(path, dtype=dtype, max_num_seqs=len(prompts), max_model_len=2048, **engine_args)
+    llms = [LLM(path, dtype=dtype, max_num_seqs=len(prompts), max_model_len=2048, **args)
+            for args in engine_args]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
-                 SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
-    times = []
+    for llm in llms:
+        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
+                     SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
+    times = [[] for _ in llms]
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        times.append(time.perf_counter() - t0)
-        assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
-    llm.llm_engine.shutdown()
+        for llm, runs in zip(llms, times):
+            t0 = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            runs.append(time.perf_counter() - t0)
+            assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
+    for llm in llms:
+        llm.llm_engine.shutdown()
     return times
 
 
@@ -236,7 +242,8 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
     """N random prompts at once through LLM.generate; MFU against the measured matmul peak;
     with compare="transformers", transformers' best static batch and continuous batching.
     num_scheduler_steps defaults to the LLM class's (8); above 1 (multi-step decoding)
-    omniinfer also runs with one step per schedule, as "omniinfer_single_step". Every timed configuration runs `repeats` times
+    omniinfer also runs with one step per schedule, as "omniinfer_single_step", the two engines
+    taking turns run by run. Every timed configuration runs `repeats` times
     (after its warm-up) and reports the median run; the runs are kept under "runs_s"."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats!r}: expected a positive number of runs")
@@ -256,10 +263,12 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
                            **(dict(seconds=0.05, rounds=1) if quick else {}))
         flops = model_flops(shape, n, i, o)
 
-        def ours(steps: int) -> dict:
-            runs = omniinfer_throughput(path, prompts, o, dtype,
-                                        {"max_num_batched_tokens": max_num_batched_tokens,
-                                         "num_scheduler_steps": steps}, repeats)
+        steps = [num_scheduler_steps] + ([1] if num_scheduler_steps > 1 else [])
+        all_runs = omniinfer_throughput(
+            path, prompts, o, dtype, [{"max_num_batched_tokens": max_num_batched_tokens,
+                                       "num_scheduler_steps": k} for k in steps], repeats)
+
+        def ours(runs: list[float]) -> dict:
             elapsed = statistics.median(runs)
             return {"seconds": elapsed, "runs_s": runs, "requests_per_s": n / elapsed,
                     "output_tokens_per_s": n * o / elapsed, "total_tokens_per_s": n * (i + o) / elapsed,
@@ -270,10 +279,10 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
             "num_prompts": n, "input_len": i, "output_len": o, "repeats": repeats,
             "num_scheduler_steps": num_scheduler_steps,
             "threads": torch.get_num_threads(), "matmul_peak_gflops": peak,
-            "omniinfer": ours(num_scheduler_steps),
+            "omniinfer": ours(all_runs[0]),
         }
-        if num_scheduler_steps > 1:
-            result["omniinfer_single_step"] = ours(1)
+        if len(steps) > 1:
+            result["omniinfer_single_step"] = ours(all_runs[1])
         if compare == "transformers":
             batches = [b for b in (8, 32, 64) if b <= n] or [n]
             static_runs = {b: transformers_static(path, prompts, o, torch_dtype, b, repeats)
