@@ -47,12 +47,20 @@ def test_throughput_with_multi_step_decoding(tmp_path):
     assert result["omniinfer"]["mfu"] > 0 and result["omniinfer_single_step"]["mfu"] > 0
 
 
-def test_throughput_rejects_a_bad_repeat_count():
+@pytest.mark.parametrize("script,args,message", [
+    ("throughput.py", ["--shape", "tiny", "--repeats", "0"],
+     "--repeats 0: expected a positive number of runs"),
+    ("throughput.py", ["--shape", "tiny", "--num-scheduler-steps", "0"],
+     "--num-scheduler-steps 0: expected a positive number"),
+    ("host_overhead.py", ["--num-scheduler-steps", "-1"], "--num-scheduler-steps -1: expected a positive"),
+    ("latency.py", ["--shape", "tiny", "--output-len", "1"],
+     "--output-len 1: ms per output token needs at least 2 tokens"),
+])
+def test_bad_arguments_are_refused(script, args, message):
     env = dict(os.environ, OMNIINFER_LOG_LEVEL="WARNING")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "throughput.py"),
-                           "--shape", "tiny", "--repeats", "0"], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=ROOT)
-    assert proc.returncode == 2 and "--repeats 0: expected a positive number of runs" in proc.stderr
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
 
 
 def test_latency_with_transformers_comparison(tmp_path):

@@ -52,9 +52,10 @@ class LocalOrDistributedWorkerBase:
 
     def execute_model(self, request: ExecuteModelRequest) -> list[SamplerOutput]:
         """Driver only: prepare the step on the CPU, broadcast it once (world size > 1), run
-        this rank's part, sample. With `request.num_steps` > 1 (plain decodes only) the same
-        input is advanced in place by the sampled tokens and run again, each step broadcast
-        like any other. One SamplerOutput per step."""
+        this rank's part, sample. With `request.num_steps` > 1 (plain decodes only) the later
+        steps' inputs are built at once (`decode_step_inputs`), each takes the tokens the step
+        before sampled, and each is broadcast and run like any other step. One SamplerOutput
+        per step."""
         worker_input = self.prepare_worker_input(request)
         runner = self.model_runner
         model_input = runner.prepare_model_input(request.scheduled, request.block_tables)
