@@ -249,6 +249,18 @@ def test_layer_ops_match_torch(dtype):
             torch.testing.assert_close(a, b, **exact)
         gate_up = rand(rows, 2 * hidden)
         torch.testing.assert_close(ops.silu_and_mul(gate_up), TORCH_LAYER_OPS.silu_and_mul(gate_up), **exact)
+    if dtype == torch.bfloat16:  # NaN, infinities, signed zeros and huge values round alike too
+        special = [float("nan"), float("inf"), -float("inf"), 3.0, -2.5, 1e30, 0.0, -0.0]
+        gate_up = torch.tensor([special * 4 + [1.0, 2.0, 1.0, float("nan"), 1e38, 1.0, 1e10, -0.0] * 4]
+                               * 40, dtype=dtype)
+        got, want = ops.silu_and_mul(gate_up), TORCH_LAYER_OPS.silu_and_mul(gate_up)
+        torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)  # (NaN bits may differ)
+        assert torch.equal(torch.signbit(got[~got.isnan()]), torch.signbit(want[~want.isnan()]))
+        # a float32 denormal result (here silu(1e-39) ~ 5e-40): torch's value, or 0 where the CPU
+        # rounds with vcvtneps2bf16 (which reads denormals as zero)
+        tiny = torch.tensor([[1e-39] * 32 + [1.0] * 32] * 40, dtype=dtype)
+        got, want = ops.silu_and_mul(tiny), TORCH_LAYER_OPS.silu_and_mul(tiny)
+        assert ((got == want) | (got == 0)).all() and want.abs().max() < 1e-38
     for head in (32, 64, 80, 128):
         qkv = rand(9, 8 * head)
         cos, sin = torch.randn(50, head // 2, generator=gen), torch.randn(50, head // 2, generator=gen)

@@ -79,22 +79,32 @@ INLINE float hsum(vf v) {
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
-/* store 16 lanes (bfloat16: rounded to nearest even, NaN kept) */
+/* store 16 lanes (bfloat16: rounded to nearest even, NaN kept quiet). With AVX-512 BF16 one
+ * vcvtneps2bf16 does it (it reads float32 denormals, below 1.2e-38, as zero; torch rounds them). */
 INLINE void stv(void *p, int dt, size_t i, vf v) {
     if (dt == F32) {
         *(vfu *)((float *)p + i) = v;
         return;
     }
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), (__m256i)_mm512_cvtneps_pbh((__m512)v));
+#else
     vu b = (vu)v;
     vu nan = (vu)(v != v);
     vu r = (b + 0x7fffu + ((b >> 16) & 1u)) >> 16;
     r = (nan & ((b >> 16) | 0x40u)) | (~nan & r);
     *(vhu *)((uint16_t *)p + i) = __builtin_convertvector(r, vhu);
+#endif
 }
 
 INLINE vf vround_bf16(vf v) {  /* each lane as bfloat16 would hold it (finite values) */
+#if defined(__AVX512BF16__)
+    __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)v);
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#else
     vu b = (vu)v;
     return (vf)((b + 0x7fffu + ((b >> 16) & 1u)) & 0xffff0000u);
+#endif
 }
 
 INLINE float round_to(int dt, float v) {  /* v as the dtype would hold it */
