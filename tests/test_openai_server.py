@@ -28,10 +28,10 @@ GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
 MAX_MODEL_LEN = 128
 
 
-def make_engine(path: str) -> LLMEngine:
+def make_engine(path: str, **kwargs) -> LLMEngine:
     return LLMEngine.from_engine_args(EngineArgs(
         model=path, num_kv_blocks=64, block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
-        max_model_len=MAX_MODEL_LEN), progress=False)
+        max_model_len=MAX_MODEL_LEN, **kwargs), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +226,32 @@ def test_streamed_completion_equals_the_whole_one(server):
     events = [e for e in raw.text.split("\n\n") if e]
     assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
     assert json.loads(events[0][len("data: "):])["object"] == "text_completion"
+
+
+def test_a_multi_step_engine_serves_the_same_text(server, checkpoint_dir):
+    """`omniinfer serve --num-scheduler-steps 4`: the text, streamed or whole, is the
+    single-step server's."""
+    engine = make_engine(checkpoint_dir("llama"), num_scheduler_steps=4)
+    schedule, runs = engine.scheduler.schedule, []
+    engine.scheduler.schedule = lambda: runs.append(schedule()) or runs[-1]
+    multi = ServerState("tiny", chat_template=CHAT_TEMPLATE, stats_interval_s=0)
+    multi.attach(engine)
+
+    async def run(client, _http):
+        whole = await client.completions.create(model="tiny", prompt="The quick", max_tokens=12,
+                                                **GREEDY)
+        stream = await client.completions.create(model="tiny", prompt="The quick", max_tokens=12,
+                                                 stream=True, **GREEDY)
+        return whole, [c async for c in stream]
+
+    try:
+        (whole, chunks), (reference, _) = call(multi, run), call(server, run)
+        assert whole.choices[0].text == reference.choices[0].text
+        assert "".join(c.choices[0].text for c in chunks) == reference.choices[0].text
+        assert max(out.num_steps for out in runs) == 4
+        wait_idle(multi)
+    finally:
+        multi.shutdown()
 
 
 def test_streamed_chat_sends_the_role_then_the_content(server):
