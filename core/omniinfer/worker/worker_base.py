@@ -19,14 +19,6 @@ from omniinfer.worker.model_input import ExecuteModelRequest, ModelInput, Worker
 logger = init_logger(__name__)
 
 
-def sampled_tokens(sampled: SamplerOutput, next_input: ModelInput) -> torch.Tensor:
-    """The token each sequence of a plain-decode step drew, in input order: the next step's input."""
-    if sampled.token_ids is not None:
-        return sampled.token_ids
-    seqs = next_input.sampling_metadata.seqs
-    return torch.tensor([sampled.samples[seq.seq_id].token_ids[0] for seq in seqs], dtype=torch.int64)
-
-
 class LocalOrDistributedWorkerBase:
     """The per-step protocol shared by every worker; subclasses own device and model set-up."""
 
@@ -62,8 +54,8 @@ class LocalOrDistributedWorkerBase:
         inputs = runner.decode_step_inputs(model_input, request.num_steps)
         outputs = []
         for step, model_input in enumerate(inputs):
-            if step:
-                model_input.input_tokens = sampled_tokens(outputs[-1], model_input)
+            if step:  # plain decodes draw one token each: the sampler hands them over as a tensor
+                model_input.input_tokens = outputs[-1].token_ids
                 worker_input = WorkerInput.nothing()  # the cache operations ran with step 0
             if self.world_size > 1:
                 broadcast_tensor_dict({**worker_input.as_broadcastable_tensor_dict(),
