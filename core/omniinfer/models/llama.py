@@ -30,12 +30,13 @@ from omniinfer.models.layers.weights import default_weight_loader
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias)
+        # silu(gate) * up comes out of gate_up_proj: a platform may fuse it into the product
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias,
+                                                       silu_and_mul=SiluAndMul())
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaAttention(nn.Module):

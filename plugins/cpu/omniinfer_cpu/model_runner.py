@@ -42,7 +42,8 @@ class CpuModelRunner(ModelRunner):
             if self._linear:
                 logger.info("linear layers: %s, then %s", f"compiled kernel up to "
                             f"{self._linear.kernel_rows} rows" if kernels else "no compiled kernel",
-                            "oneDNN packed weights" if pack else "torch's F.linear")
+                            ("omni_gemm (bfloat16) or oneDNN packed weights" if self._linear.gemm
+                             else "oneDNN packed weights") if pack else "torch's F.linear")
         return self._linear or None
 
     def layer_ops(self):

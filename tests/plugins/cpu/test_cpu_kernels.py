@@ -15,16 +15,21 @@ from omniinfer.testing.conformance.cases import Case, assert_matches_reference, 
 from omniinfer_cpu.attention.paged import CpuPagedBackend
 from omniinfer_cpu.kernels import build
 from omniinfer_cpu.layer_ops import CpuLayerOps
-from omniinfer_cpu.linear import CpuLinearMethod
+from omniinfer_cpu.linear import ENV_GEMM, CpuLinearMethod
 from omniinfer_cpu.platform import CpuPlatform
 
 needs_kernels = pytest.mark.skipif(build.load() is None, reason=f"CPU kernels unavailable: "
                                    f"{build.unavailable_reason()}")
+needs_gemm = pytest.mark.skipif(
+    build.load() is None or not build.load().gemm_supported(),
+    reason="omni_gemm is built only where the CPU has AVX-512 BF16, and this one has not"
+    if build.load() is not None else f"CPU kernels unavailable: {build.unavailable_reason()}")
 def cpu_spec():
     return AttentionSpec(device_type="cpu", platform_name="cpu", dtype=torch.float32, head_size=64,
                          num_heads=4, num_kv_heads=2, block_size=16)
 
 
+BF16_LOGPROB_TOL = 0.06  # measured: 0.015, gemm or oneDNN alike
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
 
@@ -79,7 +84,8 @@ def test_linear_kernel_reads_strided_rows_and_falls_back_for_big_batches():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 9, 64, 130])
-def test_onednn_packed_weights_match_torch(dtype, rows):
+def test_onednn_packed_weights_match_torch(dtype, rows, monkeypatch):
+    monkeypatch.setenv(ENV_GEMM, "0")  # bfloat16 goes to oneDNN too, as where omni_gemm is not built
     gen = torch.Generator().manual_seed(rows)
     layer = _Layer(torch.randn(300, 96, generator=gen).to(dtype))
     bias = torch.randn(300, generator=gen).to(dtype)
@@ -90,6 +96,86 @@ def test_onednn_packed_weights_match_torch(dtype, rows):
     x = torch.randn(rows, 96, generator=gen).to(dtype)
     torch.testing.assert_close(method.apply(layer, x, bias).float(),
                                F.linear(x.float(), layer.weight.float(), bias.float()), **TOL[dtype])
+
+
+@needs_gemm
+@pytest.mark.parametrize("rows", [3, 7, 64, 130, 300])
+@pytest.mark.parametrize("k,n", [(96, 300), (256, 64), (2, 70), (1024, 33)])
+def test_gemm_matches_torch(rows, k, n):
+    """bfloat16 products of 3+ rows through omni_gemm: partial 64-column panels, row tiles of
+    1-6, chunks of 120 rows, strided input rows, with and without a bias."""
+    gen = torch.Generator().manual_seed(rows * n)
+    layer = _Layer(torch.randn(n, k, generator=gen).to(torch.bfloat16))
+    method = CpuLinearMethod(build.load(), pack=True)
+    method.process_weights_after_loading(layer)
+    assert layer.gemm_weight is not None and layer.packed_weight is None
+    x = torch.randn(rows, k + 16, generator=gen).to(torch.bfloat16)[:, 8:8 + k]
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    for b in (None, bias):
+        want = F.linear(x.float(), layer.weight.float(), None if b is None else b.float())
+        torch.testing.assert_close(method.apply(layer, x, b).float(), want, **TOL[torch.bfloat16])
+
+
+@needs_gemm
+@pytest.mark.parametrize("rows", [1, 2, 3, 64, 130])
+@pytest.mark.parametrize("inter", [32, 48, 1000])
+def test_gemm_gated_writes_silu_and_mul(rows, inter):
+    """A merged gate_up layer built with silu_and_mul is packed so that omni_gemm writes
+    silu(gate) * up: the bits of the plain product followed by the SiLU-and-multiply kernel
+    (whose tail of fewer than 16 columns uses the scalar exp: there, as close as bfloat16 allows)."""
+    from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS, SiluAndMul
+
+    gen = torch.Generator().manual_seed(rows + inter)
+    weight = torch.randn(2 * inter, 64, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(2 * inter, generator=gen).to(torch.bfloat16)
+    act = SiluAndMul()
+    act.ops = CpuLayerOps(build.load())
+    gated, plain = _Layer(weight), _Layer(weight)
+    gated.silu_and_mul = act
+    method = CpuLinearMethod(build.load(), pack=True)
+    for layer in (gated, plain):
+        method.process_weights_after_loading(layer)
+    assert gated.gemm_gated and not plain.gemm_gated
+    x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+    for b in (None, bias):
+        got = method.apply_silu_and_mul(gated, x, b, act)
+        assert got.shape == (rows, inter)
+        want = act(method.apply(plain, x, b))
+        if inter % 16 == 0:
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+        torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
+        ref = TORCH_LAYER_OPS.silu_and_mul(F.linear(x.float(), weight.float(), None if b is None else b.float()))
+        torch.testing.assert_close(got.float(), ref, **TOL[torch.bfloat16])
+
+
+@needs_gemm
+def test_engine_bf16_products_on_omni_gemm(checkpoint_dir, hf_logprobs):
+    """A bfloat16 model: prefills and batched decodes go through omni_gemm (the MLP's gate_up
+    with SiLU-and-multiply fused), and the log-probabilities stay within bfloat16's reach of
+    transformers' float32 run on the same weights."""
+    path = checkpoint_dir("llama_bf16")
+    llm = LLM(path, num_kv_blocks=64)
+    model = llm.llm_engine.executor.worker.model_runner.model
+    assert llm.llm_engine.config.model.dtype == torch.bfloat16
+    method = next(m.linear_method for m in model.modules() if hasattr(m, "linear_method"))
+    kernels, calls = method.gemm, []
+
+    class Recording:
+        def gemm(self, *args):
+            calls.append((args[6], args[9]))  # rows, gated
+            return kernels.gemm(*args)
+
+    method.gemm = Recording()
+    prompts = [list(range(5 + i, 25 + 3 * i)) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert {(4, 0), (4, 1)} <= set(calls)  # the four decodes, plain and gated
+    assert any(rows > 4 for rows, _ in calls)  # the prefill
+    for prompt, out in zip(prompts, outs):
+        completion = out.outputs[0]
+        ref = hf_logprobs(path, prompt + completion.token_ids)
+        for i, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+            assert abs(entry[token].logprob - ref[len(prompt) - 1 + i][token].item()) < BF16_LOGPROB_TOL
 
 
 @needs_kernels
@@ -306,6 +392,10 @@ def test_portable_builds(march):
 
     kernels = build.Kernels(build.library_path((march,)))
     gen = torch.Generator().manual_seed(11)
+    assert kernels.gemm_supported() == 0  # no AVX-512 BF16: bfloat16 products stay with oneDNN
+    layer = _Layer(torch.randn(70, 96, generator=gen).to(torch.bfloat16))
+    CpuLinearMethod(kernels, pack=True).process_weights_after_loading(layer)
+    assert layer.gemm_weight is None
     for dtype in (torch.float32, torch.bfloat16):
         layer = _Layer(torch.randn(70, 96, generator=gen).to(dtype))
         for rows in (1, 2, 5):

@@ -40,6 +40,14 @@ class LinearMethod:
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
+                           silu_and_mul: nn.Module) -> torch.Tensor:
+        """silu(gate) * up for a merged [gate; up] layer built with `silu_and_mul` (its
+        `silu_and_mul` attribute is set, so a method can tell such layers apart when it packs
+        them): here `silu_and_mul` applied to `apply`'s product. A platform may do both in one
+        pass."""
+        return silu_and_mul(self.apply(layer, x, bias))
+
 
 DEFAULT_LINEAR_METHOD = LinearMethod()
 
@@ -99,11 +107,23 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel outputs fused in one weight (gate_proj + up_proj)."""
+    """Several column-parallel outputs fused in one weight (gate_proj + up_proj).
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+    Given `silu_and_mul` (a `SiluAndMul`; two outputs of one size), the layer returns
+    silu(gate) * up rather than the product, through its method's `apply_silu_and_mul`."""
+
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 silu_and_mul: nn.Module | None = None):
+        if silu_and_mul is not None and (len(output_sizes) != 2 or output_sizes[0] != output_sizes[1]):
+            raise ValueError(f"output_sizes={output_sizes}: silu_and_mul needs two outputs of one size")
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias)
+        self.silu_and_mul = silu_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.silu_and_mul is None:
+            return self.linear_method.apply(self, x, self.bias)
+        return self.linear_method.apply_silu_and_mul(self, x, self.bias, self.silu_and_mul)
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         tp = self.tp_size
