@@ -53,6 +53,7 @@ def test_throughput_with_multi_step_decoding(tmp_path):
     ("throughput.py", ["--shape", "tiny", "--num-scheduler-steps", "0"],
      "--num-scheduler-steps 0: expected a positive number"),
     ("host_overhead.py", ["--num-scheduler-steps", "-1"], "--num-scheduler-steps -1: expected a positive"),
+    ("engine_ops.py", ["--shape", "tiny", "--repeats", "0"], "--repeats 0: expected a positive number"),
     ("latency.py", ["--shape", "tiny", "--output-len", "1"],
      "--output-len 1: ms per output token needs at least 2 tokens"),
 ])
@@ -82,6 +83,22 @@ def test_host_overhead(tmp_path):
                "--json", str(out))
     assert "decode steps per engine step" not in text
     assert [r["num_scheduler_steps"] for r in json.loads(out.read_text())] == [1]
+
+
+def test_engine_ops(tmp_path):
+    """Each operation timed inside a run: prefill and decode tables, and the timed spans add up."""
+    out = tmp_path / "o.json"
+    text = run("engine_ops.py", "--shape", "tiny", "--repeats", "2", "--num-scheduler-steps", "2",
+               "--json", str(out))
+    assert "prefill:" in text and "decode:" in text and "lm_head" in text
+    result = json.loads(out.read_text())
+    assert result["num_scheduler_steps"] == 2 and len(result["runs"]) == 2
+    decode = result["runs"][0]["decode"]
+    assert result["runs"][0]["steps"]["decode"] == 7  # 8 tokens: the prefill samples the first
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "attention", "rms_norm",
+                 "argmax", "input building", "scheduling", "output processing", "step"):
+        assert decode[name][0] > 0, name
+    assert decode["step, the rest"][0] >= 0 and decode["forward"][0] < decode["step"][0]
 
 
 def test_cpu_paged_attention_kernel_ab(tmp_path):
