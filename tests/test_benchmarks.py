@@ -54,6 +54,7 @@ def test_throughput_with_multi_step_decoding(tmp_path):
      "--num-scheduler-steps 0: expected a positive number"),
     ("host_overhead.py", ["--num-scheduler-steps", "-1"], "--num-scheduler-steps -1: expected a positive"),
     ("engine_ops.py", ["--shape", "tiny", "--repeats", "0"], "--repeats 0: expected a positive number"),
+    ("cpu_gemm.py", ["--shape", "tiny", "--rows", "2"], "at least 3 rows"),
     ("latency.py", ["--shape", "tiny", "--output-len", "1"],
      "--output-len 1: ms per output token needs at least 2 tokens"),
 ])
@@ -99,6 +100,21 @@ def test_engine_ops(tmp_path):
                  "argmax", "input building", "scheduling", "output processing", "step"):
         assert decode[name][0] > 0, name
     assert decode["step, the rest"][0] >= 0 and decode["forward"][0] < decode["step"][0]
+
+
+def test_cpu_gemm(tmp_path):
+    from omniinfer_cpu.kernels import build
+
+    kernels = build.load()
+    if kernels is None or not kernels.gemm_supported():
+        pytest.skip("omni_gemm needs the CPU kernels and AVX-512 BF16, which this machine lacks")
+    out = tmp_path / "g.json"
+    text = run("cpu_gemm.py", "--shape", "tiny", "--rows", "3", "70", "--rounds", "1", "--iters", "2",
+               "--json", str(out))
+    assert "omni_gemm" in text and "gate_up_proj" in text
+    rows = json.loads(out.read_text())
+    assert [(r["product"], r["rows"]) for r in rows][:3] == [("qkv_proj", 3), ("qkv_proj", 70), ("o_proj", 3)]
+    assert len(rows) == 10 and all(r["us"]["omni_gemm"] > 0 and r["us"]["onednn"] > 0 for r in rows)
 
 
 def test_cpu_paged_attention_kernel_ab(tmp_path):

@@ -6,9 +6,9 @@ bandwidth for one row, and at a quarter for 2-16 rows (measured in docs/performa
 * up to `kernel_rows` rows (decode at batch 1-2): ``omni_linear``, which reads each weight row
   once, sequentially, at close to the machine's bandwidth;
 * more rows, bfloat16 where the CPU has AVX-512 BF16: ``omni_gemm`` with the weight packed once,
-  at load, for it (``omni_gemm_pack``): 1.1-2x oneDNN at 8-256 rows, its fixed cost per call being
-  a few microseconds, and within 10% of it above. A merged gate_up layer built with
-  `silu_and_mul` is packed so that the product writes silu(gate) * up itself;
+  at load, for it (``omni_gemm_pack``): 1.1-1.6x oneDNN at 16-64 rows (a fixed cost of a few
+  microseconds a call against oneDNN's 10-20), 0.9-1.1x at 256-2048. A merged gate_up layer
+  built with `silu_and_mul` is packed so that the product writes silu(gate) * up itself;
 * more rows otherwise: oneDNN with the weight reordered once, at load, into its blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``): 1.2-2x torch's `F.linear` at 9-2048 rows.
 
