@@ -32,6 +32,9 @@ SHAPES = {
 }
 
 DEFAULT_WORKLOADS = {"small": (64, 128, 128), "medium": (32, 128, 64)}  # N, input, output
+# how long the matmul peak is measured (`matmul_peak`'s arguments) where the default 4 x 0.25 s
+# per case is more than a shape needs: the scripts' own smoke tests want a rough peak, quickly
+PEAK_BUDGETS = {"tiny": dict(seconds=0.05, rounds=1)}
 
 
 def build_random_checkpoint(path: str, shape: str, dtype: str = "float32") -> str:
@@ -258,9 +261,8 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
         path = model or build_random_checkpoint(os.path.join(tmp, shape_name), shape_name, dtype)
         shape = shape_of(path)
         prompts = make_prompts(n, i, shape["vocab_size"])
-        quick = shape_name == "tiny"  # the scripts' own tests: a rough peak is enough
         peak = matmul_peak(shape, torch_dtype, [n, max_num_batched_tokens],
-                           **(dict(seconds=0.05, rounds=1) if quick else {}))
+                           **PEAK_BUDGETS.get(shape_name or "", {}))
         flops = model_flops(shape, n, i, o)
 
         steps = [num_scheduler_steps] + ([1] if num_scheduler_steps > 1 else [])
