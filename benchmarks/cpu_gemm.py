@@ -1,18 +1,19 @@
-"""bfloat16 products on the CPU: the plugin's ``omni_gemm`` against oneDNN's packed weights.
+"""Products on the CPU: the plugin's ``omni_gemm`` against oneDNN's packed weights.
 
 Each linear shape of a model (`--shape small`: qkv 256 -> 512, o 256 -> 256, gate_up 256 ->
 2 x 1024 with its SiLU-and-multiply, down 1024 -> 256, the LM head 256 -> 32000) at each row
-count (`--rows`), through the two paths the CPU linear method has for bfloat16 above two
-rows: oneDNN (``mkldnn._linear_pointwise`` on the weight reordered at load; for gate_up,
+count (`--rows`), in `--dtype` (bfloat16 by default), through the two paths the CPU linear
+method has above two rows: oneDNN (``mkldnn._linear_pointwise`` on the weight reordered at load; for gate_up,
 followed by the plugin's SiLU-and-multiply kernel) and ``omni_gemm`` (weights packed at load;
 gate_up writing silu(gate) * up itself). Both are first checked against a float32 product;
 then timed in interleaved rounds (one round: each path `--iters` times), medians printed in
 microseconds a call and GFLOP/s.
 
-    python benchmarks/cpu_gemm.py [--shape tiny|small|medium] [--rows 16 64 256] [--rounds 7]
-        [--json out.json]
+    python benchmarks/cpu_gemm.py [--shape tiny|small|medium] [--dtype bfloat16|float32]
+        [--rows 16 64 256] [--rounds 7] [--json out.json]
 
-Needs the CPU kernels and a CPU with AVX-512 BF16 (omni_gemm is built only there).
+Needs the CPU kernels and a CPU with AVX-512 (float32) or AVX-512 BF16 (bfloat16): omni_gemm is
+built only there.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class Layer(torch.nn.Module):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="small", choices=["tiny", "small", "medium"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iters", type=int, default=0, help="calls per round (default: ~20 ms of work)")
@@ -63,18 +65,21 @@ def main() -> None:
     from omniinfer_cpu.linear import CpuLinearMethod
 
     kernels = build.load()
-    if kernels is None or not kernels.gemm_supported():
-        sys.exit("omni_gemm is unavailable here: " + (build.unavailable_reason() or "the CPU has no AVX-512 BF16"))
+    dtype = getattr(torch, args.dtype)
+    code = 0 if dtype == torch.float32 else 1
+    if kernels is None or not kernels.gemm_supported(code):
+        sys.exit(f"omni_gemm is unavailable here for {args.dtype}: " + (
+            build.unavailable_reason() or "the CPU lacks AVX-512" + (" BF16" if code else "")))
     act = SiluAndMul()
     act.ops = CpuLayerOps(kernels)
     method = CpuLinearMethod(kernels, pack=True)
     gen = torch.Generator().manual_seed(0)
     results = []
-    print(f"{args.shape} bfloat16, {torch.get_num_threads()} threads; us a call (GFLOP/s), median of "
+    print(f"{args.shape} {args.dtype}, {torch.get_num_threads()} threads; us a call (GFLOP/s), median of "
           f"{args.rounds} rounds")
     print(f"{'product':>14} {'rows':>5} {'oneDNN':>18} {'omni_gemm':>18} {'speed-up':>9}")
     for name, num_in, num_out in linear_shapes(SHAPES[args.shape]):
-        weight = (torch.randn(num_out, num_in, generator=gen) * num_in ** -0.5).to(torch.bfloat16)
+        weight = (torch.randn(num_out, num_in, generator=gen) * num_in ** -0.5).to(dtype)
         gated = name == "gate_up_proj"
         layer = Layer(weight, act if gated else None)
         method.process_weights_after_loading(layer)
@@ -88,11 +93,12 @@ def main() -> None:
             return method.apply_silu_and_mul(layer, x, None, act) if gated else method.apply(layer, x)
 
         for rows in args.rows:
-            x = torch.randn(rows, num_in, generator=gen).to(torch.bfloat16)
+            x = torch.randn(rows, num_in, generator=gen).to(dtype)
             want = F.linear(x.float(), weight.float())
-            want = act.ops.silu_and_mul(want.to(torch.bfloat16)).float() if gated else want
+            want = act.ops.silu_and_mul(want.to(dtype)).float() if gated else want
+            tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
             for fn in (onednn, omni):
-                torch.testing.assert_close(fn(x).float(), want, atol=3e-2, rtol=3e-2)
+                torch.testing.assert_close(fn(x).float(), want, atol=tol, rtol=tol)
             flops = 2 * rows * num_in * num_out
             iters = args.iters or max(1, int(0.02 * 300e9 / flops))
             times = {"onednn": [], "omni_gemm": []}

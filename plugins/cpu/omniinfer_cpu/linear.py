@@ -5,10 +5,11 @@ bandwidth for one row, and at a quarter for 2-16 rows (measured in docs/performa
 
 * up to `kernel_rows` rows (decode at batch 1-2): ``omni_linear``, which reads each weight row
   once, sequentially, at close to the machine's bandwidth;
-* more rows, bfloat16 where the CPU has AVX-512 BF16: ``omni_gemm`` with the weight packed once,
-  at load, for it (``omni_gemm_pack``): 1.1-1.6x oneDNN at 16-64 rows (a fixed cost of a few
-  microseconds a call against oneDNN's 10-20), 0.9-1.1x at 256-2048. A merged gate_up layer
-  built with `silu_and_mul` is packed so that the product writes silu(gate) * up itself;
+* more rows, where the CPU has AVX-512 (float32) or AVX-512 BF16 (bfloat16): ``omni_gemm`` with
+  the weight packed once, at load, for it (``omni_gemm_pack``): 1.1-1.6x oneDNN at 16-64 rows (a
+  fixed cost of a few microseconds a call against oneDNN's 10-20), 0.9-1.1x at 256-2048. A merged
+  gate_up layer built with `silu_and_mul` is packed so that the product writes silu(gate) * up
+  itself;
 * more rows otherwise: oneDNN with the weight reordered once, at load, into its blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``): 1.2-2x torch's `F.linear` at 9-2048 rows.
 
@@ -31,7 +32,7 @@ from omniinfer.models.layers.linear import LinearMethod
 logger = init_logger(__name__)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_PACK = "OMNIINFER_CPU_PACK_WEIGHTS"
-ENV_GEMM = "OMNIINFER_CPU_GEMM"  # "0": bfloat16 goes to oneDNN's packed weights too (A/B runs)
+ENV_GEMM = "OMNIINFER_CPU_GEMM"  # "0": 3+ rows go to oneDNN's packed weights (A/B runs)
 KERNEL_ROWS = 2  # the kernel beats oneDNN's packed weights up to here (fp32 and bf16)
 MAX_ROWS = 16  # ... and torch's F.linear up to here
 PACK_HINT_ROWS = 64  # the batch size oneDNN is told to expect (any size works)
@@ -52,8 +53,10 @@ def onednn_pack(weight: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
 class CpuLinearMethod(LinearMethod):
     def __init__(self, kernels, pack: bool = False, max_rows: int = MAX_ROWS):
         self.linear = kernels.linear if kernels is not None else None
-        self.gemm = (kernels if kernels is not None and kernels.gemm_supported()
-                     and os.environ.get(ENV_GEMM, "1").strip() != "0" else None)
+        use_gemm = kernels is not None and os.environ.get(ENV_GEMM, "1").strip() != "0"
+        self.gemm = kernels if use_gemm else None
+        # the dtypes omni_gemm serves on this CPU (float32: AVX-512; bfloat16: AVX-512 BF16)
+        self.gemm_dtypes = {d for d, code in DTYPE_CODES.items() if use_gemm and kernels.gemm_supported(code)}
         self.pack = pack
         self.max_rows = max_rows
         self._warned = False
@@ -68,8 +71,8 @@ class CpuLinearMethod(LinearMethod):
             layer.weight.data = layer.weight.data.contiguous()
         layer.packed_weight = layer.gemm_weight = None
         layer.gemm_gated = getattr(layer, "silu_and_mul", None) is not None
-        if (self.pack and self.gemm is not None and layer.weight.dtype == torch.bfloat16
-                and layer.weight.dim() == 2 and layer.weight.shape[1] % 2 == 0):
+        if (self.pack and layer.weight.dtype in self.gemm_dtypes and layer.weight.dim() == 2
+                and (layer.weight.dtype == torch.float32 or layer.weight.shape[1] % 2 == 0)):
             layer.gemm_weight = self._gemm_pack(layer.weight, layer.gemm_gated)
         elif self.pack and layer.weight.dtype in DTYPE_CODES:
             layer.packed_weight, why = onednn_pack(layer.weight)
@@ -105,7 +108,8 @@ class CpuLinearMethod(LinearMethod):
     def _gemm_pack(self, weight: torch.Tensor, gated: bool) -> torch.Tensor:
         num_out, num_in = weight.shape
         out = torch.empty(self.gemm.gemm_packed_size(num_out, num_in, int(gated)), dtype=weight.dtype)
-        self.gemm.gemm_pack(weight.data_ptr(), num_out, num_in, int(gated), out.data_ptr())
+        self.gemm.gemm_pack(weight.data_ptr(), num_out, num_in, int(gated), DTYPE_CODES[weight.dtype],
+                            out.data_ptr())
         return out
 
     def _gemm(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -117,7 +121,8 @@ class CpuLinearMethod(LinearMethod):
             bias = bias.to(x.dtype)
         self.gemm.gemm(x.data_ptr(), x.stride(0), layer.gemm_weight.data_ptr(),
                        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-                       x.shape[0], num_out, num_in, int(layer.gemm_gated), torch.get_num_threads())
+                       x.shape[0], num_out, num_in, int(layer.gemm_gated), DTYPE_CODES[x.dtype],
+                       torch.get_num_threads())
         return out
 
     def _kernel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

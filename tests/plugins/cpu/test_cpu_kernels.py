@@ -20,10 +20,22 @@ from omniinfer_cpu.platform import CpuPlatform
 
 needs_kernels = pytest.mark.skipif(build.load() is None, reason=f"CPU kernels unavailable: "
                                    f"{build.unavailable_reason()}")
-needs_gemm = pytest.mark.skipif(
-    build.load() is None or not build.load().gemm_supported(),
-    reason="omni_gemm is built only where the CPU has AVX-512 BF16, and this one has not"
-    if build.load() is not None else f"CPU kernels unavailable: {build.unavailable_reason()}")
+
+
+def gemm_params(dtypes=(torch.float32, torch.bfloat16)):
+    """The dtypes, each skipped with the reason where omni_gemm is not built for it here."""
+    kernels = build.load()
+    out = []
+    for dtype in dtypes:
+        if kernels is None:
+            reason = f"CPU kernels unavailable: {build.unavailable_reason()}"
+        elif not kernels.gemm_supported(0 if dtype == torch.float32 else 1):
+            reason = ("omni_gemm is built only where the CPU has AVX-512"
+                      + (" BF16" if dtype == torch.bfloat16 else "") + ", and this one has not")
+        else:
+            reason = None
+        out.append(pytest.param(dtype, marks=pytest.mark.skipif(reason is not None, reason=reason or "")))
+    return out
 def cpu_spec():
     return AttentionSpec(device_type="cpu", platform_name="cpu", dtype=torch.float32, head_size=64,
                          num_heads=4, num_kv_heads=2, block_size=16)
@@ -98,36 +110,38 @@ def test_onednn_packed_weights_match_torch(dtype, rows, monkeypatch):
                                F.linear(x.float(), layer.weight.float(), bias.float()), **TOL[dtype])
 
 
-@needs_gemm
+@pytest.mark.parametrize("dtype", gemm_params())
 @pytest.mark.parametrize("rows", [3, 7, 64, 130, 300])
-@pytest.mark.parametrize("k,n", [(96, 300), (256, 64), (2, 70), (1024, 33)])
-def test_gemm_matches_torch(rows, k, n):
-    """bfloat16 products of 3+ rows through omni_gemm: partial 64-column panels, row tiles of
-    1-6, chunks of 120 rows, strided input rows, with and without a bias."""
+@pytest.mark.parametrize("k,n", [(96, 300), (256, 64), (2, 70), (1024, 33), (33, 17)])
+def test_gemm_matches_torch(rows, k, n, dtype):
+    """Products of 3+ rows through omni_gemm: partial 64-column panels, row tiles of 1-6, chunks
+    of 120 rows, strided input rows, with and without a bias (bfloat16 needs an even K: an odd
+    one stays with oneDNN)."""
     gen = torch.Generator().manual_seed(rows * n)
-    layer = _Layer(torch.randn(n, k, generator=gen).to(torch.bfloat16))
+    layer = _Layer(torch.randn(n, k, generator=gen).to(dtype))
     method = CpuLinearMethod(build.load(), pack=True)
     method.process_weights_after_loading(layer)
-    assert layer.gemm_weight is not None and layer.packed_weight is None
-    x = torch.randn(rows, k + 16, generator=gen).to(torch.bfloat16)[:, 8:8 + k]
-    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    odd = dtype == torch.bfloat16 and k % 2
+    assert (layer.gemm_weight is None) == odd and (layer.packed_weight is None) != odd
+    x = torch.randn(rows, k + 16, generator=gen).to(dtype)[:, 8:8 + k]
+    bias = torch.randn(n, generator=gen).to(dtype)
     for b in (None, bias):
         want = F.linear(x.float(), layer.weight.float(), None if b is None else b.float())
-        torch.testing.assert_close(method.apply(layer, x, b).float(), want, **TOL[torch.bfloat16])
+        torch.testing.assert_close(method.apply(layer, x, b).float(), want, **TOL[dtype])
 
 
-@needs_gemm
+@pytest.mark.parametrize("dtype", gemm_params())
 @pytest.mark.parametrize("rows", [1, 2, 3, 64, 130])
 @pytest.mark.parametrize("inter", [32, 48, 1000])
-def test_gemm_gated_writes_silu_and_mul(rows, inter):
+def test_gemm_gated_writes_silu_and_mul(rows, inter, dtype):
     """A merged gate_up layer built with silu_and_mul is packed so that omni_gemm writes
     silu(gate) * up: the bits of the plain product followed by the SiLU-and-multiply kernel
     (whose tail of fewer than 16 columns uses the scalar exp: there, as close as bfloat16 allows)."""
     from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS, SiluAndMul
 
     gen = torch.Generator().manual_seed(rows + inter)
-    weight = torch.randn(2 * inter, 64, generator=gen).to(torch.bfloat16)
-    bias = torch.randn(2 * inter, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(2 * inter, 64, generator=gen).to(dtype)
+    bias = torch.randn(2 * inter, generator=gen).to(dtype)
     act = SiluAndMul()
     act.ops = CpuLayerOps(build.load())
     gated, plain = _Layer(weight), _Layer(weight)
@@ -136,20 +150,21 @@ def test_gemm_gated_writes_silu_and_mul(rows, inter):
     for layer in (gated, plain):
         method.process_weights_after_loading(layer)
     assert gated.gemm_gated and not plain.gemm_gated
-    x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, 64, generator=gen).to(dtype)
     for b in (None, bias):
         got = method.apply_silu_and_mul(gated, x, b, act)
         assert got.shape == (rows, inter)
         want = act(method.apply(plain, x, b))
-        if inter % 16 == 0:
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-        torch.testing.assert_close(got, want, atol=0, rtol=2 ** -7)
+        if inter % 16 == 0:  # bit for bit
+            bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(got.view(bits), want.view(bits))
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=2 ** -7 if dtype == torch.bfloat16 else 1e-6)
         ref = TORCH_LAYER_OPS.silu_and_mul(F.linear(x.float(), weight.float(), None if b is None else b.float()))
-        torch.testing.assert_close(got.float(), ref, **TOL[torch.bfloat16])
+        torch.testing.assert_close(got.float(), ref, **TOL[dtype])
 
 
-@needs_gemm
-def test_engine_bf16_products_on_omni_gemm(checkpoint_dir, hf_logprobs):
+@pytest.mark.parametrize("dtype", gemm_params([torch.bfloat16]))
+def test_engine_bf16_products_on_omni_gemm(checkpoint_dir, hf_logprobs, dtype):
     """A bfloat16 model: prefills and batched decodes go through omni_gemm (the MLP's gate_up
     with SiLU-and-multiply fused), and the log-probabilities stay within bfloat16's reach of
     transformers' float32 run on the same weights."""
@@ -392,10 +407,17 @@ def test_portable_builds(march):
 
     kernels = build.Kernels(build.library_path((march,)))
     gen = torch.Generator().manual_seed(11)
-    assert kernels.gemm_supported() == 0  # no AVX-512 BF16: bfloat16 products stay with oneDNN
-    layer = _Layer(torch.randn(70, 96, generator=gen).to(torch.bfloat16))
-    CpuLinearMethod(kernels, pack=True).process_weights_after_loading(layer)
-    assert layer.gemm_weight is None
+    # omni_gemm: float32 needs AVX-512, bfloat16 AVX-512 BF16; elsewhere oneDNN serves 3+ rows
+    avx512 = march == "-march=skylake-avx512"
+    assert (kernels.gemm_supported(0), kernels.gemm_supported(1)) == (int(avx512), 0)
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = _Layer(torch.randn(70, 96, generator=gen).to(dtype))
+        method = CpuLinearMethod(kernels, pack=True)
+        method.process_weights_after_loading(layer)
+        assert (layer.gemm_weight is not None) == (avx512 and dtype == torch.float32)
+        x = torch.randn(9, 96, generator=gen).to(dtype)
+        torch.testing.assert_close(method.apply(layer, x).float(), F.linear(x.float(), layer.weight.float()),
+                                   **TOL[dtype])
     for dtype in (torch.float32, torch.bfloat16):
         layer = _Layer(torch.randn(70, 96, generator=gen).to(dtype))
         for rows in (1, 2, 5):

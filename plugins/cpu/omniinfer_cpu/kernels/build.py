@@ -52,13 +52,14 @@ SIGNATURES = {
     "omni_silu_and_mul": ([_P, _P, _I32, _I32, _I32, _I32], None),
     # x, ld, rows, cols, dtype, out (int64), nthreads
     "omni_argmax": ([_P, _I64, _I32, _I32, _I32, _P, _I32], None),
-    "omni_gemm_supported": ([], _I32),
+    # dtype
+    "omni_gemm_supported": ([_I32], _I32),
     # N, K, gated
     "omni_gemm_packed_size": ([_I32, _I32, _I32], _I64),
-    # w, N, K, gated, out
-    "omni_gemm_pack": ([_P, _I32, _I32, _I32, _P], None),
-    # x, ldx, packed, bias, y, ldy, M, N, K, gated, nthreads
-    "omni_gemm": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32], _I32),
+    # w, N, K, gated, dtype, out
+    "omni_gemm_pack": ([_P, _I32, _I32, _I32, _I32, _P], None),
+    # x, ldx, packed, bias, y, ldy, M, N, K, gated, dtype, nthreads
+    "omni_gemm": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
 }
 
 

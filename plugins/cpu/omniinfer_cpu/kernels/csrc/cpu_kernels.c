@@ -980,48 +980,54 @@ void omni_argmax(const void *x, int64_t ld, int rows, int cols, int dt, int64_t 
     for (int r = 0; r < rows; r++) out[r] = argmax_row((const char *)x + (size_t)r * ld * es, cols, dt);
 }
 
-/* ---- bfloat16 products for batches of a few to a few hundred rows ---------------------------
+/* ---- products for batches of a few to a few hundred rows ------------------------------------
  * y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with W packed once, at load, by omni_gemm_pack into
- * panels of GEMM_NR = 64 columns: panel p holds, for each pair of components k = 2j, 2j + 1, the
- * 64 columns' two weights side by side ([P][K / 2][64][2]), i.e. four vectors that vdpbf16ps
- * multiplies by one broadcast pair of x. A tile of up to 6 rows x 64 columns keeps its 24 sums in
- * registers over all of K. Each thread takes a contiguous range of panels; rows go by in chunks
- * of GEMM_MC, so a thread's weights are read from L2 once per chunk. Sums in float32, each
- * result rounded once (+ bias first), as oneDNN does.
+ * panels of GEMM_NR = 64 columns, four vectors per step along K:
+ *   bfloat16: [P][K / 2][64][2], each column's weights for components 2j and 2j + 1 side by side,
+ *             which vdpbf16ps multiplies by one broadcast pair of x;
+ *   float32:  [P][K][64], multiplied by one broadcast component of x.
+ * A tile of up to 6 rows x 64 columns keeps its 24 sums in registers over all of K. Each thread
+ * takes a contiguous range of panels; rows go by in chunks of GEMM_MC, so a thread's weights are
+ * read from L2 once per chunk. Sums in float32, each result rounded once (+ bias first), as
+ * oneDNN does.
  *
  * "Gated" packs a gate_up weight [2I, K] (gate rows, then up rows) so that panel p holds gate
  * columns 32p .. 32p + 31 in its first two vectors and the same up columns in the last two; the
- * tile then writes silu(gate) * up [M, I] directly, rounding gate, up and silu(gate) to bfloat16
+ * tile then writes silu(gate) * up [M, I] directly, rounding (bfloat16) gate, up and silu(gate)
  * on the way as the separate product and omni_silu_and_mul do, so the result is the same bits.
  *
- * Built only where the CPU has AVX-512 BF16 (omni_gemm_supported() says so). */
+ * Built where the CPU has AVX-512 (float32) and AVX-512 BF16 (bfloat16):
+ * omni_gemm_supported(dtype) says which. */
 
 #define GEMM_NR 64
 #define GEMM_MR 6
 #define GEMM_MC 120
 
-int omni_gemm_supported(void) {
+int omni_gemm_supported(int dt) {
+    (void)dt;
 #if defined(__AVX512BF16__)
-    return 1;
-#else
-    return 0;
+    if (dt == BF16) return 1;
 #endif
+#if defined(__AVX512F__)
+    if (dt == F32) return 1;
+#endif
+    return 0;
 }
 
-/* elements the packed copy of an [N, K] weight takes (K even) */
+/* elements the packed copy of an [N, K] weight takes (bfloat16: K even) */
 int64_t omni_gemm_packed_size(int N, int K, int gated) {
     int64_t cols = gated ? (int64_t)(N / 2 + GEMM_NR / 2 - 1) / (GEMM_NR / 2) * GEMM_NR
                          : (int64_t)(N + GEMM_NR - 1) / GEMM_NR * GEMM_NR;
     return cols * K;
 }
 
-/* w [N, K] bfloat16 (K even; gated: N even) -> out (omni_gemm_packed_size elements; padding 0) */
-void omni_gemm_pack(const uint16_t *w, int N, int K, int gated, uint16_t *out) {
-    int K2 = K / 2, half = N / 2;
+/* w [N, K] (bfloat16: K even; gated: N even) -> out (omni_gemm_packed_size elements; padding 0) */
+void omni_gemm_pack(const void *w, int N, int K, int gated, int dt, void *out) {
+    int half = N / 2, x = dt == F32 ? 1 : 2;
     int64_t P = omni_gemm_packed_size(N, K, gated) / K / GEMM_NR;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < P; p++)
-        for (int j = 0; j < K2; j++)
+        for (int k = 0; k < K; k++)
             for (int c = 0; c < GEMM_NR; c++) {
                 int64_t n;
                 if (!gated) n = p * GEMM_NR + c;
@@ -1029,42 +1035,107 @@ void omni_gemm_pack(const uint16_t *w, int N, int K, int gated, uint16_t *out) {
                     int64_t col = p * (GEMM_NR / 2) + c % (GEMM_NR / 2);
                     n = col < half ? col + (c < GEMM_NR / 2 ? 0 : half) : N;
                 }
-                uint16_t *o = out + ((p * K2 + j) * GEMM_NR + c) * 2;
-                o[0] = n < N ? w[n * K + 2 * j] : 0;
-                o[1] = n < N ? w[n * K + 2 * j + 1] : 0;
+                int64_t at = ((p * (K / x) + k / x) * GEMM_NR + c) * x + k % x;
+                if (dt == F32) ((float *)out)[at] = n < N ? ((const float *)w)[n * K + k] : 0.f;
+                else ((uint16_t *)out)[at] = n < N ? ((const uint16_t *)w)[n * K + k] : 0;
             }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 typedef struct {
-    const uint16_t *x, *bias;
-    uint16_t *y;
+    const void *x, *bias;
+    void *y;
     int64_t ldx, ldy;
-    int K2, N, gated;
+    int K, N, gated;
 } gemm_args;
 
-INLINE vf bias_lanes(const gemm_args *g, int64_t col0, int n_valid) {  /* 16 columns from col0 */
+INLINE __mmask16 lanes_mask(int n_valid) {
+    return n_valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n_valid) - 1);
+}
+
+INLINE vf bias_lanes(const gemm_args *g, int dt, int64_t col0, int n_valid) {  /* 16 columns */
     if (!g->bias || n_valid <= 0) return (vf){0};
-    __mmask16 m = n_valid >= 16 ? 0xffff : (__mmask16)((1u << n_valid) - 1);
-    __m256i h = _mm256_maskz_loadu_epi16(m, g->bias + col0);
+    if (dt == F32) return (vf)_mm512_maskz_loadu_ps(lanes_mask(n_valid), (const float *)g->bias + col0);
+    __m256i h = _mm256_maskz_loadu_epi16(lanes_mask(n_valid), (const uint16_t *)g->bias + col0);
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
 }
 
-INLINE void store_lanes(uint16_t *p, int n_valid, vf v) {
+INLINE void store_lanes(void *y, int dt, int64_t at, int n_valid, vf v) {
     if (n_valid <= 0) return;
+    if (dt == F32) {
+        if (n_valid >= 16) *(vfu *)((float *)y + at) = v;
+        else _mm512_mask_storeu_ps((float *)y + at, lanes_mask(n_valid), (__m512)v);
+        return;
+    }
+#if defined(__AVX512BF16__)
     __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)v);
-    if (n_valid >= 16) _mm256_storeu_si256((__m256i *)p, h);
-    else _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n_valid) - 1), h);
+    if (n_valid >= 16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), h);
+    else _mm256_mask_storeu_epi16((uint16_t *)y + at, lanes_mask(n_valid), h);
+#endif
+}
+
+/* the tile's results: plain columns p * 64 .., or gated columns p * 32 .. of silu(gate) * up */
+INLINE void gemm_store(const gemm_args *g, int dt, int m, int MR, int64_t p, vf acc[][4]) {
+    if (!g->gated) {
+        int64_t c0 = p * GEMM_NR;
+        vf bias[4];
+        for (int v = 0; v < 4; v++) bias[v] = bias_lanes(g, dt, c0 + 16 * v, (int)(g->N - c0 - 16 * v));
+        for (int r = 0; r < MR; r++)
+            for (int v = 0; v < 4; v++)
+                store_lanes(g->y, dt, (m + r) * g->ldy + c0 + 16 * v, (int)(g->N - c0 - 16 * v),
+                            acc[r][v] + bias[v]);
+        return;
+    }
+    int64_t half = g->N / 2, c0 = p * (GEMM_NR / 2);
+    vf bias[4];
+    for (int v = 0; v < 2; v++) {
+        bias[v] = bias_lanes(g, dt, c0 + 16 * v, (int)(half - c0 - 16 * v));
+        bias[v + 2] = bias_lanes(g, dt, half + c0 + 16 * v, (int)(half - c0 - 16 * v));
+    }
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < 2; v++) {
+            vf gate = acc[r][v] + bias[v], up = acc[r][v + 2] + bias[v + 2];
+            if (dt == BF16) gate = vround_bf16(gate), up = vround_bf16(up);
+            vf a = gate / (1.0f + vexp(-gate));
+            if (dt == BF16) a = vround_bf16(a);
+            store_lanes(g->y, dt, (m + r) * g->ldy + c0 + 16 * v, (int)(half - c0 - 16 * v), a * up);
+        }
 }
 
 /* rows m .. m + MR - 1, panel p (B: its packed weights) */
-#define GEMM_TILE(MR)                                                                              \
-static void gemm_tile##MR(const gemm_args *g, int m, int64_t p, const uint16_t *B) {               \
+#define GEMM_TILE_F32(MR)                                                                          \
+static void gemm_tile_f32_##MR(const gemm_args *g, int m, int64_t p, const void *panel) {          \
     vf acc[MR][4];                                                                                 \
     for (int r = 0; r < MR; r++)                                                                   \
         for (int v = 0; v < 4; v++) acc[r][v] = (vf){0};                                           \
-    const uint16_t *x = g->x + m * g->ldx;                                                         \
-    for (int j = 0; j < g->K2; j++) {                                                              \
+    const float *x = (const float *)g->x + m * g->ldx, *B = panel;                                 \
+    for (int k = 0; k < g->K; k++) {                                                               \
+        const vf *b = (const vf *)(B + (int64_t)k * GEMM_NR);                                      \
+        vf b0 = b[0], b1 = b[1], b2 = b[2], b3 = b[3];                                             \
+        _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                                     \
+            vf a = (vf){0} + x[r * g->ldx + k];                                                    \
+            acc[r][0] += a * b0;                                                                   \
+            acc[r][1] += a * b1;                                                                   \
+            acc[r][2] += a * b2;                                                                   \
+            acc[r][3] += a * b3;                                                                   \
+        }                                                                                          \
+    }                                                                                              \
+    gemm_store(g, F32, m, MR, p, acc);                                                             \
+}
+GEMM_TILE_F32(1) GEMM_TILE_F32(2) GEMM_TILE_F32(3) GEMM_TILE_F32(4) GEMM_TILE_F32(5) GEMM_TILE_F32(6)
+typedef void (*gemm_tile_fn)(const gemm_args *, int, int64_t, const void *);
+static const gemm_tile_fn GEMM_TILES_F32[GEMM_MR + 1] = {
+    0, gemm_tile_f32_1, gemm_tile_f32_2, gemm_tile_f32_3, gemm_tile_f32_4, gemm_tile_f32_5,
+    gemm_tile_f32_6};
+
+#if defined(__AVX512BF16__)
+#define GEMM_TILE_BF16(MR)                                                                         \
+static void gemm_tile_bf16_##MR(const gemm_args *g, int m, int64_t p, const void *panel) {         \
+    vf acc[MR][4];                                                                                 \
+    for (int r = 0; r < MR; r++)                                                                   \
+        for (int v = 0; v < 4; v++) acc[r][v] = (vf){0};                                           \
+    const uint16_t *x = (const uint16_t *)g->x + m * g->ldx, *B = panel;                           \
+    for (int j = 0; j < g->K / 2; j++) {                                                           \
         const __m512bh *b = (const __m512bh *)(B + (int64_t)j * GEMM_NR * 2);                      \
         __m512bh b0 = b[0], b1 = b[1], b2 = b[2], b3 = b[3];                                       \
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                                     \
@@ -1077,46 +1148,29 @@ static void gemm_tile##MR(const gemm_args *g, int m, int64_t p, const uint16_t *
             acc[r][3] = (vf)_mm512_dpbf16_ps((__m512)acc[r][3], a, b3);                            \
         }                                                                                          \
     }                                                                                              \
-    gemm_store(g, m, MR, p, acc);                                                                  \
+    gemm_store(g, BF16, m, MR, p, acc);                                                            \
 }
-
-/* the tile's results: plain columns p * 64 .., or gated columns p * 32 .. of silu(gate) * up */
-INLINE void gemm_store(const gemm_args *g, int m, int MR, int64_t p, vf acc[][4]) {
-    if (!g->gated) {
-        int64_t c0 = p * GEMM_NR;
-        vf bias[4];
-        for (int v = 0; v < 4; v++) bias[v] = bias_lanes(g, c0 + 16 * v, (int)(g->N - c0 - 16 * v));
-        for (int r = 0; r < MR; r++)
-            for (int v = 0; v < 4; v++)
-                store_lanes(g->y + (m + r) * g->ldy + c0 + 16 * v, (int)(g->N - c0 - 16 * v), acc[r][v] + bias[v]);
-        return;
-    }
-    int64_t half = g->N / 2, c0 = p * (GEMM_NR / 2);
-    vf bias[4];
-    for (int v = 0; v < 2; v++) {
-        bias[v] = bias_lanes(g, c0 + 16 * v, (int)(half - c0 - 16 * v));
-        bias[v + 2] = bias_lanes(g, half + c0 + 16 * v, (int)(half - c0 - 16 * v));
-    }
-    for (int r = 0; r < MR; r++)
-        for (int v = 0; v < 2; v++) {
-            vf gate = vround_bf16(acc[r][v] + bias[v]), up = vround_bf16(acc[r][v + 2] + bias[v + 2]);
-            vf a = vround_bf16(gate / (1.0f + vexp(-gate)));
-            store_lanes(g->y + (m + r) * g->ldy + c0 + 16 * v, (int)(half - c0 - 16 * v), a * up);
-        }
-}
-
-GEMM_TILE(1) GEMM_TILE(2) GEMM_TILE(3) GEMM_TILE(4) GEMM_TILE(5) GEMM_TILE(6)
-static void (*const GEMM_TILES[GEMM_MR + 1])(const gemm_args *, int, int64_t, const uint16_t *) = {
-    0, gemm_tile1, gemm_tile2, gemm_tile3, gemm_tile4, gemm_tile5, gemm_tile6};
+GEMM_TILE_BF16(1) GEMM_TILE_BF16(2) GEMM_TILE_BF16(3) GEMM_TILE_BF16(4) GEMM_TILE_BF16(5)
+GEMM_TILE_BF16(6)
+static const gemm_tile_fn GEMM_TILES_BF16[GEMM_MR + 1] = {
+    0, gemm_tile_bf16_1, gemm_tile_bf16_2, gemm_tile_bf16_3, gemm_tile_bf16_4, gemm_tile_bf16_5,
+    gemm_tile_bf16_6};
+#endif
 #endif
 
 /* y [M, ldy] = x [M, ldx] @ W^T (+ bias [N]) with W [N, K] packed by omni_gemm_pack (gated: y is
- * [M, N / 2], silu(gate) * up). bfloat16 throughout. Returns -1 where the build has no AVX-512
- * BF16 (nothing written), else 0. */
+ * [M, N / 2], silu(gate) * up), all in dtype dt. Returns -1 where omni_gemm_supported(dt) is 0
+ * (nothing written), else 0. */
 int omni_gemm(const void *x, int64_t ldx, const void *packed, const void *bias, void *y, int64_t ldy,
-              int M, int N, int K, int gated, int nthreads) {
+              int M, int N, int K, int gated, int dt, int nthreads) {
+    if (!omni_gemm_supported(dt)) return -1;
+#if defined(__AVX512F__)
+    const gemm_tile_fn *tiles_of = GEMM_TILES_F32;
 #if defined(__AVX512BF16__)
-    gemm_args g = {x, bias, y, ldx, ldy, K / 2, N, gated};
+    if (dt == BF16) tiles_of = GEMM_TILES_BF16;
+#endif
+    gemm_args g = {x, bias, y, ldx, ldy, K, N, gated};
+    size_t es = dt == F32 ? 4 : 2;
     int64_t P = omni_gemm_packed_size(N, K, gated) / K / GEMM_NR;
     if (nthreads < 1) nthreads = 1;
     if (nthreads > P) nthreads = (int)P;
@@ -1131,10 +1185,10 @@ int omni_gemm(const void *x, int64_t ldx, const void *packed, const void *bias, 
         for (int m0 = 0; m0 < M; m0 += GEMM_MC) {
             int mc = M - m0 < GEMM_MC ? M - m0 : GEMM_MC, tiles = (mc + GEMM_MR - 1) / GEMM_MR;
             for (int64_t p = p0; p < p1; p++) {
-                const uint16_t *B = (const uint16_t *)packed + p * (int64_t)K * GEMM_NR;
+                const char *B = (const char *)packed + p * (int64_t)K * GEMM_NR * es;
                 for (int i = 0, m = m0; i < tiles; i++) {  /* tiles of near-equal heights */
                     int left = m0 + mc - m, mr = (left + tiles - i - 1) / (tiles - i);
-                    GEMM_TILES[mr](&g, m, p, B);
+                    tiles_of[mr](&g, m, p, B);
                     m += mr;
                 }
             }
