@@ -7,12 +7,15 @@
  *                       after a cached context and decodes in one call; causal; sliding window).
  * omni_rms_norm, omni_rotary, omni_silu_and_mul: the elementwise pieces of a decoder layer.
  * omni_argmax:          the greedy token of each row of the logits.
+ * omni_gemm:            y = x @ W^T for 3 to a few hundred rows, W packed at load (omni_gemm_pack);
+ *                       with a gate_up weight, silu(gate) * up. AVX-512 only (omni_gemm_supported).
  *
  * Written with GCC vector extensions, so one source builds for AVX-512 (16 float lanes in one
  * register), AVX2 (two) or anything else GCC targets (AVX-512 BF16's vdpbf16ps where the CPU has
- * it). dtypes: 0 = float32, 1 = bfloat16 (widened on load, or multiplied in pairs by vdpbf16ps;
- * sums in float32; results rounded to nearest even once, at the end); the query, keys, values,
- * cache and output of one call share a dtype, as do a linear's input, weight, bias and output.
+ * it; omni_gemm's register tiles need AVX-512's 32 registers and are built only there).
+ * dtypes: 0 = float32, 1 = bfloat16 (widened on load, or multiplied in pairs by vdpbf16ps; sums
+ * in float32; results rounded to nearest even once, at the end); the query, keys, values, cache
+ * and output of one call share a dtype, as do a linear's input, weight, bias and output.
  */
 #include <math.h>
 #include <stddef.h>
