@@ -10,8 +10,10 @@ its continuous-batching mode where the installed version has one.
         [--num-scheduler-steps 8]
 
 omniinfer runs with the LLM class's default of 8 decode steps per schedule (multi-step
-decoding) and, for comparison, with one, in the same process, the two engines taking turns run
-by run; `--num-scheduler-steps K` sets the first (1: only the single-step run).
+decoding) and, for comparison, with one; `--num-scheduler-steps K` sets the first (1: only the
+single-step run). Every configuration (the engines, each transformers batch size, its continuous
+batching) is set up and warmed up first; then they take turns, one run each per round, for
+`--repeats` rounds, and each reports its median run.
 """
 
 from __future__ import annotations

@@ -118,67 +118,85 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
-def omniinfer_throughput(path: str, prompts, output_len: int, dtype: str,
-                         engine_args: list[dict], repeats: int = 1) -> list[list[float]]:
-    """Seconds of each of `repeats` runs of the whole workload, for one engine per entry of
-    `engine_args`: all built first, then run in turn (round r of every engine, then round r + 1),
-    so a change in the machine's load between rounds hits them alike."""
+def omniinfer_runs(path: str, prompts, output_len: int, dtype: str, engine_args: list[dict]):
+    """One engine per entry of `engine_args`, built and warmed up; returns ([run per engine],
+    close). A run generates the whole workload and returns its seconds."""
     from omniinfer import LLM, SamplingParams
 
     llms = [LLM(path, dtype=dtype, max_num_seqs=len(prompts), max_model_len=2048, **args)
             for args in engine_args]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
     for llm in llms:
-        llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
-                     SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up
-    times = [[] for _ in llms]
-    for _ in range(repeats):
-        for llm, runs in zip(llms, times):
+        llm.generate(requests[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+
+    def runner(llm):
+        def run() -> float:
             t0 = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            runs.append(time.perf_counter() - t0)
+            outs = llm.generate(requests, params, use_tqdm=False)
+            elapsed = time.perf_counter() - t0
             assert all(len(o.outputs[0].token_ids) == output_len for o in outs)
-    for llm in llms:
-        llm.llm_engine.shutdown()
-    return times
+            return elapsed
+        return run
+
+    def close() -> None:
+        for llm in llms:
+            llm.llm_engine.shutdown()
+
+    return [runner(llm) for llm in llms], close
 
 
-def transformers_static(path: str, prompts, output_len: int, dtype: torch.dtype,
-                        batch: int, repeats: int = 1) -> list[float]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    ids = torch.tensor(prompts)
-    times = []
-    with torch.inference_mode():
-        model.generate(ids[:2], max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for i in range(0, len(prompts), batch):
-                chunk = ids[i:i + batch]
-                out = model.generate(chunk, attention_mask=torch.ones_like(chunk),
-                                     max_new_tokens=output_len, min_new_tokens=output_len,
-                                     do_sample=False, eos_token_id=None, pad_token_id=0)
-                assert out.shape[1] == chunk.shape[1] + output_len
-            times.append(time.perf_counter() - t0)
-    return times
-
-
-def transformers_continuous(path: str, prompts, output_len: int, dtype: torch.dtype,
-                            repeats: int = 1) -> list[float] | None:
+def transformers_runs(path: str, prompts, output_len: int, dtype: torch.dtype,
+                      batches: list[int]) -> dict:
+    """transformers on the same workload, warmed up: {"static_<b>": run} for each batch size b
+    (`generate` on consecutive batches of b prompts) and "continuous" (`generate_batch`, where the
+    installed version has it). One model serves them all (continuous batching leaves it as it
+    was: checked, same tokens and times after it)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    if not hasattr(model, "generate_batch"):
-        return None
-    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)
-    times = []
-    with torch.inference_mode():
-        for _ in range(repeats):
+    ids = torch.tensor(prompts)
+
+    def static(batch: int):
+        def run() -> float:
             t0 = time.perf_counter()
-            model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
-            times.append(time.perf_counter() - t0)
+            with torch.inference_mode():
+                for i in range(0, len(prompts), batch):
+                    chunk = ids[i:i + batch]
+                    out = model.generate(chunk, attention_mask=torch.ones_like(chunk),
+                                         max_new_tokens=output_len, min_new_tokens=output_len,
+                                         do_sample=False, eos_token_id=None, pad_token_id=0)
+                    assert out.shape[1] == chunk.shape[1] + output_len
+            return time.perf_counter() - t0
+        return run
+
+    def continuous(config, inputs):
+        def run() -> float:
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                model.generate_batch(inputs=inputs, generation_config=config, progress_bar=False)
+            return time.perf_counter() - t0
+        return run
+
+    with torch.inference_mode():
+        model.generate(ids[:2], max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    runs = {f"static_{b}": static(b) for b in batches}
+    if hasattr(model, "generate_batch"):
+        config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)
+        warm = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+        continuous(warm, prompts[:2])()
+        runs["continuous"] = continuous(config, prompts)
+    return runs
+
+
+def take_turns(runs: dict, repeats: int) -> dict[str, list[float]]:
+    """`repeats` rounds; each round runs every configuration once, in order, so that a change in
+    the machine's load between rounds hits them alike. {name: seconds of each round}."""
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            times[name].append(run())
     return times
 
 
@@ -245,9 +263,11 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
     """N random prompts at once through LLM.generate; MFU against the measured matmul peak;
     with compare="transformers", transformers' best static batch and continuous batching.
     num_scheduler_steps defaults to the LLM class's (8); above 1 (multi-step decoding)
-    omniinfer also runs with one step per schedule, as "omniinfer_single_step", the two engines
-    taking turns run by run. Every timed configuration runs `repeats` times
-    (after its warm-up) and reports the median run; the runs are kept under "runs_s"."""
+    omniinfer also runs with one step per schedule, as "omniinfer_single_step". Every timed
+    configuration (each engine, each of transformers' batch sizes, its continuous batching) is
+    built and warmed up first, then all run in turns, `repeats` rounds of one run each, so that
+    the ratios compare runs made minutes, not a quarter of an hour, apart; each reports its
+    median run, and the runs are kept under "runs_s"."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats!r}: expected a positive number of runs")
     if num_scheduler_steps is None:
@@ -266,13 +286,20 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
         flops = model_flops(shape, n, i, o)
 
         steps = [num_scheduler_steps] + ([1] if num_scheduler_steps > 1 else [])
-        all_runs = omniinfer_throughput(
-            path, prompts, o, dtype, [{"max_num_batched_tokens": max_num_batched_tokens,
-                                       "num_scheduler_steps": k} for k in steps], repeats)
+        engines, close = omniinfer_runs(path, prompts, o, dtype, [
+            {"max_num_batched_tokens": max_num_batched_tokens, "num_scheduler_steps": k} for k in steps])
+        try:
+            runs = {f"omniinfer_{k}": run for k, run in zip(steps, engines)}
+            batches = [b for b in (8, 32, 64) if b <= n] or [n]
+            if compare == "transformers":
+                runs.update(transformers_runs(path, prompts, o, torch_dtype, batches))
+            times = take_turns(runs, repeats)
+        finally:
+            close()
 
-        def ours(runs: list[float]) -> dict:
-            elapsed = statistics.median(runs)
-            return {"seconds": elapsed, "runs_s": runs, "requests_per_s": n / elapsed,
+        def ours(seconds: list[float]) -> dict:
+            elapsed = statistics.median(seconds)
+            return {"seconds": elapsed, "runs_s": seconds, "requests_per_s": n / elapsed,
                     "output_tokens_per_s": n * o / elapsed, "total_tokens_per_s": n * (i + o) / elapsed,
                     "model_gflops": flops / elapsed / 1e9, "mfu": flops / elapsed / 1e9 / peak}
 
@@ -281,24 +308,20 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
             "num_prompts": n, "input_len": i, "output_len": o, "repeats": repeats,
             "num_scheduler_steps": num_scheduler_steps,
             "threads": torch.get_num_threads(), "matmul_peak_gflops": peak,
-            "omniinfer": ours(all_runs[0]),
+            "omniinfer": ours(times[f"omniinfer_{steps[0]}"]),
         }
         if len(steps) > 1:
-            result["omniinfer_single_step"] = ours(all_runs[1])
+            result["omniinfer_single_step"] = ours(times["omniinfer_1"])
         if compare == "transformers":
-            batches = [b for b in (8, 32, 64) if b <= n] or [n]
-            static_runs = {b: transformers_static(path, prompts, o, torch_dtype, b, repeats)
-                           for b in batches}
-            static = {b: statistics.median(t) for b, t in static_runs.items()}
+            static = {b: statistics.median(times[f"static_{b}"]) for b in batches}
             best = min(static, key=static.get)
             result["transformers_static"] = {"best_batch": best, "seconds": static[best],
-                                             "runs_s": static_runs[best],
+                                             "runs_s": times[f"static_{best}"],
                                              "output_tokens_per_s": n * o / static[best],
                                              "all_batches_s": static}
-            cont_runs = transformers_continuous(path, prompts, o, torch_dtype, repeats)
-            if cont_runs is not None:
-                cont = statistics.median(cont_runs)
-                result["transformers_continuous"] = {"seconds": cont, "runs_s": cont_runs,
+            if "continuous" in times:
+                cont = statistics.median(times["continuous"])
+                result["transformers_continuous"] = {"seconds": cont, "runs_s": times["continuous"],
                                                      "output_tokens_per_s": n * o / cont}
     return result
 
