@@ -109,7 +109,7 @@ class CpuLinearMethod(LinearMethod):
         num_out, num_in = weight.shape
         out = torch.empty(self.gemm.gemm_packed_size(num_out, num_in, int(gated)), dtype=weight.dtype)
         self.gemm.gemm_pack(weight.data_ptr(), num_out, num_in, int(gated), DTYPE_CODES[weight.dtype],
-                            out.data_ptr())
+                            out.data_ptr(), torch.get_num_threads())
         return out
 
     def _gemm(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -56,8 +56,8 @@ SIGNATURES = {
     "omni_gemm_supported": ([_I32], _I32),
     # N, K, gated
     "omni_gemm_packed_size": ([_I32, _I32, _I32], _I64),
-    # w, N, K, gated, dtype, out
-    "omni_gemm_pack": ([_P, _I32, _I32, _I32, _I32, _P], None),
+    # w, N, K, gated, dtype, out, nthreads
+    "omni_gemm_pack": ([_P, _I32, _I32, _I32, _I32, _P, _I32], None),
     # x, ldx, packed, bias, y, ldy, M, N, K, gated, dtype, nthreads
     "omni_gemm": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
 }

@@ -344,6 +344,16 @@ INLINE void linear_rows(const void *x, size_t ldx, const void *w, const void *bi
     }
 }
 
+/* this thread's even share [lo, hi) of n items (inside a parallel region) */
+INLINE void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
+#ifdef _OPENMP
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    int t = 0, nt = 1;
+#endif
+    *lo = n * t / nt, *hi = n * (t + 1) / nt;
+}
+
 /* the dtype as a compile-time constant, so the inner loops carry no branches */
 static void linear_rows_f32(const void *x, size_t ldx, const void *w, const void *bias, void *y,
                             size_t ldy, int M, int K, int n0, int n1) {
@@ -365,13 +375,9 @@ void omni_linear(const void *x, int64_t ldx, const void *w, const void *bias, vo
     if ((int64_t)N * K < 32768) nthreads = 1;  /* not worth waking a thread */
 #pragma omp parallel num_threads(nthreads)
     {
-#ifdef _OPENMP
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        int t = 0, nt = 1;
-#endif
-        int n0 = (int)((int64_t)N * t / nt), n1 = (int)((int64_t)N * (t + 1) / nt);
-        rows(x, (size_t)ldx, w, bias, y, (size_t)ldy, M, K, n0, n1);
+        int64_t n0, n1;
+        thread_share(N, &n0, &n1);
+        rows(x, (size_t)ldx, w, bias, y, (size_t)ldy, M, K, (int)n0, (int)n1);
     }
 }
 
@@ -1025,10 +1031,11 @@ int64_t omni_gemm_packed_size(int N, int K, int gated) {
 }
 
 /* w [N, K] (bfloat16: K even; gated: N even) -> out (omni_gemm_packed_size elements; padding 0) */
-void omni_gemm_pack(const void *w, int N, int K, int gated, int dt, void *out) {
+void omni_gemm_pack(const void *w, int N, int K, int gated, int dt, void *out, int nthreads) {
     int half = N / 2, x = dt == F32 ? 1 : 2;
     int64_t P = omni_gemm_packed_size(N, K, gated) / K / GEMM_NR;
-#pragma omp parallel for schedule(static)
+    (void)nthreads;
+#pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
     for (int64_t p = 0; p < P; p++)
         for (int k = 0; k < K; k++)
             for (int c = 0; c < GEMM_NR; c++) {
@@ -1179,12 +1186,8 @@ int omni_gemm(const void *x, int64_t ldx, const void *packed, const void *bias, 
     if (nthreads > P) nthreads = (int)P;
 #pragma omp parallel num_threads(nthreads)
     {
-#ifdef _OPENMP
-        int t = omp_get_thread_num(), nt = omp_get_num_threads();
-#else
-        int t = 0, nt = 1;
-#endif
-        int64_t p0 = P * t / nt, p1 = P * (t + 1) / nt;
+        int64_t p0, p1;
+        thread_share(P, &p0, &p1);
         for (int m0 = 0; m0 < M; m0 += GEMM_MC) {
             int mc = M - m0 < GEMM_MC ? M - m0 : GEMM_MC, tiles = (mc + GEMM_MR - 1) / GEMM_MR;
             for (int64_t p = p0; p < p1; p++) {
