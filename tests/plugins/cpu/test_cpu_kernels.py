@@ -328,6 +328,27 @@ def test_kernels_split_across_threads(two_threads, dtype):
                  Case("prefill", ((0, 50), (9, 20)), group=4)):
         assert_matches_reference(run_case(CpuPagedBackend, case, "cpu", dtype), dtype)
 
+    # omni_gemm: panels split between the threads (300 columns: 5 panels), and with fewer panels
+    # than threads (64 columns, or a gated 2 x 32) chunks of 120 rows x panels
+    if dtype in CpuLinearMethod(build.load(), pack=True).gemm_dtypes:
+        from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS, SiluAndMul
+
+        for n, gated in ((300, False), (64, False), (64, True)):
+            layer = _Layer(torch.randn(n, 96, generator=gen).to(dtype))
+            if gated:
+                layer.silu_and_mul = SiluAndMul()
+            method = CpuLinearMethod(build.load(), pack=True)
+            method.process_weights_after_loading(layer)
+            for rows in (7, 300):
+                x = torch.randn(rows, 96, generator=gen).to(dtype)
+                want = F.linear(x.float(), layer.weight.float())
+                if gated:
+                    got, want = method.apply_silu_and_mul(layer, x, None, layer.silu_and_mul), \
+                        TORCH_LAYER_OPS.silu_and_mul(want)
+                else:
+                    got = method.apply(layer, x)
+                torch.testing.assert_close(got.float(), want, **TOL[dtype])
+
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1181,15 +1181,22 @@ int omni_gemm(const void *x, int64_t ldx, const void *packed, const void *bias, 
 #endif
     gemm_args g = {x, bias, y, ldx, ldy, K, N, gated};
     size_t es = dt == F32 ? 4 : 2;
-    int64_t P = omni_gemm_packed_size(N, K, gated) / K / GEMM_NR;
+    int64_t P = omni_gemm_packed_size(N, K, gated) / K / GEMM_NR, C = (M + GEMM_MC - 1) / GEMM_MC;
     if (nthreads < 1) nthreads = 1;
-    if (nthreads > P) nthreads = (int)P;
+    /* Threads take contiguous ranges of panels and keep them over every chunk of rows (their
+     * weights stay in L2). With fewer panels than threads, they take (chunk, panel) units. */
+    int by_units = P < nthreads && C > 1;
+    int64_t units = by_units ? P * C : P;
+    if (nthreads > units) nthreads = (int)units;
 #pragma omp parallel num_threads(nthreads)
     {
-        int64_t p0, p1;
-        thread_share(P, &p0, &p1);
-        for (int m0 = 0; m0 < M; m0 += GEMM_MC) {
-            int mc = M - m0 < GEMM_MC ? M - m0 : GEMM_MC, tiles = (mc + GEMM_MR - 1) / GEMM_MR;
+        int64_t u0, u1;
+        thread_share(units, &u0, &u1);
+        for (int64_t c = by_units ? u0 / P : 0; c < (by_units ? (u1 + P - 1) / P : C); c++) {
+            int m0 = (int)(c * GEMM_MC), mc = M - m0 < GEMM_MC ? M - m0 : GEMM_MC;
+            int tiles = (mc + GEMM_MR - 1) / GEMM_MR;
+            int64_t p0 = by_units ? (c * P > u0 ? 0 : u0 - c * P) : u0;
+            int64_t p1 = by_units ? (u1 - c * P < P ? u1 - c * P : P) : u1;
             for (int64_t p = p0; p < p1; p++) {
                 const char *B = (const char *)packed + p * (int64_t)K * GEMM_NR * es;
                 for (int i = 0, m = m0; i < tiles; i++) {  /* tiles of near-equal heights */
