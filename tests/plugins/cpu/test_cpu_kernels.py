@@ -329,7 +329,7 @@ def test_kernels_split_across_threads(two_threads, dtype):
         assert_matches_reference(run_case(CpuPagedBackend, case, "cpu", dtype), dtype)
 
     # omni_gemm: panels split between the threads (300 columns: 5 panels), and with fewer panels
-    # than threads (64 columns, or a gated 2 x 32) chunks of 120 rows x panels
+    # than threads (64 columns, or a gated 2 x 32) chunks of rows x panels (7 rows: 6 + 1)
     if dtype in CpuLinearMethod(build.load(), pack=True).gemm_dtypes:
         from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS, SiluAndMul
 

@@ -1181,10 +1181,18 @@ int omni_gemm(const void *x, int64_t ldx, const void *packed, const void *bias, 
 #endif
     gemm_args g = {x, bias, y, ldx, ldy, K, N, gated};
     size_t es = dt == F32 ? 4 : 2;
-    int64_t P = omni_gemm_packed_size(N, K, gated) / K / GEMM_NR, C = (M + GEMM_MC - 1) / GEMM_MC;
+    int64_t P = omni_gemm_packed_size(N, K, gated) / K / GEMM_NR;
     if (nthreads < 1) nthreads = 1;
     /* Threads take contiguous ranges of panels and keep them over every chunk of rows (their
-     * weights stay in L2). With fewer panels than threads, they take (chunk, panel) units. */
+     * weights stay in L2). With fewer panels than threads, they take (chunk, panel) units, the
+     * chunks made short enough (in whole tiles) for every thread to get one. */
+    int64_t mc_max = GEMM_MC;
+    if (P < nthreads) {
+        int64_t chunks = (nthreads + P - 1) / P, rows = (M + chunks - 1) / chunks;
+        rows = (rows + GEMM_MR - 1) / GEMM_MR * GEMM_MR;
+        if (rows < mc_max) mc_max = rows;
+    }
+    int64_t C = (M + mc_max - 1) / mc_max;
     int by_units = P < nthreads && C > 1;
     int64_t units = by_units ? P * C : P;
     if (nthreads > units) nthreads = (int)units;
@@ -1193,7 +1201,7 @@ int omni_gemm(const void *x, int64_t ldx, const void *packed, const void *bias, 
         int64_t u0, u1;
         thread_share(units, &u0, &u1);
         for (int64_t c = by_units ? u0 / P : 0; c < (by_units ? (u1 + P - 1) / P : C); c++) {
-            int m0 = (int)(c * GEMM_MC), mc = M - m0 < GEMM_MC ? M - m0 : GEMM_MC;
+            int m0 = (int)(c * mc_max), mc = M - m0 < mc_max ? M - m0 : (int)mc_max;
             int tiles = (mc + GEMM_MR - 1) / GEMM_MR;
             int64_t p0 = by_units ? (c * P > u0 ? 0 : u0 - c * P) : u0;
             int64_t p1 = by_units ? (u1 - c * P < P ? u1 - c * P : P) : u1;
