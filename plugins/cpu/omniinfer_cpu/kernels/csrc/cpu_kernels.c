@@ -1174,6 +1174,7 @@ static const gemm_tile_fn GEMM_TILES_BF16[GEMM_MR + 1] = {
 int omni_gemm(const void *x, int64_t ldx, const void *packed, const void *bias, void *y, int64_t ldy,
               int M, int N, int K, int gated, int dt, int nthreads) {
     if (!omni_gemm_supported(dt)) return -1;
+    if (M <= 0 || N <= 0 || K <= 0) return 0;  /* nothing to compute */
 #if defined(__AVX512F__)
     const gemm_tile_fn *tiles_of = GEMM_TILES_F32;
 #if defined(__AVX512BF16__)
