@@ -32,9 +32,10 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import SHAPES, build_random_checkpoint, quiet  # noqa: E402
+from common import DEFAULT_WORKLOADS, SHAPES, build_random_checkpoint, quiet  # noqa: E402
 
-WORKLOADS = {"small": (64, 128, 128), "medium": (32, 128, 64), "tiny": (8, 16, 8)}
+# the throughput benchmark's workloads (N, input, output), and a seconds-long one for CI
+WORKLOADS = {**DEFAULT_WORKLOADS, "tiny": (8, 16, 8)}
 LINEAR_KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
