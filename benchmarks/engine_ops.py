@@ -1,7 +1,8 @@
 """Where an engine step goes: each operation timed inside a real offline run.
 
 Runs the throughput workload of a shape (`--shape small`: 64 prompts x (128 in, 128 out),
-greedy, EOS ignored) on the engine the `LLM` class builds, with a timer around each of:
+greedy, EOS ignored; `--num-prompts`, `--input-len` and `--output-len` change it, e.g.
+`--shape medium --num-prompts 1` for the latency benchmark's batch-1 decode) on the engine the `LLM` class builds, with a timer around each of:
 
 * the model's pieces: every linear layer by kind (qkv_proj, o_proj, gate_up_proj with its
   SiLU-and-multiply, down_proj), the LM head, attention, and the layer ops (RMS norm, rotary;
@@ -17,7 +18,8 @@ of the per-run totals. The timers add a few microseconds per call (a Python wrap
 sum is a little above an untimed run.
 
     python benchmarks/engine_ops.py [--shape small] [--dtype bfloat16] [--repeats 3]
-        [--num-scheduler-steps K] [--json out.json]
+        [--num-prompts N] [--input-len I] [--output-len O] [--num-scheduler-steps K]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -133,6 +135,9 @@ def main() -> None:
     parser.add_argument("--shape", default="small", choices=sorted(WORKLOADS))
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, help="default: the shape's workload")
+    parser.add_argument("--input-len", type=int, help="default: the shape's workload")
+    parser.add_argument("--output-len", type=int, help="default: the shape's workload")
     parser.add_argument("--num-scheduler-steps", type=int, default=None,
                         help="decode steps per schedule (default: the LLM class's, 8)")
     parser.add_argument("--model", help="an existing checkpoint directory (default: built at random)")
@@ -140,17 +145,21 @@ def main() -> None:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: expected a positive number")
-    if args.num_scheduler_steps is not None and args.num_scheduler_steps < 1:
-        parser.error(f"--num-scheduler-steps {args.num_scheduler_steps}: expected a positive number")
+    for flag in ("num_scheduler_steps", "num_prompts", "input_len", "output_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            parser.error(f"--{flag.replace('_', '-')} {value}: expected a positive number")
     quiet()
     from omniinfer import LLM, SamplingParams
     from omniinfer.benchmarks.perf import make_prompts
 
-    num_prompts, input_len, output_len = WORKLOADS[args.shape]
+    num_prompts, input_len, output_len = (given or default for given, default in zip(
+        (args.num_prompts, args.input_len, args.output_len), WORKLOADS[args.shape]))
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or build_random_checkpoint(os.path.join(tmp, "m"), args.shape, args.dtype)
         extra = {} if args.num_scheduler_steps is None else {"num_scheduler_steps": args.num_scheduler_steps}
-        llm = LLM(path, dtype=args.dtype, max_num_seqs=num_prompts, max_model_len=2048, **extra)
+        llm = LLM(path, dtype=args.dtype, max_num_seqs=num_prompts,
+                  max_model_len=max(2048, input_len + output_len), **extra)
         prompts = make_prompts(num_prompts, input_len, SHAPES[args.shape]["vocab_size"])
         requests = [{"prompt_token_ids": p} for p in prompts]
         llm.generate(requests[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
@@ -170,7 +179,8 @@ def main() -> None:
     print(f"{args.shape} {args.dtype}, {num_prompts} x ({input_len} in, {output_len} out), "
           f"{k} decode step(s) per schedule; run {statistics.median(r['seconds'] for r in runs):.3f} s "
           f"(median of {args.repeats})")
-    result = {"shape": args.shape, "dtype": args.dtype, "num_scheduler_steps": k, "runs": runs}
+    result = {"shape": args.shape, "dtype": args.dtype, "num_prompts": num_prompts, "input_len": input_len,
+              "output_len": output_len, "num_scheduler_steps": k, "runs": runs}
     for phase in ("prefill", "decode"):
         names = [n for n in ORDER if n in runs[0][phase]]
         print(f"\n{phase}: {runs[0]['steps'].get(phase, 0)} steps a run")

@@ -54,6 +54,7 @@ def test_throughput_with_multi_step_decoding(tmp_path):
      "--num-scheduler-steps 0: expected a positive number"),
     ("host_overhead.py", ["--num-scheduler-steps", "-1"], "--num-scheduler-steps -1: expected a positive"),
     ("engine_ops.py", ["--shape", "tiny", "--repeats", "0"], "--repeats 0: expected a positive number"),
+    ("engine_ops.py", ["--shape", "tiny", "--num-prompts", "0"], "--num-prompts 0: expected a positive number"),
     ("cpu_gemm.py", ["--shape", "tiny", "--rows", "2"], "at least 3 rows"),
     ("latency.py", ["--shape", "tiny", "--output-len", "1"],
      "--output-len 1: ms per output token needs at least 2 tokens"),
@@ -69,9 +70,13 @@ def test_latency_with_transformers_comparison(tmp_path):
     out = tmp_path / "l.json"
     text = run("latency.py", "--shape", "tiny", "--input-len", "8", "--output-len", "4", "--repeats", "1",
                "--compare", "transformers", "--json", str(out))
-    assert "ms/token" in text and "speed-up over transformers" in text
+    assert "ms/token" in text and "speed-up over transformers" in text and "round by round" in text
     (result,) = json.loads(out.read_text())
     assert result["read_gbps"] > 0 and result["omniinfer"]["weight_gbps"] > 0
+    # the two took turns, with the machine's read bandwidth measured in each round
+    assert len(result["read_gbps_rounds"]) == len(result["speedup_rounds"]) == 1
+    assert result["read_gbps_rounds"][0] > 0 and result["transformers"]["ms_per_token"] > 0
+    assert result["omniinfer"]["read_fraction"] > 0
 
 
 def test_host_overhead(tmp_path):
@@ -90,12 +95,14 @@ def test_engine_ops(tmp_path):
     """Each operation timed inside a run: prefill and decode tables, and the timed spans add up."""
     out = tmp_path / "o.json"
     text = run("engine_ops.py", "--shape", "tiny", "--repeats", "2", "--num-scheduler-steps", "2",
-               "--json", str(out))
+               "--num-prompts", "3", "--output-len", "6", "--json", str(out))
     assert "prefill:" in text and "decode:" in text and "lm_head" in text
+    assert "3 x (16 in, 6 out)" in text  # the tiny workload's input length, the rest as given
     result = json.loads(out.read_text())
     assert result["num_scheduler_steps"] == 2 and len(result["runs"]) == 2
+    assert (result["num_prompts"], result["input_len"], result["output_len"]) == (3, 16, 6)
     decode = result["runs"][0]["decode"]
-    assert result["runs"][0]["steps"]["decode"] == 7  # 8 tokens: the prefill samples the first
+    assert result["runs"][0]["steps"]["decode"] == 5  # 6 tokens: the prefill samples the first
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "attention", "rms_norm",
                  "argmax", "input building", "scheduling", "output processing", "step"):
         assert decode[name][0] > 0, name

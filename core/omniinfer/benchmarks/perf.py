@@ -190,58 +190,72 @@ def transformers_runs(path: str, prompts, output_len: int, dtype: torch.dtype,
     return runs
 
 
-def take_turns(runs: dict, repeats: int) -> dict[str, list[float]]:
+def take_turns(runs: dict, repeats: int) -> dict[str, list]:
     """`repeats` rounds; each round runs every configuration once, in order, so that a change in
-    the machine's load between rounds hits them alike. {name: seconds of each round}."""
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    the machine's load between rounds hits them alike. {name: what its run returned, by round}."""
+    times: dict[str, list] = {name: [] for name in runs}
     for _ in range(repeats):
         for name, run in runs.items():
             times[name].append(run())
     return times
 
 
-def omniinfer_latency(path: str, prompt: list[int], output_len: int, dtype: str, repeats: int) -> dict:
+def read_bandwidth(num_bytes: int = 1 << 28) -> float:
+    """GB/s of one torch sum over `num_bytes` (bytes read): a round's reading of the machine."""
+    src = torch.ones(num_bytes // 4)
+    src.sum()
+    t0 = time.perf_counter()
+    src.sum()
+    return num_bytes / (time.perf_counter() - t0) / 1e9
+
+
+def omniinfer_latency_run(path: str, prompt: list[int], output_len: int, dtype: str):
+    """An engine built and warmed up; returns (run, close). A run serves one request and returns
+    (seconds to the first token, seconds per later token)."""
     from omniinfer import LLM, SamplingParams
 
     llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=2048)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    ttfts, per_token = [], []
-    for r in range(repeats):
-        engine.add_request(f"lat{r}", {"prompt_token_ids": prompt}, params)
+    count = iter(range(1 << 62))
+
+    def run() -> tuple[float, float]:
+        engine.add_request(f"lat{next(count)}", {"prompt_token_ids": prompt}, params)
         t0 = time.perf_counter()
         stamps = []
         while engine.has_unfinished_requests():
             engine.step()
             stamps.append(time.perf_counter())
-        ttfts.append(stamps[0] - t0)  # the prefill step, which samples the first token
-        # one step per token, or several per step with multi-step decoding (the LLM default)
-        per_token.append((stamps[-1] - stamps[0]) / (output_len - 1))
-    engine.shutdown()
-    return {"ttft_ms": 1e3 * statistics.median(ttfts), "ms_per_token": 1e3 * statistics.median(per_token)}
+        # the prefill step samples the first token; then one step per token, or several per
+        # step with multi-step decoding (the LLM default)
+        return stamps[0] - t0, (stamps[-1] - stamps[0]) / (output_len - 1)
+
+    return run, engine.shutdown
 
 
-def transformers_latency(path: str, prompt: list[int], output_len: int, dtype: torch.dtype, repeats: int) -> dict:
+def transformers_latency_run(path: str, prompt: list[int], output_len: int, dtype: torch.dtype):
+    """transformers' `generate` on the same request, warmed up; a run returns (seconds to the
+    first token, seconds per later token)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     ids = torch.tensor([prompt])
     kwargs = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=None, pad_token_id=0)
-    ttfts, per_token = [], []
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=2, **kwargs)
-        for _ in range(repeats):
+
+    def run() -> tuple[float, float]:
+        with torch.inference_mode():
             t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=1, **kwargs)
             ttft = time.perf_counter() - t0
             t0 = time.perf_counter()
             model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **kwargs)
             total = time.perf_counter() - t0
-            ttfts.append(ttft)
-            per_token.append((total - ttft) / (output_len - 1))
-    return {"ttft_ms": 1e3 * statistics.median(ttfts), "ms_per_token": 1e3 * statistics.median(per_token)}
+        return ttft, (total - ttft) / (output_len - 1)
 
+    return run
 
 
 def shape_of(model_dir: str) -> dict:
@@ -353,7 +367,11 @@ def throughput_table(r: dict) -> str:
 def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len: int = 64,
             repeats: int = 3, compare: str | None = None, model: str | None = None) -> dict:
     """One request at a time: TTFT, ms per output token, the weight bandwidth that implies and
-    the copy/read bandwidth measured first; with compare="transformers", the same for it."""
+    the copy/read bandwidth measured first; with compare="transformers", the same for it.
+
+    Batch-1 decode follows the machine's memory bandwidth, which drifts by up to 2x within
+    minutes here, so the engines take turns, one request each per round, and a sum's read
+    bandwidth is measured in each round as well ("read_gbps_rounds")."""
     if output_len < 2:
         raise ValueError(f"output_len={output_len!r}: ms per output token needs at least 2 tokens")
     torch_dtype = getattr(torch, dtype)
@@ -362,31 +380,51 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
         path = model or build_random_checkpoint(os.path.join(tmp, shape_name), shape_name, dtype)
         shape = shape_of(path)
         prompt = make_prompts(1, input_len, shape["vocab_size"])[0]
-        ours = omniinfer_latency(path, prompt, output_len, dtype, repeats)
         result = {"shape": shape_name or os.path.basename(os.path.normpath(path)), "dtype": dtype,
                   "input_len": input_len, "output_len": output_len,
                   "threads": torch.get_num_threads(), **bandwidth,
-                  "weight_bytes": weight_bytes(shape, torch_dtype), "omniinfer": ours}
-        ours["weight_gbps"] = result["weight_bytes"] / ours["ms_per_token"] / 1e6
-        if compare == "transformers":
-            theirs = transformers_latency(path, prompt, output_len, torch_dtype, repeats)
-            theirs["weight_gbps"] = result["weight_bytes"] / theirs["ms_per_token"] / 1e6
-            result["transformers"] = theirs
+                  "weight_bytes": weight_bytes(shape, torch_dtype)}
+        ours, close = omniinfer_latency_run(path, prompt, output_len, dtype)
+        try:
+            runs = {"omniinfer": ours}
+            if compare == "transformers":
+                runs["transformers"] = transformers_latency_run(path, prompt, output_len, torch_dtype)
+            runs["read"] = read_bandwidth
+            rounds = take_turns(runs, repeats)
+        finally:
+            close()
+    result["read_gbps_rounds"] = rounds.pop("read")
+    for name, times in rounds.items():
+        result[name] = {"ttft_ms": 1e3 * statistics.median(t for t, _ in times),
+                        "ms_per_token": 1e3 * statistics.median(p for _, p in times),
+                        "ms_per_token_rounds": [1e3 * p for _, p in times]}
+        result[name]["weight_gbps"] = result["weight_bytes"] / result[name]["ms_per_token"] / 1e6
+        # its weight bandwidth against the sum's in the same round
+        result[name]["read_fraction"] = statistics.median(
+            result["weight_bytes"] / p / 1e6 / read
+            for p, read in zip(result[name]["ms_per_token_rounds"], result["read_gbps_rounds"]))
+    if "transformers" in result:
+        result["speedup_rounds"] = [t / o for t, o in zip(result["transformers"]["ms_per_token_rounds"],
+                                                          result["omniinfer"]["ms_per_token_rounds"])]
     return result
 
 
 def latency_table(r: dict) -> str:
+    reads = r["read_gbps_rounds"]
     lines = [f"latency: {r['shape']} {r['dtype']}  I={r['input_len']} O={r['output_len']}  threads="
-             f"{r['threads']}  copy {r['copy_gbps']:.1f} GB/s, read {r['read_gbps']:.1f} GB/s, "
-             f"weights {r['weight_bytes'] / 1e9:.2f} GB/token"]
+             f"{r['threads']}  copy {r['copy_gbps']:.1f} GB/s, read {r['read_gbps']:.1f} GB/s "
+             f"(between runs {min(reads):.1f}-{max(reads):.1f}), weights {r['weight_bytes'] / 1e9:.2f} GB/token"]
     for name in ("omniinfer", "transformers"):
         if name in r:
             x = r[name]
             lines.append(f"  {name:<13} TTFT {x['ttft_ms']:8.1f} ms  {x['ms_per_token']:7.2f} ms/token  "
-                         f"weights at {x['weight_gbps']:5.1f} GB/s")
+                         f"weights at {x['weight_gbps']:5.1f} GB/s ({100 * x['read_fraction']:.0f}% of the "
+                         f"round's read)")
     if "transformers" in r:
+        ratios = r["speedup_rounds"]
         lines.append(f"  decode speed-up over transformers: "
-                     f"{r['transformers']['ms_per_token'] / r['omniinfer']['ms_per_token']:.2f}x")
+                     f"{r['transformers']['ms_per_token'] / r['omniinfer']['ms_per_token']:.2f}x"
+                     f" (round by round {min(ratios):.2f}-{max(ratios):.2f}x)")
     return "\n".join(lines)
 
 
