@@ -2,15 +2,18 @@
 
 Runs the throughput workload of a shape (`--shape small`: 64 prompts x (128 in, 128 out),
 greedy, EOS ignored; `--num-prompts`, `--input-len` and `--output-len` change it, e.g.
-`--shape medium --num-prompts 1` for the latency benchmark's batch-1 decode) on the engine the `LLM` class builds, with a timer around each of:
+`--shape medium --num-prompts 1` for the latency benchmark's batch-1 decode) on the engine the
+`LLM` class builds, with a timer around each of:
 
 * the model's pieces: every linear layer by kind (qkv_proj, o_proj, gate_up_proj with its
-  SiLU-and-multiply, down_proj), the LM head, attention, and the layer ops (RMS norm, rotary;
+  SiLU-and-multiply, down_proj), the LM head (in an all-greedy step, which takes its tokens from
+  the LM head, with the argmax), attention, and the layer ops (RMS norm, rotary;
   a silu_and_mul line where the activation runs apart from the product, inside gate_up_proj's
   time); "forward, the rest" is the model's forward minus those (Python, embedding, views);
 * the engine's: scheduling, input building (`prepare_model_input`, and the later steps'
-  inputs of a multi-step run), sampling (its greedy argmax apart), output processing; "step,
-  the rest" is the engine step minus everything timed.
+  inputs of a multi-step run), sampling (its greedy argmax apart; the argmax line counts the
+  calls inside the LM head too), output processing; "step, the rest" is the engine step minus
+  everything timed.
 
 Steps are split into prefill (any prompt token in the batch) and decode; figures are per
 decode step (a multi-step schedule counts as its K steps), the median over `--repeats` runs
@@ -49,6 +52,7 @@ class Timers:
         self.seconds = collections.Counter()
         self.calls = collections.Counter()
         self.steps = collections.Counter()  # decode steps (K per multi-step schedule), prefill steps
+        self.open: list[str] = []  # the timed calls in progress, outermost first
 
     def wrap(self, owner, attr: str, name: str) -> None:
         """Replace owner.attr (an instance's method or a module's forward) by a timed call."""
@@ -56,12 +60,16 @@ class Timers:
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
+            self.open.append(name)
             try:
                 return fn(*args, **kwargs)
             finally:
-                key = (self.phase, name)
-                self.seconds[key] += time.perf_counter() - t0
-                self.calls[key] += 1
+                self.open.pop()
+                elapsed = time.perf_counter() - t0
+                self.seconds[(self.phase, name)] += elapsed
+                self.calls[(self.phase, name)] += 1
+                if self.open:  # also under "name/caller", for differences of nested spans
+                    self.seconds[(self.phase, f"{name}/{self.open[-1]}")] += elapsed
 
         setattr(owner, attr, timed)
 
@@ -85,9 +93,13 @@ def instrument(llm, timers: Timers) -> None:
             timers.wrap(layer_ops, op, op)
     timers.wrap(model, "forward", "forward")
     timers.wrap(model, "compute_logits", "lm_head")
+    if hasattr(model, "compute_greedy_tokens"):
+        timers.wrap(model, "compute_greedy_tokens", "lm_head")
     timers.wrap(runner, "prepare_model_input", "input building")
     timers.wrap(runner, "decode_step_inputs", "later steps' inputs")
     timers.wrap(runner, "sample", "sampling")
+    if hasattr(runner, "sample_tokens"):  # the output of a step whose tokens the LM head gave
+        timers.wrap(runner, "sample_tokens", "sampling")
     timers.wrap(runner.sampler, "argmax_rows", "argmax")
     timers.wrap(engine, "_process", "output processing")
 
@@ -120,7 +132,7 @@ def breakdown(timers: Timers, phase: str) -> dict[str, tuple[float, float]]:
     s = {name: timers.seconds[(phase, name)] for (p, name) in timers.seconds if p == phase}
     c = {name: timers.calls[(phase, name)] for (p, name) in timers.calls if p == phase}
     s["forward, the rest"] = s.get("forward", 0.0) - sum(s.get(n, 0.0) for n in INNER)
-    s["sampling, the rest"] = s.get("sampling", 0.0) - s.get("argmax", 0.0)
+    s["sampling, the rest"] = s.get("sampling", 0.0) - s.get("argmax/sampling", 0.0)
     s["step, the rest"] = s.get("step", 0.0) - sum(s.get(n, 0.0) for n in ENGINE)
     return {name: (1e3 * v / steps, c.get(name, 0) / steps) for name, v in s.items()}
 

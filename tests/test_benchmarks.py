@@ -103,10 +103,12 @@ def test_engine_ops(tmp_path):
     assert (result["num_prompts"], result["input_len"], result["output_len"]) == (3, 16, 6)
     decode = result["runs"][0]["decode"]
     assert result["runs"][0]["steps"]["decode"] == 5  # 6 tokens: the prefill samples the first
+    # (the argmax of an all-greedy step may happen inside the LM head's product, untimed)
     for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "attention", "rms_norm",
-                 "argmax", "input building", "scheduling", "output processing", "step"):
+                 "input building", "scheduling", "output processing", "step"):
         assert decode[name][0] > 0, name
     assert decode["step, the rest"][0] >= 0 and decode["forward"][0] < decode["step"][0]
+    assert decode["sampling, the rest"][0] >= 0
 
 
 def test_cpu_gemm(tmp_path):

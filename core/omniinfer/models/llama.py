@@ -139,6 +139,10 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)
 
+    def compute_greedy_tokens(self, hidden_states: torch.Tensor, argmax_rows) -> torch.Tensor:
+        """argmax_rows(compute_logits(hidden_states)), possibly without the logits."""
+        return self.lm_head.greedy_tokens(hidden_states, argmax_rows)
+
     # ---- weights -----------------------------------------------------------------------------
     def checkpoint_target(self, name: str) -> tuple[str, object] | None:
         """Our parameter name and shard id for a checkpoint tensor, or None to skip it."""

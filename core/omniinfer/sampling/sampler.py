@@ -96,8 +96,15 @@ class Sampler:
         return out
 
     # ---- sampling ----------------------------------------------------------------------------------
+    def greedy_output(self, tokens: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """The output of an all-greedy step (`greedy_only`) whose tokens, one per sequence, were
+        taken elsewhere (the LM head's `greedy_tokens`)."""
+        out = SamplerOutput()
+        out.greedy, out.token_ids = (md.seqs, tokens.tolist()), tokens
+        return out
+
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata, out: SamplerOutput) -> None:
-        if self._greedy_only(md):  # the common case, with no per-row work at all
+        if self.greedy_only(md):  # the common case, with no per-row work at all
             tokens = self.argmax_rows(logits)
             out.greedy, out.token_ids = (md.seqs, tokens.tolist()), tokens
             return
@@ -127,7 +134,7 @@ class Sampler:
             out.token_ids = tokens
 
     @staticmethod
-    def _greedy_only(md: SamplingMetadata) -> bool:
+    def greedy_only(md: SamplingMetadata) -> bool:
         """Every row: one greedy token, no log-probs, penalties or min_tokens."""
         if max(md.num_samples) != 1:
             return False

@@ -34,7 +34,7 @@ class FaultyWorker(Worker):
         self._maybe_fail(0)
         super().load_model(progress)
 
-    def run_step(self, worker_input, model_input):
+    def run_step(self, worker_input, model_input, greedy_tokens=False):
         self.num_steps += 1
         self._maybe_fail(self.num_steps)
-        return super().run_step(worker_input, model_input)
+        return super().run_step(worker_input, model_input, greedy_tokens)

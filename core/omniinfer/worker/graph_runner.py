@@ -105,10 +105,10 @@ class GraphRunnerMixin:
             logger.info("decode steps run eagerly: %s", reason)
 
     @torch.inference_mode()
-    def execute_model(self, model_input, kv_caches, intermediate_tensors=None):
+    def execute_model(self, model_input, kv_caches, intermediate_tensors=None, greedy_tokens=False):
         graph = self._graph_for(model_input, kv_caches, intermediate_tensors)
         if graph is None:
-            return super().execute_model(model_input, kv_caches, intermediate_tensors)
+            return super().execute_model(model_input, kv_caches, intermediate_tensors, greedy_tokens)
         n = model_input.num_tokens
         graph.input_tokens[:n].copy_(model_input.input_tokens)
         graph.input_positions[:n].copy_(model_input.input_positions)
@@ -119,7 +119,7 @@ class GraphRunnerMixin:
                 _leading_corner(getattr(static, f.name), value).copy_(value)
         static.slot_mapping[n:].fill_(-1)
         graph.replay()
-        return self.model.compute_logits(graph.hidden[:n][model_input.logits_indices])
+        return self.lm_head(graph.hidden[:n][model_input.logits_indices], greedy_tokens)
 
     # ---- choosing and capturing --------------------------------------------------------------
     def _graph_for(self, model_input, kv_caches, intermediate_tensors) -> _DecodeGraph | None:

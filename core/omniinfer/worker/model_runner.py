@@ -107,14 +107,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, model_input: ModelInput, kv_caches: list[torch.Tensor],
-                      intermediate_tensors: IntermediateTensors | None = None
-                      ) -> torch.Tensor | IntermediateTensors:
-        """Logits of the rows that need them (last pipeline stage), else what the next stage needs."""
+                      intermediate_tensors: IntermediateTensors | None = None,
+                      greedy_tokens: bool = False) -> torch.Tensor | IntermediateTensors:
+        """Logits of the rows that need them (last pipeline stage), else what the next stage needs.
+        With `greedy_tokens` (see `tokens_from_lm_head`), those rows' greedy tokens instead."""
         hidden = self.model(model_input.input_tokens, model_input.input_positions, kv_caches,
                             model_input.attn_metadata, intermediate_tensors)
         if not self.model.is_last_stage:
             return hidden
-        return self.model.compute_logits(hidden[model_input.logits_indices])
+        return self.lm_head(hidden[model_input.logits_indices], greedy_tokens)
+
+    def lm_head(self, hidden: torch.Tensor, greedy_tokens: bool) -> torch.Tensor:
+        """The logits of these rows, or (`greedy_tokens`) their greedy tokens, which the LM
+        head's linear method may find without writing the logits."""
+        if greedy_tokens:
+            return self.model.compute_greedy_tokens(hidden, self.sampler.argmax_rows)
+        return self.model.compute_logits(hidden)
+
+    def tokens_from_lm_head(self, model_input: ModelInput) -> bool:
+        """Whether this step's tokens may come straight from the LM head (one rank, a model with
+        `compute_greedy_tokens`): every logits row samples one plain greedy token (no log-probs,
+        penalties, min_tokens, drafts to verify or prompt log-probabilities)."""
+        md = model_input.sampling_metadata
+        return (md is not None and md.num_sampling_rows > 0 and not md.spec_rows
+                and not md.prompt_rows and self.config.parallel.world_size == 1
+                and model_input.logits_indices.shape[0] == md.num_sampling_rows
+                and hasattr(self.model, "compute_greedy_tokens") and Sampler.greedy_only(md))
+
+    @torch.inference_mode()
+    def sample_tokens(self, tokens: torch.Tensor, model_input: ModelInput) -> SamplerOutput:
+        """The SamplerOutput of a step whose tokens came from the LM head."""
+        return self.sampler.greedy_output(tokens, model_input.sampling_metadata)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, model_input: ModelInput) -> SamplerOutput:

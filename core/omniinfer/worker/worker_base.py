@@ -47,7 +47,8 @@ class LocalOrDistributedWorkerBase:
         this rank's part, sample. With `request.num_steps` > 1 (plain decodes only) the later
         steps' inputs are built at once (`decode_step_inputs`), each takes the tokens the step
         before sampled, and each is broadcast and run like any other step. One SamplerOutput
-        per step."""
+        per step. A step whose every sequence takes its plain greedy token (one rank) gets its tokens
+        straight from the LM head (`ModelRunner.tokens_from_lm_head`), with no logits."""
         worker_input = self.prepare_worker_input(request)
         runner = self.model_runner
         model_input = runner.prepare_model_input(request.scheduled, request.block_tables)
@@ -60,8 +61,12 @@ class LocalOrDistributedWorkerBase:
             if self.world_size > 1:
                 broadcast_tensor_dict({**worker_input.as_broadcastable_tensor_dict(),
                                        **model_input.as_broadcastable_tensor_dict()}, src=0)
-            logits = self.run_step(worker_input, model_input)
-            outputs.append(runner.sample(logits, model_input))
+            if runner.tokens_from_lm_head(model_input):
+                tokens = self.run_step(worker_input, model_input, greedy_tokens=True)
+                outputs.append(runner.sample_tokens(tokens, model_input))
+            else:
+                logits = self.run_step(worker_input, model_input)
+                outputs.append(runner.sample(logits, model_input))
         return outputs
 
     def receive_step(self) -> tuple[WorkerInput, ModelInput] | None:
@@ -84,10 +89,12 @@ class LocalOrDistributedWorkerBase:
         if self.world_size > 1:
             broadcast_tensor_dict({}, src=0)
 
-    def run_step(self, worker_input: WorkerInput, model_input: ModelInput) -> torch.Tensor | None:
+    def run_step(self, worker_input: WorkerInput, model_input: ModelInput,
+                 greedy_tokens: bool = False) -> torch.Tensor | None:
         """Every rank: cache operations, then this stage's layers. With pipeline parallelism
         the hidden states and residual go stage to stage and the last stage's TP rank 0 sends
-        the logits back to the driver. Returns the logits on the driver, None elsewhere."""
+        the logits back to the driver. Returns the logits on the driver (`greedy_tokens`, one
+        rank only: the greedy tokens), None elsewhere."""
         self.execute_worker(worker_input)
         device_input = model_input.to(self.device)
         m = self.config.model
@@ -98,7 +105,7 @@ class LocalOrDistributedWorkerBase:
             hidden, residual = ps.pp_recv([shape, shape], m.dtype, self.device, pp_rank - 1)
             intermediate = IntermediateTensors({"hidden_states": hidden, "residual": residual})
         out = self.model_runner.execute_model(device_input, self.cache_engine.device_cache,
-                                              intermediate)
+                                              intermediate, greedy_tokens)
         if pp_size == 1:
             return out if self.is_driver else None
         if pp_rank < pp_size - 1:

@@ -9,7 +9,8 @@ bandwidth for one row, and at a quarter for 2-16 rows (measured in docs/performa
   the weight packed once, at load, for it (``omni_gemm_pack``): 1.1-1.6x oneDNN at 16-64 rows (a
   fixed cost of a few microseconds a call against oneDNN's 10-20), 0.9-1.1x at 256-2048. A merged
   gate_up layer built with `silu_and_mul` is packed so that the product writes silu(gate) * up
-  itself;
+  itself, and an all-greedy step's LM head takes each row's greedy token as it multiplies
+  (``omni_gemm_argmax``: no logits written, none read back; 6-16% off the LM head here);
 * more rows otherwise: oneDNN with the weight reordered once, at load, into its blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``): 1.2-2x torch's `F.linear` at 9-2048 rows.
 
@@ -104,6 +105,20 @@ class CpuLinearMethod(LinearMethod):
                 return self._gemm(layer, x, bias)
             return silu_and_mul(self._kernel(x, layer.weight, bias))
         return silu_and_mul(self.apply(layer, x, bias))
+
+    def apply_argmax(self, layer, x, argmax_rows):
+        rows = x.shape[0] if x.dim() == 2 else -1
+        if (getattr(layer, "gemm_weight", None) is not None and not layer.gemm_gated
+                and rows > KERNEL_ROWS and x.dtype == layer.weight.dtype):
+            if x.stride(1) != 1:
+                x = x.contiguous()
+            num_out, num_in = layer.weight.shape
+            tokens = torch.empty(rows, dtype=torch.int64)
+            if self.gemm.gemm_argmax(x.data_ptr(), x.stride(0), layer.gemm_weight.data_ptr(), None,
+                                     tokens.data_ptr(), rows, num_out, num_in, DTYPE_CODES[x.dtype],
+                                     torch.get_num_threads()) == 0:
+                return tokens
+        return super().apply_argmax(layer, x, argmax_rows)
 
     def _gemm_pack(self, weight: torch.Tensor, gated: bool) -> torch.Tensor:
         num_out, num_in = weight.shape

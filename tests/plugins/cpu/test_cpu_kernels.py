@@ -163,6 +163,81 @@ def test_gemm_gated_writes_silu_and_mul(rows, inter, dtype):
         torch.testing.assert_close(got.float(), ref, **TOL[dtype])
 
 
+def _no_fallback(logits):
+    raise AssertionError("apply_argmax fell back to the logits")
+
+
+@pytest.mark.parametrize("dtype", gemm_params())
+@pytest.mark.parametrize("rows", [3, 7, 64, 130, 300])
+@pytest.mark.parametrize("n", [17, 64, 300, 1000])
+def test_gemm_argmax_is_the_argmax_of_the_product(rows, n, dtype):
+    """An LM head's greedy tokens found as omni_gemm multiplies (omni_gemm_argmax, no logits
+    written): torch.argmax of the product omni_gemm writes, bit for bit. Small integers make
+    exact ties across lanes, panels and row chunks (the first column wins); random values make
+    bfloat16's rounding decide ties that float32 would not have."""
+    gen = torch.Generator().manual_seed(rows * n)
+    method = CpuLinearMethod(build.load(), pack=True)
+    for ties in (False, True):
+        weight = torch.randn(n, 64, generator=gen)
+        x = torch.randn(rows, 80, generator=gen)[:, 8:72]  # strided rows
+        if ties:
+            weight, x = weight.mul(1.5).round().clamp(-2, 2), x.round().clamp(-2, 2)
+        layer = _Layer(weight.to(dtype))
+        method.process_weights_after_loading(layer)
+        x = x.to(dtype)
+        got = method.apply_argmax(layer, x, _no_fallback)
+        assert got.dtype == torch.int64 and got.tolist() == method.apply(layer, x).argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", gemm_params())
+def test_gemm_argmax_special_values(two_threads, dtype):
+    """NaN counts as the greatest (the first NaN wins), a row of -inf gives column 0, and ties
+    between the two threads' column ranges go to the first column, as torch.argmax; bias and
+    strided rows as omni_gemm takes them. 200 columns: panels 0-1 on one thread, 2-3 (with a
+    partial last panel) on the other."""
+    k = build.load()
+    code = 0 if dtype == torch.float32 else 1
+    n, kk, rows = 200, 32, 8
+    weight = torch.zeros(n, kk, dtype=dtype)
+    weight[:, 0] = torch.linspace(-1, 1, n).to(dtype)  # column c: x[:, 0] * weight[c, 0]
+    packed = torch.empty(k.gemm_packed_size(n, kk, 0), dtype=dtype)
+    k.gemm_pack(weight.data_ptr(), n, kk, 0, code, packed.data_ptr(), 2)
+    x = torch.zeros(rows, kk + 8, dtype=dtype)[:, 4:4 + kk]
+    x[0, 0] = 1.0  # the greatest weight: the last column (in the partial panel)
+    x[1, 0] = -1.0  # the smallest weight times -1: column 0
+    x[2, 1] = float("nan")  # NaN times zero weights: a row of NaN, the first wins
+    x[3, 0] = float("inf")  # -inf .. inf: the first +inf
+    x[4, 0] = 0.0  # all zero (+ bias below): the bias decides
+    x[5, 0] = float("-inf")  # +inf where the weights are negative (columns 0-99): column 0
+    x[6, 0] = 1e-37  # products partly below float32's normal range (bfloat16 rounds those to 0)
+    cases = {
+        "none": torch.zeros(n),
+        "ties": torch.zeros(n).index_fill_(0, torch.tensor([190, 130, 100, 70]), 5.0),
+        "nan": torch.zeros(n).index_fill_(0, torch.tensor([150, 199]), float("nan")),
+        "-inf": torch.full((n,), float("-inf")),
+    }
+    for name, bias in cases.items():
+        bias = bias.to(dtype)
+        y = torch.empty(rows, n, dtype=dtype)
+        assert k.gemm(x.data_ptr(), x.stride(0), packed.data_ptr(), bias.data_ptr(), y.data_ptr(), n,
+                      rows, n, kk, 0, code, 2) == 0
+        out = torch.full((rows,), -7, dtype=torch.int64)
+        assert k.gemm_argmax(x.data_ptr(), x.stride(0), packed.data_ptr(), bias.data_ptr(),
+                             out.data_ptr(), rows, n, kk, code, 2) == 0
+        assert out.tolist() == y.argmax(-1).tolist(), name
+        if name == "ties":
+            assert out[4] == 70  # 70 and 100 on the first thread's panels, 130 and 190 on the other's
+        if name == "nan":
+            assert out[0] == out[4] == 150 and out[2] == 0
+        if name == "-inf":
+            assert out[4] == 0
+    out = torch.full((rows,), -7, dtype=torch.int64)
+    assert k.gemm_argmax(x.data_ptr(), x.stride(0), packed.data_ptr(), None, out.data_ptr(), 0, n, kk,
+                         code, 2) == 0 and out.tolist() == [-7] * rows  # no rows: nothing written
+    assert k.gemm_argmax(x.data_ptr(), x.stride(0), packed.data_ptr(), None, out.data_ptr(), rows, 0,
+                         kk, code, 2) == -1  # no columns: no argmax
+
+
 @pytest.mark.parametrize("dtype", gemm_params([torch.bfloat16]))
 def test_engine_bf16_products_on_omni_gemm(checkpoint_dir, hf_logprobs, dtype):
     """A bfloat16 model: prefills and batched decodes go through omni_gemm (the MLP's gate_up
@@ -271,6 +346,35 @@ def test_engine_runs_on_the_kernels(checkpoint_dir, hf_greedy):
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8)
     assert 2 in calls  # the two sequences' decodes went through the kernel
+
+
+@pytest.mark.parametrize("dtype", gemm_params([torch.float32]))
+def test_engine_greedy_tokens_from_omni_gemm_argmax(checkpoint_dir, hf_greedy, dtype):
+    """An all-greedy batch of 3+ sequences takes its tokens from omni_gemm_argmax (the tied LM
+    head: the embedding's weight, packed), transformers' tokens; a batch of two from the logits
+    of the one-row kernel, as before."""
+    path = checkpoint_dir("llama_tied")
+    llm = LLM(path, num_kv_blocks=64)
+    head = llm.llm_engine.executor.worker.model_runner.model.lm_head
+    method = head.linear_method
+    kernels, calls = method.gemm, []
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        def gemm_argmax(self, *args):
+            calls.append(args[5])  # rows
+            return kernels.gemm_argmax(*args)
+
+    method.gemm = Recording()
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    for prompts, rows in (([[5, 6, 7], list(range(10, 40)), [9, 8], [4]], 4), ([[5, 6], [7]], None)):
+        calls.clear()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == hf_greedy(path, prompt, 5)
+        assert calls == ([rows] * 5 if rows else [])  # the prefill and four decode steps
 
 
 def test_kernels_switched_off_fall_back_to_torch(kernels_off, checkpoint_dir, hf_greedy):

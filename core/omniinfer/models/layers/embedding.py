@@ -52,3 +52,11 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size > 1:
             logits = ps.tp_all_gather(logits, dim=-1)
         return logits[..., : self.vocab_size]
+
+    def greedy_tokens(self, hidden: torch.Tensor, argmax_rows) -> torch.Tensor:
+        """argmax_rows(compute_logits(hidden)), the same tokens; with one TP rank (its rows are
+        the whole vocabulary) through the linear method's `apply_argmax`, which may skip the
+        logits."""
+        if self.tp_size == 1 and self.per_rank == self.vocab_size:
+            return self.linear_method.apply_argmax(self, hidden, argmax_rows)
+        return argmax_rows(self.compute_logits(hidden))

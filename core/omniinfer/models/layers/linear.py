@@ -48,6 +48,14 @@ class LinearMethod:
         pass."""
         return silu_and_mul(self.apply(layer, x, bias))
 
+    def apply_argmax(self, layer: nn.Module, x: torch.Tensor, argmax_rows) -> torch.Tensor:
+        """The column of each row's first maximum of `apply(layer, x)` ([rows] int64): what the
+        greedy sampler takes from an LM head's logits. Here `argmax_rows` on the product; a
+        platform may find the maxima as it multiplies, without writing the logits, but must
+        return the same tokens (the product as `apply` would round it, a NaN counting as the
+        greatest, as torch.argmax)."""
+        return argmax_rows(self.apply(layer, x))
+
 
 DEFAULT_LINEAR_METHOD = LinearMethod()
 

@@ -60,6 +60,8 @@ SIGNATURES = {
     "omni_gemm_pack": ([_P, _I32, _I32, _I32, _I32, _P, _I32], None),
     # x, ldx, packed, bias, y, ldy, M, N, K, gated, dtype, nthreads
     "omni_gemm": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
+    # x, ldx, packed, bias, out (int64), M, N, K, dtype, nthreads
+    "omni_gemm_argmax": ([_P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32], _I32),
 }
 
 

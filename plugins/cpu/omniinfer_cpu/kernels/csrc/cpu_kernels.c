@@ -9,6 +9,8 @@
  * omni_argmax:          the greedy token of each row of the logits.
  * omni_gemm:            y = x @ W^T for 3 to a few hundred rows, W packed at load (omni_gemm_pack);
  *                       with a gate_up weight, silu(gate) * up. AVX-512 only (omni_gemm_supported).
+ * omni_gemm_argmax:     the greedy token of each row of x @ W^T, without writing the products
+ *                       (the LM head of an all-greedy batch).
  *
  * Written with GCC vector extensions, so one source builds for AVX-512 (16 float lanes in one
  * register), AVX2 (two) or anything else GCC targets (AVX-512 BF16's vdpbf16ps where the CPU has
@@ -1057,6 +1059,10 @@ typedef struct {
     void *y;
     int64_t ldx, ldy;
     int K, N, gated;
+    /* argmax instead of y: this thread's first maximum so far of each row and its column (-1:
+     * none yet) */
+    float *best;
+    int32_t *best_col;
 } gemm_args;
 
 INLINE __mmask16 lanes_mask(int n_valid) {
@@ -1084,8 +1090,49 @@ INLINE void store_lanes(void *y, int dt, int64_t at, int n_valid, vf v) {
 #endif
 }
 
+/* The tile's results into the rows' running maxima. A row's 64 values are first compared, as
+ * they come out of the sums, with its maximum so far: rounding cannot lift a value that is not
+ * above a (rounded) maximum over it, so only a row with a value above it, a NaN, or no maximum
+ * yet goes on to the column by column pass, with each value as the product would store it
+ * (bfloat16: rounded). A thread visits a row's columns in increasing order, so taking only
+ * greater values (or a first NaN) keeps the first maximum, as torch.argmax. */
+INLINE void gemm_argmax_tile(const gemm_args *g, int dt, int m, int MR, int64_t p, vf acc[][4]) {
+    int64_t c0 = p * GEMM_NR;
+    int n = g->N - c0 < GEMM_NR ? (int)(g->N - c0) : GEMM_NR;
+    vf bias[4];
+    for (int v = 0; v < 4; v++) bias[v] = bias_lanes(g, dt, c0 + 16 * v, (int)(g->N - c0 - 16 * v));
+    for (int r = 0; r < MR; r++) {
+        float *best = g->best + m + r;
+        int32_t *col = g->best_col + m + r;
+        __m512 top = _mm512_set1_ps(*best);
+        __mmask16 above = 0;
+        for (int v = 0; v < 4; v++)  /* greater, or unordered (a NaN on either side) */
+            above |= _mm512_mask_cmp_ps_mask(lanes_mask(n - 16 * v), (__m512)(acc[r][v] + bias[v]),
+                                             top, _CMP_NLE_UQ);
+        if (!above && *col >= 0) continue;
+        float vals[GEMM_NR];
+        for (int v = 0; v < 4; v++) {
+            __m512 val = (__m512)(acc[r][v] + bias[v]);
+#if defined(__AVX512BF16__)
+            if (dt == BF16)
+                val = _mm512_castsi512_ps(_mm512_slli_epi32(
+                    _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(val)), 16));
+#endif
+            _mm512_storeu_ps(vals + 16 * v, val);
+        }
+        for (int c = 0; c < n; c++) {
+            float x = vals[c], b = *best;
+            if (*col < 0 || x > b || (x != x && b == b)) *best = x, *col = (int32_t)(c0 + c);
+        }
+    }
+}
+
 /* the tile's results: plain columns p * 64 .., or gated columns p * 32 .. of silu(gate) * up */
 INLINE void gemm_store(const gemm_args *g, int dt, int m, int MR, int64_t p, vf acc[][4]) {
+    if (g->best) {
+        gemm_argmax_tile(g, dt, m, MR, p, acc);
+        return;
+    }
     if (!g->gated) {
         int64_t c0 = p * GEMM_NR;
         vf bias[4];
@@ -1168,19 +1215,35 @@ static const gemm_tile_fn GEMM_TILES_BF16[GEMM_MR + 1] = {
 #endif
 #endif
 
-/* y [M, ldy] = x [M, ldx] @ W^T (+ bias [N]) with W [N, K] packed by omni_gemm_pack (gated: y is
- * [M, N / 2], silu(gate) * up), all in dtype dt. Returns -1 where omni_gemm_supported(dt) is 0
- * (nothing written), else 0. */
-int omni_gemm(const void *x, int64_t ldx, const void *packed, const void *bias, void *y, int64_t ldy,
-              int M, int N, int K, int gated, int dt, int nthreads) {
-    if (!omni_gemm_supported(dt)) return -1;
-    if (M <= 0 || N <= 0 || K <= 0) return 0;  /* nothing to compute */
 #if defined(__AVX512F__)
+/* The first maximum of row r over every thread's (a NaN above all, the first column among
+ * equals), as torch.argmax. */
+static int64_t gemm_argmax_row(const float *best, const int32_t *best_col, int M, int nthreads, int r) {
+    int64_t arg = -1;
+    float top = 0.f;
+    int top_nan = 0;
+    for (int t = 0; t < nthreads; t++) {
+        size_t at = (size_t)t * M + r;
+        int64_t c = best_col[at];
+        float v = best[at];
+        int is_nan = v != v;
+        if (c < 0) continue;
+        if (arg < 0 || (is_nan && (!top_nan || c < arg)) ||
+            (!is_nan && !top_nan && (v > top || (v == top && c < arg))))
+            arg = c, top = v, top_nan = is_nan;
+    }
+    return arg;
+}
+
+/* omni_gemm's work; with `argmax` set (and y unused), the first maximum of each row instead */
+static int gemm_run(const void *x, int64_t ldx, const void *packed, const void *bias, void *y,
+                    int64_t ldy, int M, int N, int K, int gated, int dt, int nthreads,
+                    int64_t *argmax) {
     const gemm_tile_fn *tiles_of = GEMM_TILES_F32;
 #if defined(__AVX512BF16__)
     if (dt == BF16) tiles_of = GEMM_TILES_BF16;
 #endif
-    gemm_args g = {x, bias, y, ldx, ldy, K, N, gated};
+    gemm_args g = {x, bias, y, ldx, ldy, K, N, gated, NULL, NULL};
     size_t es = dt == F32 ? 4 : 2;
     int64_t P = omni_gemm_packed_size(N, K, gated) / K / GEMM_NR;
     if (nthreads < 1) nthreads = 1;
@@ -1197,10 +1260,30 @@ int omni_gemm(const void *x, int64_t ldx, const void *packed, const void *bias, 
     int by_units = P < nthreads && C > 1;
     int64_t units = by_units ? P * C : P;
     if (nthreads > units) nthreads = (int)units;
+    float *best = NULL;
+    int32_t *best_col = NULL;
+    if (argmax) {  /* per thread and row: the maximum so far and its column */
+        best = malloc((size_t)nthreads * M * sizeof(float));
+        best_col = malloc((size_t)nthreads * M * sizeof(int32_t));
+        if (!best || !best_col) {
+            free(best), free(best_col);
+            return -1;
+        }
+        for (size_t i = 0; i < (size_t)nthreads * M; i++) best[i] = -INFINITY, best_col[i] = -1;
+    }
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t u0, u1;
         thread_share(units, &u0, &u1);
+        gemm_args mine = g;
+        if (argmax) {
+#ifdef _OPENMP
+            size_t t = (size_t)omp_get_thread_num();
+#else
+            size_t t = 0;
+#endif
+            mine.best = best + t * M, mine.best_col = best_col + t * M;
+        }
         for (int64_t c = by_units ? u0 / P : 0; c < (by_units ? (u1 + P - 1) / P : C); c++) {
             int m0 = (int)(c * mc_max), mc = M - m0 < mc_max ? M - m0 : (int)mc_max;
             int tiles = (mc + GEMM_MR - 1) / GEMM_MR;
@@ -1210,16 +1293,55 @@ int omni_gemm(const void *x, int64_t ldx, const void *packed, const void *bias, 
                 const char *B = (const char *)packed + p * (int64_t)K * GEMM_NR * es;
                 for (int i = 0, m = m0; i < tiles; i++) {  /* tiles of near-equal heights */
                     int left = m0 + mc - m, mr = (left + tiles - i - 1) / (tiles - i);
-                    tiles_of[mr](&g, m, p, B);
+                    tiles_of[mr](&mine, m, p, B);
                     m += mr;
                 }
             }
         }
-    }
-    return 0;
+        if (argmax) {
+#pragma omp barrier
+#ifdef _OPENMP
+            int used = omp_get_num_threads();
 #else
-    (void)x; (void)ldx; (void)packed; (void)bias; (void)y; (void)ldy; (void)M; (void)N; (void)K;
-    (void)gated; (void)nthreads;
+            int used = 1;
+#endif
+            int64_t r0, r1;
+            thread_share(M, &r0, &r1);
+            for (int64_t r = r0; r < r1; r++) argmax[r] = gemm_argmax_row(best, best_col, M, used, (int)r);
+        }
+    }
+    free(best), free(best_col);
+    return 0;
+}
+#endif
+
+/* y [M, ldy] = x [M, ldx] @ W^T (+ bias [N]) with W [N, K] packed by omni_gemm_pack (gated: y is
+ * [M, N / 2], silu(gate) * up), all in dtype dt. Returns -1 where omni_gemm_supported(dt) is 0
+ * (nothing written), else 0. */
+int omni_gemm(const void *x, int64_t ldx, const void *packed, const void *bias, void *y, int64_t ldy,
+              int M, int N, int K, int gated, int dt, int nthreads) {
+    if (!omni_gemm_supported(dt)) return -1;
+    if (M <= 0 || N <= 0 || K <= 0) return 0;  /* nothing to compute */
+#if defined(__AVX512F__)
+    return gemm_run(x, ldx, packed, bias, y, ldy, M, N, K, gated, dt, nthreads, NULL);
+#else
+    (void)x; (void)ldx; (void)packed; (void)bias; (void)y; (void)ldy; (void)gated; (void)nthreads;
+    return -1;
+#endif
+}
+
+/* out[r] (int64) = the column of the first maximum of row r of x @ W^T (+ bias), W [N, K] packed
+ * (not gated) by omni_gemm_pack; each value as omni_gemm would write it (bfloat16: rounded), a
+ * NaN counting as the greatest, as torch.argmax. Returns -1 where omni_gemm_supported(dt) is 0
+ * or the scratch memory could not be had (nothing written), else 0. */
+int omni_gemm_argmax(const void *x, int64_t ldx, const void *packed, const void *bias, int64_t *out,
+                     int M, int N, int K, int dt, int nthreads) {
+    if (!omni_gemm_supported(dt) || N <= 0 || K <= 0) return -1;
+    if (M <= 0) return 0;
+#if defined(__AVX512F__)
+    return gemm_run(x, ldx, packed, bias, NULL, 0, M, N, K, 0, dt, nthreads, out);
+#else
+    (void)x; (void)ldx; (void)packed; (void)bias; (void)out; (void)nthreads;
     return -1;
 #endif
 }
