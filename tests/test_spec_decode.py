@@ -73,7 +73,11 @@ def test_with_chunked_prefill_and_preemption(batch, checkpoint_dir, draft_dir, b
 def test_draft_equal_to_target_accepts_everything(checkpoint_dir, baseline):
     path = checkpoint_dir("llama")
     llm = LLM(path, num_kv_blocks=128, block_size=8, speculative_model=path, num_speculative_tokens=4)
+    draft, drafted = llm.llm_engine.proposer.runner.model, []
+    compute = draft.compute_greedy_tokens
+    draft.compute_greedy_tokens = lambda hidden, argmax: drafted.append(len(hidden)) or compute(hidden, argmax)
     assert greedy_tokens(llm, prompts_of([6, 14])) == baseline([6, 14])
+    assert drafted  # greedy drafts straight from the draft's LM head: the target's own tokens
     stats = llm.llm_engine.stats()
     assert stats["spec_acceptance_rate"] == 1.0
     assert stats["num_spec_emitted_tokens"] == stats["num_spec_accepted_tokens"] + stats["num_spec_draft_steps"] * 2
