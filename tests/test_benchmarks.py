@@ -157,3 +157,13 @@ def test_the_same_suite_behind_omniinfer_bench():
     result = json.loads(proc.stdout)
     assert result["shape"] == "tiny" and result["omniinfer"]["mfu"] > 0  # the --compare path: above
     assert len(result["omniinfer"]["runs_s"]) == 2
+
+
+def test_take_turns_rotates_the_order():
+    from omniinfer.benchmarks.perf import take_turns
+
+    order = []
+    runs = {name: (lambda name=name: order.append(name) or len(order)) for name in "abc"}
+    times = take_turns(runs, 4)
+    assert order == list("abc" "bca" "cab" "abc")
+    assert times == {"a": [1, 6, 8, 10], "b": [2, 4, 9, 11], "c": [3, 5, 7, 12]}

@@ -191,12 +191,16 @@ def transformers_runs(path: str, prompts, output_len: int, dtype: torch.dtype,
 
 
 def take_turns(runs: dict, repeats: int) -> dict[str, list]:
-    """`repeats` rounds; each round runs every configuration once, in order, so that a change in
-    the machine's load between rounds hits them alike. {name: what its run returned, by round}."""
+    """`repeats` rounds; each round runs every configuration once, so that a change in the
+    machine's load between rounds hits them alike, starting one further along each round, so
+    that none always runs right after the same other (in fixed order, omniinfer's multi-step
+    engine, always first after transformers' runs, came out slower than its one-step engine,
+    the reverse of a rotated comparison). {name: what its run returned, by round}."""
     times: dict[str, list] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            times[name].append(run())
+    names = list(runs)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            times[name].append(runs[name]())
     return times
 
 
