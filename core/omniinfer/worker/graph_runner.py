@@ -119,7 +119,7 @@ class GraphRunnerMixin:
                 _leading_corner(getattr(static, f.name), value).copy_(value)
         static.slot_mapping[n:].fill_(-1)
         graph.replay()
-        return self.lm_head(graph.hidden[:n][model_input.logits_indices], greedy_tokens)
+        return self.logits_or_tokens(graph.hidden[:n][model_input.logits_indices], greedy_tokens)
 
     # ---- choosing and capturing --------------------------------------------------------------
     def _graph_for(self, model_input, kv_caches, intermediate_tensors) -> _DecodeGraph | None:

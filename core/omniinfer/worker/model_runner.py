@@ -115,9 +115,9 @@ class ModelRunner:
                             model_input.attn_metadata, intermediate_tensors)
         if not self.model.is_last_stage:
             return hidden
-        return self.lm_head(hidden[model_input.logits_indices], greedy_tokens)
+        return self.logits_or_tokens(hidden[model_input.logits_indices], greedy_tokens)
 
-    def lm_head(self, hidden: torch.Tensor, greedy_tokens: bool) -> torch.Tensor:
+    def logits_or_tokens(self, hidden: torch.Tensor, greedy_tokens: bool) -> torch.Tensor:
         """The logits of these rows, or (`greedy_tokens`) their greedy tokens, which the LM
         head's linear method may find without writing the logits."""
         if greedy_tokens:

@@ -543,6 +543,9 @@ def test_portable_builds(march):
         x = torch.randn(9, 96, generator=gen).to(dtype)
         torch.testing.assert_close(method.apply(layer, x).float(), F.linear(x.float(), layer.weight.float()),
                                    **TOL[dtype])
+        # greedy tokens: omni_gemm_argmax where omni_gemm serves, else the argmax of the product
+        tokens = method.apply_argmax(layer, x, CpuLayerOps(kernels).argmax_rows)
+        assert tokens.tolist() == method.apply(layer, x).argmax(-1).tolist()
     for dtype in (torch.float32, torch.bfloat16):
         layer = _Layer(torch.randn(70, 96, generator=gen).to(dtype))
         for rows in (1, 2, 5):
