@@ -76,7 +76,8 @@ def test_latency_with_transformers_comparison(tmp_path):
     # the two took turns, with the machine's read bandwidth measured in each round
     assert len(result["read_gbps_rounds"]) == len(result["speedup_rounds"]) == 1
     assert result["read_gbps_rounds"][0] > 0 and result["transformers"]["ms_per_token"] > 0
-    assert result["omniinfer"]["read_fraction"] > 0
+    assert result["omniinfer"]["read_fraction"] > 0 and result["read_bound_ms_per_token"] > 0
+    assert "the weights alone at the rounds' median read bandwidth" in text
 
 
 def test_host_overhead(tmp_path):

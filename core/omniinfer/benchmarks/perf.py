@@ -398,6 +398,8 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
         finally:
             close()
     result["read_gbps_rounds"] = rounds.pop("read")
+    # what reading the weights alone takes at the rounds' read bandwidth: batch-1 decode's floor
+    result["read_bound_ms_per_token"] = result["weight_bytes"] / statistics.median(result["read_gbps_rounds"]) / 1e6
     for name, times in rounds.items():
         result[name] = {"ttft_ms": 1e3 * statistics.median(t for t, _ in times),
                         "ms_per_token": 1e3 * statistics.median(p for _, p in times),
@@ -424,11 +426,14 @@ def latency_table(r: dict) -> str:
             lines.append(f"  {name:<13} TTFT {x['ttft_ms']:8.1f} ms  {x['ms_per_token']:7.2f} ms/token  "
                          f"weights at {x['weight_gbps']:5.1f} GB/s ({100 * x['read_fraction']:.0f}% of the "
                          f"round's read)")
+    bound = r["read_bound_ms_per_token"]
+    lines.append(f"  the weights alone at the rounds' median read bandwidth: {bound:7.2f} ms/token")
     if "transformers" in r:
         ratios = r["speedup_rounds"]
         lines.append(f"  decode speed-up over transformers: "
                      f"{r['transformers']['ms_per_token'] / r['omniinfer']['ms_per_token']:.2f}x"
-                     f" (round by round {min(ratios):.2f}-{max(ratios):.2f}x)")
+                     f" (round by round {min(ratios):.2f}-{max(ratios):.2f}x; the floor would be "
+                     f"{r['transformers']['ms_per_token'] / bound:.2f}x)")
     return "\n".join(lines)
 
 
