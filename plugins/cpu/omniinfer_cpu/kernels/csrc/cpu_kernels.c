@@ -1096,11 +1096,9 @@ INLINE void store_lanes(void *y, int dt, int64_t at, int n_valid, vf v) {
  * yet goes on to the column by column pass, with each value as the product would store it
  * (bfloat16: rounded). A thread visits a row's columns in increasing order, so taking only
  * greater values (or a first NaN) keeps the first maximum, as torch.argmax. */
-INLINE void gemm_argmax_tile(const gemm_args *g, int dt, int m, int MR, int64_t p, vf acc[][4]) {
-    int64_t c0 = p * GEMM_NR;
+INLINE void gemm_argmax_tile(const gemm_args *g, int dt, int m, int MR, int64_t c0, vf acc[][4],
+                              const vf *bias) {
     int n = g->N - c0 < GEMM_NR ? (int)(g->N - c0) : GEMM_NR;
-    vf bias[4];
-    for (int v = 0; v < 4; v++) bias[v] = bias_lanes(g, dt, c0 + 16 * v, (int)(g->N - c0 - 16 * v));
     for (int r = 0; r < MR; r++) {
         float *best = g->best + m + r;
         int32_t *col = g->best_col + m + r;
@@ -1111,14 +1109,9 @@ INLINE void gemm_argmax_tile(const gemm_args *g, int dt, int m, int MR, int64_t 
                                              top, _CMP_NLE_UQ);
         if (!above && *col >= 0) continue;
         float vals[GEMM_NR];
-        for (int v = 0; v < 4; v++) {
-            __m512 val = (__m512)(acc[r][v] + bias[v]);
-#if defined(__AVX512BF16__)
-            if (dt == BF16)
-                val = _mm512_castsi512_ps(_mm512_slli_epi32(
-                    _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(val)), 16));
-#endif
-            _mm512_storeu_ps(vals + 16 * v, val);
+        for (int v = 0; v < 4; v++) {  /* as store_lanes rounds them */
+            vf val = acc[r][v] + bias[v];
+            *(vfu *)(vals + 16 * v) = dt == BF16 ? vround_bf16(val) : val;
         }
         for (int c = 0; c < n; c++) {
             float x = vals[c], b = *best;
@@ -1127,16 +1120,17 @@ INLINE void gemm_argmax_tile(const gemm_args *g, int dt, int m, int MR, int64_t 
     }
 }
 
-/* the tile's results: plain columns p * 64 .., or gated columns p * 32 .. of silu(gate) * up */
+/* the tile's results: plain columns p * 64 .. (or their rows' running maxima), or gated columns
+ * p * 32 .. of silu(gate) * up */
 INLINE void gemm_store(const gemm_args *g, int dt, int m, int MR, int64_t p, vf acc[][4]) {
-    if (g->best) {
-        gemm_argmax_tile(g, dt, m, MR, p, acc);
-        return;
-    }
     if (!g->gated) {
         int64_t c0 = p * GEMM_NR;
         vf bias[4];
         for (int v = 0; v < 4; v++) bias[v] = bias_lanes(g, dt, c0 + 16 * v, (int)(g->N - c0 - 16 * v));
+        if (g->best) {
+            gemm_argmax_tile(g, dt, m, MR, c0, acc, bias);
+            return;
+        }
         for (int r = 0; r < MR; r++)
             for (int v = 0; v < 4; v++)
                 store_lanes(g->y, dt, (m + r) * g->ldy + c0 + 16 * v, (int)(g->N - c0 - 16 * v),
