@@ -7,6 +7,7 @@ latency --shape ...`. Every function returns plain dicts; the callers print and 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -222,7 +223,7 @@ def omniinfer_latency_run(path: str, prompt: list[int], output_len: int, dtype: 
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    count = iter(range(1 << 62))
+    count = itertools.count()
 
     def run() -> tuple[float, float]:
         engine.add_request(f"lat{next(count)}", {"prompt_token_ids": prompt}, params)

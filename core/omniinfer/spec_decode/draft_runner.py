@@ -49,14 +49,10 @@ class DraftModelRunner(ModelRunner):
         vocab = self.model_config.vocab_size
         model_input = first.to(self.device)
         greedy_only = all(row.params.is_greedy for row in rows)
-        # greedy drafts come straight from the LM head, which may skip the logits
-        from_lm_head = greedy_only and hasattr(self.model, "compute_greedy_tokens")
         tokens, probs = [], []
         for step in range(k):
-            if from_lm_head:
+            if greedy_only:  # straight from the LM head, which may skip the logits
                 t = self.execute_model(model_input, kv_caches, greedy_tokens=True)
-            elif greedy_only:
-                t = self.execute_model(model_input, kv_caches)[:, :vocab].argmax(dim=-1)
             else:
                 logits = self.execute_model(model_input, kv_caches)[:, :vocab]
                 p = sampling_probs(logits, rows, history=False)

@@ -119,20 +119,23 @@ class ModelRunner:
 
     def logits_or_tokens(self, hidden: torch.Tensor, greedy_tokens: bool) -> torch.Tensor:
         """The logits of these rows, or (`greedy_tokens`) their greedy tokens, which the LM
-        head's linear method may find without writing the logits."""
-        if greedy_tokens:
+        head's linear method may find without writing the logits (a model without
+        `compute_greedy_tokens`: the argmax of its logits)."""
+        if not greedy_tokens:
+            return self.model.compute_logits(hidden)
+        if hasattr(self.model, "compute_greedy_tokens"):
             return self.model.compute_greedy_tokens(hidden, self.sampler.argmax_rows)
-        return self.model.compute_logits(hidden)
+        return self.sampler.argmax_rows(self.model.compute_logits(hidden)[:, : self.sampler.vocab_size])
 
     def tokens_from_lm_head(self, model_input: ModelInput) -> bool:
-        """Whether this step's tokens may come straight from the LM head (one rank, a model with
-        `compute_greedy_tokens`): every logits row samples one plain greedy token (no log-probs,
-        penalties, min_tokens, drafts to verify or prompt log-probabilities)."""
+        """Whether this step's tokens may come straight from the LM head (one rank): every
+        logits row samples one plain greedy token (no log-probs, penalties, min_tokens, drafts
+        to verify or prompt log-probabilities)."""
         md = model_input.sampling_metadata
         return (md is not None and md.num_sampling_rows > 0 and not md.spec_rows
                 and not md.prompt_rows and self.config.parallel.world_size == 1
                 and model_input.logits_indices.shape[0] == md.num_sampling_rows
-                and hasattr(self.model, "compute_greedy_tokens") and Sampler.greedy_only(md))
+                and Sampler.greedy_only(md))
 
     @torch.inference_mode()
     def sample_tokens(self, tokens: torch.Tensor, model_input: ModelInput) -> SamplerOutput:

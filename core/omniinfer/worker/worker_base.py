@@ -61,12 +61,9 @@ class LocalOrDistributedWorkerBase:
             if self.world_size > 1:
                 broadcast_tensor_dict({**worker_input.as_broadcastable_tensor_dict(),
                                        **model_input.as_broadcastable_tensor_dict()}, src=0)
-            if runner.tokens_from_lm_head(model_input):
-                tokens = self.run_step(worker_input, model_input, greedy_tokens=True)
-                outputs.append(runner.sample_tokens(tokens, model_input))
-            else:
-                logits = self.run_step(worker_input, model_input)
-                outputs.append(runner.sample(logits, model_input))
+            greedy = runner.tokens_from_lm_head(model_input)
+            out = self.run_step(worker_input, model_input, greedy_tokens=greedy)  # tokens or logits
+            outputs.append(runner.sample_tokens(out, model_input) if greedy else runner.sample(out, model_input))
         return outputs
 
     def receive_step(self) -> tuple[WorkerInput, ModelInput] | None:
