@@ -10,7 +10,7 @@ bandwidth for one row, and at a quarter for 2-16 rows (measured in docs/performa
   fixed cost of a few microseconds a call against oneDNN's 10-20), 0.9-1.1x at 256-2048. A merged
   gate_up layer built with `silu_and_mul` is packed so that the product writes silu(gate) * up
   itself, and an all-greedy step's LM head takes each row's greedy token as it multiplies
-  (``omni_gemm_argmax``: no logits written, none read back; 6-16% off the LM head here);
+  (``omni_gemm_argmax``: no logits written, none read back; 3-16% off the LM head here);
 * more rows otherwise: oneDNN with the weight reordered once, at load, into its blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``): 1.2-2x torch's `F.linear` at 9-2048 rows.
 
