@@ -15,6 +15,7 @@ from omniinfer.attention.layer import Attention
 from omniinfer.config import ModelConfig, rope_scaling, rope_theta
 from omniinfer.distributed import parallel_state as ps
 from omniinfer.models.intermediate import IntermediateTensors
+from omniinfer.models.layers.decoder_stack import DecoderLayerSpec, DecoderStack
 from omniinfer.models.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from omniinfer.models.layers.layer_ops import SiluAndMul
 from omniinfer.models.layers.linear import (
@@ -112,6 +113,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
             if self.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
+        self.decoder_stack: DecoderStack | None = None  # the platform's, set after loading
 
     @property
     def num_local_layers(self) -> int:
@@ -128,13 +130,29 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden_states = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
-        for i, layer in enumerate(self.model.layers.values()):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_caches[i],
-                                            attn_metadata)
+        stacked = None if self.decoder_stack is None else self.decoder_stack(
+            positions, hidden_states, residual, kv_caches, attn_metadata)
+        if stacked is not None:
+            hidden_states, residual = stacked
+        else:
+            for i, layer in enumerate(self.model.layers.values()):
+                hidden_states, residual = layer(positions, hidden_states, residual, kv_caches[i],
+                                                attn_metadata)
         if not self.is_last_stage:
             return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         hidden_states, _ = self.model.norm(hidden_states, residual)
         return hidden_states
+
+    def decoder_layer_specs(self) -> list[DecoderLayerSpec] | None:
+        """This stage's layers, described for `ModelRunner.decoder_stack`; None under tensor
+        parallelism (o_proj and down_proj reduce across ranks)."""
+        if ps.get_tp_size() > 1:
+            return None
+        return [DecoderLayerSpec(layer.input_layernorm, layer.self_attn.qkv_proj,
+                                 layer.self_attn.rotary_emb, layer.self_attn.attn, layer.self_attn.o_proj,
+                                 layer.post_attention_layernorm, layer.mlp.gate_up_proj,
+                                 layer.mlp.down_proj)
+                for layer in self.model.layers.values()]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)

@@ -12,6 +12,7 @@ from omniinfer.attention.backend import AttentionBackend
 from omniinfer.config import EngineConfig
 from omniinfer.engine.scheduler import ScheduledSeq
 from omniinfer.models.intermediate import IntermediateTensors
+from omniinfer.models.layers.decoder_stack import DecoderLayerSpec, DecoderStack
 from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS, LayerOps, install_layer_ops
 from omniinfer.models.layers.linear import LinearMethod, install_linear_methods
 from omniinfer.models.loader import load_model
@@ -39,6 +40,9 @@ class ModelRunner:
         ops = self.layer_ops()
         if ops is not None:
             install_layer_ops(self.model, ops)
+        specs = self.model.decoder_layer_specs() if hasattr(self.model, "decoder_layer_specs") else None
+        if specs:
+            self.model.decoder_stack = self.decoder_stack(specs)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(self.model_config.seed)
         self.sampler = Sampler(self.model_config.vocab_size, generator,
@@ -52,6 +56,12 @@ class ModelRunner:
     def layer_ops(self) -> LayerOps | None:
         """This platform's `LayerOps` (norm, rotary, activation, the greedy argmax) for the loaded
         model, or None to keep torch's."""
+        return None
+
+    def decoder_stack(self, layers: list[DecoderLayerSpec]) -> DecoderStack | None:
+        """This platform's one-call forward of the loaded model's decoder layers (see
+        models/layers/decoder_stack.py), or None to let the model run them one by one. Called once,
+        after the linear methods and layer ops are installed."""
         return None
 
     def model_bytes(self) -> int:

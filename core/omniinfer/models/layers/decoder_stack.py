@@ -1,0 +1,55 @@
+"""A model's decoder layers described for a platform that runs them all in one call.
+
+Between two kernels of a layer the model's Python costs microseconds: at batch 1 on a CPU, ten
+or so calls a layer add up to ~10% of a token. A platform that can run a whole stack of layers
+in one call of its own (`ModelRunner.decoder_stack`) gets each layer as a `DecoderLayerSpec`:
+the modules themselves, with whatever the platform put on them at load (packed weights), and a
+formula it must follow. It returns a `DecoderStack`, or None to leave the layers to the model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from omniinfer.attention.backend import AttentionMetadata
+from omniinfer.attention.layer import Attention
+from omniinfer.models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from omniinfer.models.layers.norm import RMSNorm
+from omniinfer.models.layers.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderLayerSpec:
+    """One pre-norm Llama-family layer of one rank (no reduction between its products):
+
+        h = x + o_proj(attn(rotary(q), rotary(k), v)),  q | k | v = qkv_proj(input_norm(x))
+        y = h + down_proj(silu(gate) * up),            gate | up = gate_up_proj(post_norm(h))
+
+    where each norm with a residual adds it first (`RMSNorm(x, residual)`), and the first layer of
+    the first stage has no residual yet (its input is it). A stack returns (the last down_proj's
+    product, the residual), as the model's layers hand them to its final norm."""
+
+    input_norm: RMSNorm
+    qkv_proj: QKVParallelLinear
+    rotary: RotaryEmbedding
+    attn: Attention
+    o_proj: RowParallelLinear
+    post_norm: RMSNorm
+    gate_up_proj: MergedColumnParallelLinear  # built with silu_and_mul: its product is silu(gate) * up
+    down_proj: RowParallelLinear
+
+
+class DecoderStack(Protocol):
+    def __call__(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                 residual: torch.Tensor | None, kv_caches: list[torch.Tensor],
+                 attn_metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Every described layer over this step's tokens (kv_caches: one per layer, in order):
+        (hidden_states, residual) as the layers one by one would give them, or None, having
+        done nothing, when this step is not one it serves (the model then runs its layers)."""
