@@ -9,7 +9,10 @@ greedy, EOS ignored; `--num-prompts`, `--input-len` and `--output-len` change it
   SiLU-and-multiply, down_proj), the LM head (in an all-greedy step, which takes its tokens from
   the LM head, with the argmax), attention, and the layer ops (RMS norm, rotary;
   a silu_and_mul line where the activation runs apart from the product, inside gate_up_proj's
-  time); "forward, the rest" is the model's forward minus those (Python, embedding, views);
+  time); "forward, the rest" is the model's forward minus those (Python, embedding, views).
+  Where the platform runs the decoder layers as one stack (the CPU plugin's
+  `omni_decoder_layers`), their pieces are not seen one by one: a "decoder stack" line has them
+  all (`OMNIINFER_CPU_DECODER_STACK=0` shows the pieces, run layer by layer);
 * the engine's: scheduling, input building (`prepare_model_input`, and the later steps'
   inputs of a multi-step run), sampling (its greedy argmax apart; the argmax line counts the
   calls inside the LM head too), output processing; "step, the rest" is the engine step minus
@@ -92,6 +95,8 @@ def instrument(llm, timers: Timers) -> None:
         for op in ("rms_norm", "rotary", "silu_and_mul"):
             timers.wrap(layer_ops, op, op)
     timers.wrap(model, "forward", "forward")
+    if getattr(model, "decoder_stack", None) is not None:
+        timers.wrap(model, "decoder_stack", "decoder stack")
     timers.wrap(model, "compute_logits", "lm_head")
     if hasattr(model, "compute_greedy_tokens"):
         timers.wrap(model, "compute_greedy_tokens", "lm_head")
@@ -119,7 +124,8 @@ def instrument(llm, timers: Timers) -> None:
     timers.wrap(engine, "step", "step")
 
 
-INNER = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "attention", "rms_norm", "rotary")
+INNER = ("decoder stack", "qkv_proj", "o_proj", "gate_up_proj", "down_proj", "attention", "rms_norm",
+         "rotary")
 ENGINE = ("forward", "lm_head", "input building", "later steps' inputs", "sampling",
           "scheduling", "output processing")
 
@@ -137,7 +143,7 @@ def breakdown(timers: Timers, phase: str) -> dict[str, tuple[float, float]]:
     return {name: (1e3 * v / steps, c.get(name, 0) / steps) for name, v in s.items()}
 
 
-ORDER = (*LINEAR_KINDS, "lm_head", "attention", "rms_norm", "rotary", "silu_and_mul",
+ORDER = ("decoder stack", *LINEAR_KINDS, "lm_head", "attention", "rms_norm", "rotary", "silu_and_mul",
          "forward, the rest", "forward", "argmax", "sampling, the rest", "sampling", "input building",
          "later steps' inputs", "scheduling", "output processing", "step, the rest", "step")
 

@@ -14,8 +14,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(script: str, *args: str, timeout: int = 300) -> str:
-    env = dict(os.environ, OMNIINFER_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1")
+def run(script: str, *args: str, timeout: int = 300, **env_vars: str) -> str:
+    env = dict(os.environ, OMNIINFER_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1", **env_vars)
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -92,11 +92,18 @@ def test_host_overhead(tmp_path):
     assert [r["num_scheduler_steps"] for r in json.loads(out.read_text())] == [1]
 
 
-def test_engine_ops(tmp_path):
-    """Each operation timed inside a run: prefill and decode tables, and the timed spans add up."""
+@pytest.mark.parametrize("stack", ["1", "0"])
+def test_engine_ops(tmp_path, stack):
+    """Each operation timed inside a run: prefill and decode tables, and the timed spans add up;
+    the CPU plugin's decoder stack as one line, or (switched off) the layers' pieces."""
+    from omniinfer_cpu.kernels import build
+
+    if stack == "1" and build.load() is None:
+        pytest.skip(f"the decoder stack needs the CPU kernels: {build.unavailable_reason()}")
     out = tmp_path / "o.json"
     text = run("engine_ops.py", "--shape", "tiny", "--repeats", "2", "--num-scheduler-steps", "2",
-               "--num-prompts", "3", "--output-len", "6", "--json", str(out))
+               "--num-prompts", "3", "--output-len", "6", "--json", str(out),
+               OMNIINFER_CPU_DECODER_STACK=stack)
     assert "prefill:" in text and "decode:" in text and "lm_head" in text
     assert "3 x (16 in, 6 out)" in text  # the tiny workload's input length, the rest as given
     result = json.loads(out.read_text())
@@ -105,9 +112,11 @@ def test_engine_ops(tmp_path):
     decode = result["runs"][0]["decode"]
     assert result["runs"][0]["steps"]["decode"] == 5  # 6 tokens: the prefill samples the first
     # (the argmax of an all-greedy step may happen inside the LM head's product, untimed)
-    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "attention", "rms_norm",
-                 "input building", "scheduling", "output processing", "step"):
+    pieces = ("decoder stack",) if stack == "1" else ("qkv_proj", "o_proj", "gate_up_proj", "down_proj",
+                                                       "attention")
+    for name in (*pieces, "lm_head", "rms_norm", "input building", "scheduling", "output processing", "step"):
         assert decode[name][0] > 0, name
+    assert ("qkv_proj" in decode) == (stack == "0")
     assert decode["step, the rest"][0] >= 0 and decode["forward"][0] < decode["step"][0]
     assert decode["sampling, the rest"][0] >= 0
 

@@ -1,6 +1,7 @@
 """The CPU model runner: the core runner, with the thread count settled before loading; after
 loading, the CPU linear method (compiled kernel, oneDNN packed weights) for every linear layer
-and the LM head, the compiled layer ops, and the weights moved to huge pages."""
+and the LM head, the compiled layer ops, the decoder layers as one compiled stack, and the
+weights moved to huge pages."""
 
 from __future__ import annotations
 
@@ -45,6 +46,17 @@ class CpuModelRunner(ModelRunner):
                             ("omni_gemm (bfloat16) or oneDNN packed weights" if self._linear.gemm
                              else "oneDNN packed weights") if pack else "torch's F.linear")
         return self._linear or None
+
+    def decoder_stack(self, layers):
+        from omniinfer_cpu.decoder_stack import CpuDecoderStack, unsupported
+        from omniinfer_cpu.kernels import build
+
+        kernels = build.load()
+        why = unsupported(kernels, layers)
+        if why:
+            logger.info("decoder layers run one by one: %s", why)
+            return None
+        return CpuDecoderStack(kernels, layers)
 
     def layer_ops(self):
         from omniinfer_cpu.kernels import build

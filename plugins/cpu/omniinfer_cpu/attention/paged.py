@@ -33,6 +33,23 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def kernel_metadata(metadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(slot_mapping int64, block_tables int32 with unit column stride, query_start_loc int32,
+    seq_lens int32), each contiguous, as omni_paged_attention reads them."""
+    slots = metadata.slot_mapping
+    if slots.dtype != torch.int64:
+        slots = slots.long()
+    tables = metadata.block_tables
+    if tables.dtype != torch.int32 or tables.stride(-1) != 1:
+        tables = tables.to(torch.int32).contiguous()
+    qsl, seq_lens = metadata.query_start_loc, metadata.seq_lens_tensor
+    if qsl.dtype != torch.int32:
+        qsl = qsl.to(torch.int32)
+    if seq_lens.dtype != torch.int32:
+        seq_lens = seq_lens.to(torch.int32)
+    return slots.contiguous(), tables, qsl.contiguous(), seq_lens.contiguous()
+
+
 class CpuPagedImpl(AttentionImpl):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -47,24 +64,14 @@ class CpuPagedImpl(AttentionImpl):
         if num_tokens == 0:
             return out.to(dtype)
         query, key, value = _row_major(query), _row_major(key), _row_major(value)
-        slots = metadata.slot_mapping
-        if slots.dtype != torch.int64:
-            slots = slots.long()
-        tables = metadata.block_tables
-        qsl, seq_lens = metadata.query_start_loc, metadata.seq_lens_tensor
-        if tables.dtype != torch.int32 or tables.stride(-1) != 1:
-            tables = tables.to(torch.int32).contiguous()
-        if qsl.dtype != torch.int32:
-            qsl = qsl.to(torch.int32)
-        if seq_lens.dtype != torch.int32:
-            seq_lens = seq_lens.to(torch.int32)
+        slots, tables, qsl, seq_lens = kernel_metadata(metadata)
         if kv_cache.dtype != dtype:  # the kernel computes in the cache's dtype
             query, key, value = (t.to(kv_cache.dtype) for t in (query, key, value))
         result = self.kernel(
             query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0), value.data_ptr(),
-            value.stride(0), slots.contiguous().data_ptr(), num_tokens, kv_cache[0].data_ptr(),
-            kv_cache[1].data_ptr(), tables.data_ptr(), tables.stride(0), qsl.contiguous().data_ptr(),
-            seq_lens.contiguous().data_ptr(), len(metadata.seq_lens), out.data_ptr(), out.stride(0),
+            value.stride(0), slots.data_ptr(), num_tokens, kv_cache[0].data_ptr(),
+            kv_cache[1].data_ptr(), tables.data_ptr(), tables.stride(0), qsl.data_ptr(),
+            seq_lens.data_ptr(), len(metadata.seq_lens), out.data_ptr(), out.stride(0),
             self.num_heads, self.num_kv_heads, self.head_size, kv_cache.shape[3], self.scale,
             self.sliding_window or 0, DTYPE_CODES[kv_cache.dtype], torch.get_num_threads())
         if result != 0:

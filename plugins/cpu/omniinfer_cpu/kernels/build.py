@@ -62,6 +62,11 @@ SIGNATURES = {
     "omni_gemm": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
     # x, ldx, packed, bias, out (int64), M, N, K, dtype, nthreads
     "omni_gemm_argmax": ([_P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32], _I32),
+    # layers (omni_layer[]), num_layers, hidden, residual, has_residual, positions, slot_mapping, T,
+    # block_tables, table_stride, query_start_loc, seq_lens, num_seqs, work, kernel_rows, dtype,
+    # nthreads
+    "omni_decoder_layers": ([_P, _I32, _P, _P, _I32, _P, _P, _I32, _P, _I64, _P, _P, _I32, _P, _I32,
+                             _I32, _I32], _I32),
 }
 
 

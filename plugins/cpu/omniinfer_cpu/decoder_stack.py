@@ -1,0 +1,161 @@
+"""The CPU plugin's decoder stack: all of a model's decoder layers in one `omni_decoder_layers` call.
+
+Layer by layer, a token of batch-1 decode calls ten kernels a layer from Python (norms, the
+products, rotary, attention, SiLU-and-multiply), each behind a module call, a linear method's
+checks and a ctypes call: ~4 ms of a ~30 ms bfloat16 token of the medium benchmark model, while
+the memory bus idles. The stack makes the same kernel calls, in the same order, on the same
+rows, from C: the result is bit for bit the layers' (tests/plugins/cpu/test_decoder_stack.py).
+
+Built when every layer is one this plugin computes end to end (CPU_PAGED attention, the CPU
+linear method with its compiled kernel, the compiled layer ops, one dtype); a step is served when
+its rows go to the kernel (`kernel_rows`) or every product has a weight packed for `omni_gemm`.
+Otherwise the model runs its layers as before. `OMNIINFER_CPU_DECODER_STACK=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from omniinfer.models.layers.decoder_stack import DecoderLayerSpec
+from omniinfer_cpu.attention.paged import CpuPagedImpl, kernel_metadata
+from omniinfer_cpu.layer_ops import CpuLayerOps
+from omniinfer_cpu.linear import DTYPE_CODES, KERNEL_ROWS, CpuLinearMethod
+
+ENV_STACK = "OMNIINFER_CPU_DECODER_STACK"  # "0": the model runs its layers one by one (A/B runs)
+POINTERS = ("input_norm", "qkv", "qkv_packed", "qkv_bias", "o", "o_packed", "o_bias", "post_norm",
+            "gate_up", "gate_up_packed", "gate_up_bias", "down", "down_packed", "down_bias",
+            "k_cache", "v_cache", "cos", "sin")
+SIZES = ("hidden", "num_heads", "num_kv_heads", "head_size", "intermediate", "block_size", "window",
+         "max_position")
+
+
+class Layer(ctypes.Structure):
+    """cpu_kernels.c's omni_layer."""
+    _fields_ = ([(name, ctypes.c_void_p) for name in POINTERS]
+                + [(name, ctypes.c_float) for name in ("input_eps", "post_eps", "scale")]
+                + [(name, ctypes.c_int) for name in SIZES])
+
+
+def _products(spec: DecoderLayerSpec):
+    return {"qkv": spec.qkv_proj, "o": spec.o_proj, "gate_up": spec.gate_up_proj, "down": spec.down_proj}
+
+
+def unsupported(kernels, specs: list[DecoderLayerSpec]) -> str | None:
+    """Why these layers cannot be one stack, or None."""
+    if os.environ.get(ENV_STACK, "1").strip() == "0":
+        return f"switched off ({ENV_STACK}=0)"
+    if kernels is None:
+        return "the CPU kernels are unavailable"
+    dtype = specs[0].qkv_proj.weight.dtype
+    if dtype not in DTYPE_CODES:
+        return f"dtype {dtype}"
+    for spec in specs:
+        if not isinstance(spec.attn.impl, CpuPagedImpl):
+            return f"attention is {type(spec.attn.impl).__name__}, not CPU_PAGED"
+        ops = (spec.input_norm.ops, spec.post_norm.ops, spec.rotary.ops, spec.gate_up_proj.silu_and_mul.ops)
+        if not all(isinstance(op, CpuLayerOps) for op in ops):
+            return "a layer op is not the compiled one"
+        for layer in _products(spec).values():
+            method = layer.linear_method
+            if not isinstance(method, CpuLinearMethod) or method.linear is None:
+                return "a linear layer does not run the compiled kernel"
+            if any(t is not None and t.dtype != dtype for t in (layer.weight, layer.bias)):
+                return "the layers' tensors differ in dtype"
+        if any(t.dtype != dtype for t in (spec.input_norm.weight, spec.post_norm.weight)):
+            return "the layers' tensors differ in dtype"
+        if spec.rotary.cos.dtype != torch.float32:
+            return "the rotary table is not float32"
+    if len({kernel_rows(layer) for spec in specs for layer in _products(spec).values()}) != 1:
+        return "the linear layers differ in how many rows go to the kernel"
+    return None
+
+
+def kernel_rows(layer) -> int:
+    """Up to how many rows the layer's method runs `omni_linear` (CpuLinearMethod.apply)."""
+    packed = getattr(layer, "packed_weight", None) is not None or getattr(layer, "gemm_weight", None) is not None
+    return KERNEL_ROWS if packed else layer.linear_method.max_rows
+
+
+class CpuDecoderStack:
+    def __init__(self, kernels, specs: list[DecoderLayerSpec]):
+        self.kernels = kernels
+        self.specs = specs
+        self.dtype = specs[0].qkv_proj.weight.dtype
+        products = [layer for spec in specs for layer in _products(spec).values()]
+        self.kernel_rows = kernel_rows(products[0])
+        # more rows: omni_gemm, which needs every product packed for it
+        self.has_gemm = all(getattr(layer, "gemm_weight", None) is not None for layer in products)
+        s = specs[0]
+        self.hidden = s.qkv_proj.weight.shape[1]
+        inter = s.down_proj.weight.shape[1]
+        q_size = s.attn.num_heads * s.attn.head_size
+        qkv_size = s.qkv_proj.weight.shape[0]
+        self.work_per_row = self.hidden + qkv_size + q_size + 3 * inter  # omni_decoder_layers' work
+        self.max_position = s.rotary.cos.shape[0]
+        self.layers = None  # the structs, made at the first step: weights may move after loading
+        self.cache_ptrs: list[int] = []
+
+    def _make_layers(self):
+        layers = (Layer * len(self.specs))()
+        for struct, spec in zip(layers, self.specs):
+            ptr = {"input_norm": spec.input_norm.weight, "post_norm": spec.post_norm.weight,
+                   "cos": spec.rotary.cos, "sin": spec.rotary.sin}
+            for name, layer in _products(spec).items():
+                ptr[name], ptr[name + "_bias"] = layer.weight, layer.bias
+                ptr[name + "_packed"] = getattr(layer, "gemm_weight", None)
+            for name, t in ptr.items():
+                assert t is None or t.is_contiguous(), name
+                setattr(struct, name, None if t is None else t.data_ptr())
+            impl = spec.attn.impl
+            struct.input_eps, struct.post_eps = spec.input_norm.eps, spec.post_norm.eps
+            struct.scale = impl.scale
+            struct.hidden, struct.num_heads, struct.num_kv_heads = self.hidden, impl.num_heads, impl.num_kv_heads
+            struct.head_size, struct.intermediate = impl.head_size, spec.down_proj.weight.shape[1]
+            struct.window, struct.max_position = impl.sliding_window or 0, spec.rotary.cos.shape[0]
+        return layers
+
+    def _point_at(self, kv_caches: list[torch.Tensor]) -> bool:
+        """Point the structs at these caches; False when one is not as CPU_PAGED allocates it."""
+        ptrs = [c.data_ptr() for c in kv_caches]
+        if ptrs == self.cache_ptrs:
+            return True
+        if any(c.dtype != self.dtype or c.dim() != 5 or not c.is_contiguous() for c in kv_caches):
+            return False
+        for struct, cache in zip(self.layers, kv_caches):
+            struct.k_cache, struct.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
+            struct.block_size = cache.shape[3]
+        self.cache_ptrs = ptrs
+        return True
+
+    def __call__(self, positions, hidden_states, residual, kv_caches, attn_metadata):
+        num_tokens = hidden_states.shape[0]
+        if (num_tokens == 0 or (num_tokens > self.kernel_rows and not self.has_gemm)
+                or len(kv_caches) != len(self.specs) or hidden_states.dtype != self.dtype):
+            return None
+        if self.layers is None:
+            self.layers = self._make_layers()
+        if not self._point_at(kv_caches):
+            return None
+        slots, tables, qsl, seq_lens = kernel_metadata(attn_metadata)
+        if positions.dtype != torch.int64 or not positions.is_contiguous():
+            positions = positions.to(torch.int64).contiguous()
+        hidden = torch.empty(num_tokens, self.hidden, dtype=self.dtype)
+        hidden.copy_(hidden_states)
+        new_residual = torch.empty_like(hidden)
+        if residual is not None:
+            new_residual.copy_(residual)
+        work = torch.empty(num_tokens * self.work_per_row, dtype=self.dtype)
+        result = self.kernels.decoder_layers(
+            ctypes.addressof(self.layers), len(self.specs), hidden.data_ptr(), new_residual.data_ptr(),
+            int(residual is not None), positions.data_ptr(), slots.data_ptr(), num_tokens,
+            tables.data_ptr(), tables.stride(0), qsl.data_ptr(), seq_lens.data_ptr(),
+            len(attn_metadata.seq_lens), work.data_ptr(), self.kernel_rows, DTYPE_CODES[self.dtype],
+            torch.get_num_threads())
+        if result == -3:
+            raise IndexError(f"a position is outside the rotary table ({self.max_position} positions)")
+        if result != 0:
+            raise RuntimeError(f"omni_decoder_layers failed ({result})")
+        return hidden, new_residual

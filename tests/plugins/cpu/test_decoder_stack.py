@@ -1,0 +1,134 @@
+"""The CPU plugin's decoder stack (all decoder layers in one omni_decoder_layers call): bit for bit
+the layers one by one, on every kind of step it serves, and the cases it leaves to the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omniinfer import LLM, SamplingParams
+from omniinfer.distributed import parallel_state as ps
+from omniinfer_cpu.decoder_stack import ENV_STACK, CpuDecoderStack, unsupported
+from omniinfer_cpu.kernels import build
+from omniinfer_cpu.linear import ENV_PACK
+
+pytestmark = pytest.mark.skipif(build.load() is None, reason=f"CPU kernels unavailable: "
+                                f"{build.unavailable_reason()}")
+
+PROMPTS = [list(range(5, 25)), [7, 3, 9], list(range(30, 70, 3)), [11] * 9]
+PARAMS = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True, logprobs=3)
+
+
+def model_of(llm):
+    return llm.llm_engine.executor.worker.model_runner.model
+
+
+def record_rows(stack: CpuDecoderStack) -> list[int]:
+    """The tokens of each step the stack computed."""
+    rows, kernels = [], stack.kernels
+
+    class Recording:
+        def decoder_layers(self, *args):
+            rows.append(args[7])
+            return kernels.decoder_layers(*args)
+
+    stack.kernels = Recording()
+    return rows
+
+
+def run(llm, batches):
+    """Tokens and log-probabilities (exact floats) of each batch of prompts, run in turn."""
+    out = []
+    for batch in batches:
+        for r in llm.generate([{"prompt_token_ids": p} for p in batch], PARAMS, use_tqdm=False):
+            c = r.outputs[0]
+            out.append((c.token_ids, [sorted((t, e.logprob) for t, e in lp.items()) for lp in c.logprobs]))
+    return out
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("name,threads", [("llama", 1), ("qwen2", 1), ("llama_bf16", 1),
+                                          ("mistral_window", 1), ("llama_bf16", 2)])
+def test_stack_is_the_layers_bit_for_bit(monkeypatch, restore_threads, checkpoint_dir, hf_greedy, name,
+                                         threads):
+    """Prefills, one and two decoding rows (omni_linear) and four (omni_gemm, where the weights
+    are packed for it): the same tokens and the same log-probabilities, to the last bit, as the
+    model's layers one by one; and transformers' greedy tokens (float32)."""
+    monkeypatch.setenv("OMNIINFER_CPU_THREADS", str(threads))
+    path = checkpoint_dir(name)
+    batches = [PROMPTS[:1], PROMPTS[:2], PROMPTS]
+    llm = LLM(path, num_kv_blocks=64)
+    stack = model_of(llm).decoder_stack
+    assert isinstance(stack, CpuDecoderStack) and torch.get_num_threads() == threads
+    rows = record_rows(stack)
+    got = run(llm, batches)
+    model_of(llm).decoder_stack = None
+    assert run(llm, batches) == got
+    assert {1, 2} <= set(rows) and max(rows) >= 20  # decodes of 1 and 2 rows, the prefills
+    if stack.has_gemm:
+        assert 4 in rows
+    if name != "llama_bf16":  # (transformers runs float32; bfloat16 tokens may part from them)
+        for prompt, (tokens, _) in zip(PROMPTS, got[3:]):
+            assert tokens == hf_greedy(path, prompt, PARAMS.max_tokens)
+
+
+def test_steps_beyond_the_kernel_rows_without_packed_weights_run_the_layers(monkeypatch, checkpoint_dir,
+                                                                            hf_greedy):
+    """Without packed weights, more than `kernel_rows` rows go to F.linear: the stack leaves those
+    steps (the prefills here) to the model and serves the decodes."""
+    monkeypatch.setenv(ENV_PACK, "0")
+    path = checkpoint_dir("llama")
+    llm = LLM(path, num_kv_blocks=64)
+    stack = model_of(llm).decoder_stack
+    assert not stack.has_gemm and stack.kernel_rows == 16
+    rows = record_rows(stack)
+    got = run(llm, [PROMPTS])
+    assert rows and max(rows) <= 16 and 4 in rows
+    for prompt, (tokens, _) in zip(PROMPTS, got):
+        assert tokens == hf_greedy(path, prompt, PARAMS.max_tokens)
+
+
+def test_a_position_outside_the_rotary_table_is_an_error(checkpoint_dir):
+    """As the layers' rotary says it, before the stack writes anything (a step's arguments
+    replayed with the position one past the table)."""
+    llm = LLM(checkpoint_dir("llama"), num_kv_blocks=64)
+    model = model_of(llm)
+    stack, steps = model.decoder_stack, []
+    model.decoder_stack = lambda *args: steps.append(args) or stack(*args)
+    run(llm, [PROMPTS[:1]])
+    positions, hidden, residual, caches, metadata = steps[-1]  # a decode
+    before = [c.clone() for c in caches]
+    with pytest.raises(IndexError, match=f"outside the rotary table \\({stack.max_position} positions"):
+        stack(torch.full_like(positions, stack.max_position), hidden, residual, caches, metadata)
+    assert all(torch.equal(a, b) for a, b in zip(before, caches))
+
+
+@pytest.mark.parametrize("why", ["switched off", "TORCH_SDPA", "tensor parallel"])
+def test_what_the_stack_leaves_to_the_model(monkeypatch, checkpoint_dir, hf_greedy, why):
+    path = checkpoint_dir("llama")
+    kwargs = {}
+    if why == "switched off":
+        monkeypatch.setenv(ENV_STACK, "0")
+    elif why == "TORCH_SDPA":
+        kwargs["attention_backend"] = "TORCH_SDPA"
+    llm = LLM(path, num_kv_blocks=64, **kwargs)
+    model = model_of(llm)
+    specs = model.decoder_layer_specs()
+    reason = unsupported(build.load(), specs)
+    if why == "tensor parallel":
+        assert reason is None and model.decoder_stack is not None
+        monkeypatch.setattr(ps, "get_tp_size", lambda: 2)
+        assert model.decoder_layer_specs() is None  # o_proj and down_proj reduce across ranks
+        return
+    assert model.decoder_stack is None
+    assert reason == {"switched off": f"switched off ({ENV_STACK}=0)",
+                      "TORCH_SDPA": "attention is TorchSDPAImpl, not CPU_PAGED"}[why]
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=5,
+                                                                       ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(path, PROMPTS[0], 5)
