@@ -13,6 +13,7 @@ from omniinfer.attention.selector import select_attention_backend
 from omniinfer.platforms.registry import PluginRegistry
 from omniinfer.testing.conformance.cases import Case, assert_matches_reference, run_case
 from omniinfer_cpu.attention.paged import CpuPagedBackend
+from omniinfer_cpu.decoder_stack import CpuDecoderStack
 from omniinfer_cpu.kernels import build
 from omniinfer_cpu.layer_ops import CpuLayerOps
 from omniinfer_cpu.linear import ENV_GEMM, CpuLinearMethod
@@ -338,6 +339,7 @@ def test_engine_runs_on_the_kernels(checkpoint_dir, hf_greedy):
     model = runner.model
     methods = [m.linear_method for m in model.modules() if hasattr(m, "linear_method")]
     assert len(methods) == 2 * 4 + 1 and all(isinstance(m, CpuLinearMethod) for m in methods)
+    assert isinstance(model.decoder_stack, CpuDecoderStack)  # the layers in one compiled call
     calls = []
     kernel = methods[0].linear
     methods[0].linear = lambda *args: calls.append(args[6]) or kernel(*args)  # rows per call
@@ -346,7 +348,7 @@ def test_engine_runs_on_the_kernels(checkpoint_dir, hf_greedy):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8)
-    assert 2 in calls  # the two sequences' decodes went through the kernel
+    assert 2 in calls  # the two sequences' LM head went through the kernel (the layers: the decoder stack)
 
 
 @pytest.mark.parametrize("dtype", gemm_params([torch.float32]))
