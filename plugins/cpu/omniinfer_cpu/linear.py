@@ -11,6 +11,10 @@ bandwidth for one row, and at a quarter for 2-16 rows (measured in docs/performa
   gate_up layer built with `silu_and_mul` is packed so that the product writes silu(gate) * up
   itself, and an all-greedy step's LM head takes each row's greedy token as it multiplies
   (``omni_gemm_argmax``: no logits written, none read back; 3-16% off the LM head here);
+* the greedy token of one or two rows from an int8 copy of the LM head made at load
+  (``omni_linear_argmax_q8``): every logit to within a proven bound, then exact sums, with
+  ``omni_linear``'s arithmetic, for the few rows that could be the greatest; the same token as
+  the argmax of ``omni_linear``'s logits from half (bfloat16) or a quarter (float32) of the bytes;
 * more rows otherwise: oneDNN with the weight reordered once, at load, into its blocked layout
   (``torch.ops.mkldnn._reorder_linear_weight``): 1.2-2x torch's `F.linear` at 9-2048 rows.
 
@@ -28,12 +32,15 @@ import torch
 import torch.nn.functional as F
 
 from omniinfer.logger import init_logger
+from omniinfer.models.layers.embedding import ParallelLMHead
 from omniinfer.models.layers.linear import LinearMethod
 
 logger = init_logger(__name__)
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_PACK = "OMNIINFER_CPU_PACK_WEIGHTS"
 ENV_GEMM = "OMNIINFER_CPU_GEMM"  # "0": 3+ rows go to oneDNN's packed weights (A/B runs)
+ENV_Q8 = "OMNIINFER_CPU_LM_HEAD_Q8"  # "0": no int8 copy of the LM head (A/B runs)
+Q8_MAX_MISSES = 8  # consecutive calls with too many candidate rows before the copy is dropped
 KERNEL_ROWS = 2  # the kernel beats oneDNN's packed weights up to here (fp32 and bf16)
 MAX_ROWS = 16  # ... and torch's F.linear up to here
 PACK_HINT_ROWS = 64  # the batch size oneDNN is told to expect (any size works)
@@ -54,6 +61,7 @@ def onednn_pack(weight: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
 class CpuLinearMethod(LinearMethod):
     def __init__(self, kernels, pack: bool = False, max_rows: int = MAX_ROWS):
         self.linear = kernels.linear if kernels is not None else None
+        self._kernels = kernels
         use_gemm = kernels is not None and os.environ.get(ENV_GEMM, "1").strip() != "0"
         self.gemm = kernels if use_gemm else None
         # the dtypes omni_gemm serves on this CPU (float32: AVX-512; bfloat16: AVX-512 BF16)
@@ -70,8 +78,11 @@ class CpuLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if not layer.weight.is_contiguous():
             layer.weight.data = layer.weight.data.contiguous()
-        layer.packed_weight = layer.gemm_weight = None
+        layer.packed_weight = layer.gemm_weight = layer.q8_weight = None
         layer.gemm_gated = getattr(layer, "silu_and_mul", None) is not None
+        if (self.pack and self.linear is not None and isinstance(layer, ParallelLMHead)
+                and layer.weight.dtype in DTYPE_CODES and os.environ.get(ENV_Q8, "1").strip() != "0"):
+            self._q8_pack(layer)
         if (self.pack and layer.weight.dtype in self.gemm_dtypes and layer.weight.dim() == 2
                 and (layer.weight.dtype == torch.float32 or layer.weight.shape[1] % 2 == 0)):
             layer.gemm_weight = self._gemm_pack(layer.weight, layer.gemm_gated)
@@ -108,6 +119,11 @@ class CpuLinearMethod(LinearMethod):
 
     def apply_argmax(self, layer, x, argmax_rows):
         rows = x.shape[0] if x.dim() == 2 else -1
+        if (getattr(layer, "q8_weight", None) is not None and 0 < rows <= KERNEL_ROWS
+                and x.dtype == layer.weight.dtype):
+            tokens = self._q8_argmax(layer, x)
+            if tokens is not None:
+                return tokens
         if (getattr(layer, "gemm_weight", None) is not None and not layer.gemm_gated
                 and rows > KERNEL_ROWS and x.dtype == layer.weight.dtype):
             if x.stride(1) != 1:
@@ -119,6 +135,38 @@ class CpuLinearMethod(LinearMethod):
                                      torch.get_num_threads()) == 0:
                 return tokens
         return super().apply_argmax(layer, x, argmax_rows)
+
+    def _q8_pack(self, layer: torch.nn.Module) -> None:
+        num_out, num_in = layer.weight.shape
+        layer.q8_weight = torch.empty(num_out, num_in, dtype=torch.int8)
+        layer.q8_scale = torch.empty(num_out, dtype=torch.float32)
+        layer.q8_coef = torch.empty(2 * num_out, dtype=torch.float32)
+        layer.q8_misses = 0
+        self._kernels.q8_pack(layer.weight.data_ptr(), num_out, num_in, DTYPE_CODES[layer.weight.dtype],
+                              layer.q8_weight.data_ptr(), layer.q8_scale.data_ptr(), layer.q8_coef.data_ptr(),
+                              torch.get_num_threads())
+
+    def _q8_argmax(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """The rows' greedy tokens through the int8 copy, or None (a non-finite input, or too
+        many rows near the top: the caller takes the logits)."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        num_out, num_in = layer.weight.shape
+        tokens = torch.empty(x.shape[0], dtype=torch.int64)
+        result = self._kernels.linear_argmax_q8(
+            x.data_ptr(), x.stride(0), layer.weight.data_ptr(), layer.q8_weight.data_ptr(),
+            layer.q8_scale.data_ptr(), layer.q8_coef.data_ptr(), tokens.data_ptr(), x.shape[0], num_out,
+            num_in, DTYPE_CODES[x.dtype], max(64, num_out // 32), torch.get_num_threads())
+        if result == 0:
+            layer.q8_misses = 0
+            return tokens
+        if result == -2:  # logits too close together for the bound to pick: a flat model
+            layer.q8_misses += 1
+            if layer.q8_misses >= Q8_MAX_MISSES:
+                logger.info("LM head: the int8 copy left too many candidate rows %d times in a row; "
+                            "dropped", Q8_MAX_MISSES)
+                layer.q8_weight = None
+        return None
 
     def _gemm_pack(self, weight: torch.Tensor, gated: bool) -> torch.Tensor:
         num_out, num_in = weight.shape

@@ -25,6 +25,7 @@ logger = init_logger(__name__)
 ENV_HUGE_PAGES = "OMNIINFER_CPU_HUGE_PAGES"  # "0" keeps the weights where torch put them
 HUGE_PAGE = 2 << 20
 MIN_BYTES = 1 << 20  # smaller parameters stay put
+STREAMED_ATTRS = ("q8_weight",)  # module attributes (not parameters) moved too
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -53,8 +54,8 @@ def _huge_mapping(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
 
 
 def move_to_huge_pages(model: torch.nn.Module) -> mmap.mmap | None:
-    """Copy the model's parameters of at least 1 MiB into one huge-page mapping (each starting on
-    a 4 KiB boundary) and point them at it. Returns the mapping (keep it alive with the model),
+    """Copy the model's parameters of at least 1 MiB (and the `STREAMED_ATTRS` tensors its modules
+    hold) into one huge-page mapping (each starting on a 4 KiB boundary) and point them at it. Returns the mapping (keep it alive with the model),
     or None when nothing moved."""
     why = huge_pages_unavailable()
     if why:
@@ -62,16 +63,25 @@ def move_to_huge_pages(model: torch.nn.Module) -> mmap.mmap | None:
         return None
     params = [p for p in model.parameters() if p.device.type == "cpu"
               and p.numel() * p.element_size() >= MIN_BYTES]
-    sizes = [-(-p.numel() * p.element_size() // 4096) * 4096 for p in params]
-    if not params:
+    # big tensors a kernel streams beside the parameters (the LM head's int8 copy)
+    streamed = [(m, name) for m in model.modules() for name in STREAMED_ATTRS
+                if isinstance(getattr(m, name, None), torch.Tensor)
+                and getattr(m, name).numel() * getattr(m, name).element_size() >= MIN_BYTES]
+    tensors = params + [getattr(m, name) for m, name in streamed]
+    sizes = [-(-t.numel() * t.element_size() // 4096) * 4096 for t in tensors]
+    if not tensors:
         return None
     arena, buffer = _huge_mapping(sum(sizes))
     offset = 0
-    for param, size in zip(params, sizes):
-        nbytes = param.numel() * param.element_size()
-        target = buffer[offset: offset + nbytes].view(param.dtype).view(param.shape)
-        target.copy_(param.data)
-        param.data = target
+    for i, (tensor, size) in enumerate(zip(tensors, sizes)):
+        nbytes = tensor.numel() * tensor.element_size()
+        target = buffer[offset: offset + nbytes].view(tensor.dtype).view(tensor.shape)
+        target.copy_(tensor.data)
+        if i < len(params):
+            tensor.data = target
+        else:
+            module, name = streamed[i - len(params)]
+            setattr(module, name, target)
         offset += size
-    logger.debug("%d parameters (%.2f GiB) moved to huge pages", len(params), sum(sizes) / 2**30)
+    logger.debug("%d tensors (%.2f GiB) moved to huge pages", len(tensors), sum(sizes) / 2**30)
     return arena

@@ -340,15 +340,23 @@ def test_engine_runs_on_the_kernels(checkpoint_dir, hf_greedy):
     methods = [m.linear_method for m in model.modules() if hasattr(m, "linear_method")]
     assert len(methods) == 2 * 4 + 1 and all(isinstance(m, CpuLinearMethod) for m in methods)
     assert isinstance(model.decoder_stack, CpuDecoderStack)  # the layers in one compiled call
-    calls = []
-    kernel = methods[0].linear
-    methods[0].linear = lambda *args: calls.append(args[6]) or kernel(*args)  # rows per call
+    calls, kernels = [], methods[0]._kernels
+
+    class Recording:
+        def __getattr__(self, name):
+            return getattr(kernels, name)
+
+        def linear_argmax_q8(self, *args):
+            calls.append(args[7])  # rows
+            return kernels.linear_argmax_q8(*args)
+
+    methods[0]._kernels = Recording()
     prompts = [[5, 6, 7], list(range(10, 45))]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8)
-    assert 2 in calls  # the two sequences' LM head went through the kernel (the layers: the decoder stack)
+    assert calls == [2] * 8  # the two sequences' greedy tokens from the LM head's int8 copy
 
 
 @pytest.mark.parametrize("dtype", gemm_params([torch.float32]))
@@ -517,6 +525,8 @@ def test_weights_in_huge_pages(monkeypatch, checkpoint_dir, hf_greedy):
     start = torch.frombuffer(runner._weight_arena, dtype=torch.uint8).data_ptr()
     for name, param in runner.model.named_parameters():
         assert start <= param.data_ptr() < start + len(runner._weight_arena), name
+    q8 = runner.model.lm_head.q8_weight  # the int8 copy the greedy LM head streams, too
+    assert q8 is not None and start <= q8.data_ptr() < start + len(runner._weight_arena)
     prompt = [9, 8, 7, 6, 5]
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6,
                                                                      ignore_eos=True), use_tqdm=False)

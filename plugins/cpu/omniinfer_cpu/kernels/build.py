@@ -62,6 +62,10 @@ SIGNATURES = {
     "omni_gemm": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
     # x, ldx, packed, bias, out (int64), M, N, K, dtype, nthreads
     "omni_gemm_argmax": ([_P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32], _I32),
+    # w, N, K, dtype, q (int8 [N, K]), scale [N], coef [2N], nthreads
+    "omni_q8_pack": ([_P, _I32, _I32, _I32, _P, _P, _P, _I32], None),
+    # x, ldx, w, q, scale, coef, out (int64), M, N, K, dtype, max_candidates, nthreads
+    "omni_linear_argmax_q8": ([_P, _I64, _P, _P, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
     # layers (omni_layer[]), num_layers, hidden, residual, has_residual, positions, slot_mapping, T,
     # block_tables, table_stride, query_start_loc, seq_lens, num_seqs, work, kernel_rows, dtype,
     # nthreads
