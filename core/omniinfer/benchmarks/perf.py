@@ -376,7 +376,10 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
 
     Batch-1 decode follows the machine's memory bandwidth, which drifts by up to 2x within
     minutes here, so the engines take turns, one request each per round, and a sum's read
-    bandwidth is measured in each round as well ("read_gbps_rounds")."""
+    bandwidth is measured in each round as well ("read_gbps_rounds"). The weight bandwidth is the
+    checkpoint's weight bytes over the time a token takes: an engine that reads fewer bytes a
+    token (the CPU plugin's greedy LM head reads an int8 copy) can show more than the read
+    bandwidth, and beat the floor, the weights alone at that bandwidth."""
     if output_len < 2:
         raise ValueError(f"output_len={output_len!r}: ms per output token needs at least 2 tokens")
     torch_dtype = getattr(torch, dtype)
