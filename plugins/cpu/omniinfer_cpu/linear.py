@@ -80,7 +80,7 @@ class CpuLinearMethod(LinearMethod):
             layer.weight.data = layer.weight.data.contiguous()
         layer.packed_weight = layer.gemm_weight = layer.q8_weight = None
         layer.gemm_gated = getattr(layer, "silu_and_mul", None) is not None
-        if (self.pack and self.linear is not None and isinstance(layer, ParallelLMHead)
+        if (self.pack and self.linear is not None and isinstance(layer, ParallelLMHead) and layer.tp_size == 1
                 and layer.weight.dtype in DTYPE_CODES and os.environ.get(ENV_Q8, "1").strip() != "0"):
             self._q8_pack(layer)
         if (self.pack and layer.weight.dtype in self.gemm_dtypes and layer.weight.dim() == 2
