@@ -55,6 +55,24 @@ def kernels_off(monkeypatch):
     build.reset()
 
 
+class Recording:
+    """The kernels with one function's calls recorded: `calls` gets pick(args) for each."""
+
+    def __init__(self, kernels, name: str, pick):
+        self._kernels, self._name, self._pick, self.calls = kernels, name, pick, []
+
+    def __getattr__(self, attr):
+        fn = getattr(self._kernels, attr)
+        if attr != self._name:
+            return fn
+
+        def recorded(*args):
+            self.calls.append(self._pick(args))
+            return fn(*args)
+
+        return recorded
+
+
 class _Layer(torch.nn.Module):
     def __init__(self, weight):
         super().__init__()
@@ -250,14 +268,8 @@ def test_engine_bf16_products_on_omni_gemm(checkpoint_dir, hf_logprobs, dtype):
     model.decoder_stack = None  # the layers one by one, through the linear method (the stack: its own test)
     assert llm.llm_engine.config.model.dtype == torch.bfloat16
     method = next(m.linear_method for m in model.modules() if hasattr(m, "linear_method"))
-    kernels, calls = method.gemm, []
-
-    class Recording:
-        def gemm(self, *args):
-            calls.append((args[6], args[9]))  # rows, gated
-            return kernels.gemm(*args)
-
-    method.gemm = Recording()
+    method.gemm = Recording(method.gemm, "gemm", lambda args: (args[6], args[9]))  # rows, gated
+    calls = method.gemm.calls
     prompts = [list(range(5 + i, 25 + 3 * i)) for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -340,17 +352,8 @@ def test_engine_runs_on_the_kernels(checkpoint_dir, hf_greedy):
     methods = [m.linear_method for m in model.modules() if hasattr(m, "linear_method")]
     assert len(methods) == 2 * 4 + 1 and all(isinstance(m, CpuLinearMethod) for m in methods)
     assert isinstance(model.decoder_stack, CpuDecoderStack)  # the layers in one compiled call
-    calls, kernels = [], methods[0]._kernels
-
-    class Recording:
-        def __getattr__(self, name):
-            return getattr(kernels, name)
-
-        def linear_argmax_q8(self, *args):
-            calls.append(args[7])  # rows
-            return kernels.linear_argmax_q8(*args)
-
-    methods[0]._kernels = Recording()
+    methods[0]._kernels = Recording(methods[0]._kernels, "linear_argmax_q8", lambda args: args[7])  # rows
+    calls = methods[0]._kernels.calls
     prompts = [[5, 6, 7], list(range(10, 45))]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -368,17 +371,8 @@ def test_engine_greedy_tokens_from_omni_gemm_argmax(checkpoint_dir, hf_greedy, d
     llm = LLM(path, num_kv_blocks=64)
     head = llm.llm_engine.executor.worker.model_runner.model.lm_head
     method = head.linear_method
-    kernels, calls = method.gemm, []
-
-    class Recording:
-        def __getattr__(self, name):
-            return getattr(kernels, name)
-
-        def gemm_argmax(self, *args):
-            calls.append(args[5])  # rows
-            return kernels.gemm_argmax(*args)
-
-    method.gemm = Recording()
+    method.gemm = Recording(method.gemm, "gemm_argmax", lambda args: args[5])  # rows
+    calls = method.gemm.calls
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     for prompts, rows in (([[5, 6, 7], list(range(10, 40)), [9, 8], [4]], 4), ([[5, 6], [7]], None)):
         calls.clear()
