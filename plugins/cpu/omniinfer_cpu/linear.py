@@ -202,8 +202,8 @@ class CpuLinearMethod(LinearMethod):
 
 
 def should_pack(model: torch.nn.Module, available_bytes: int) -> bool:
-    """OMNIINFER_CPU_PACK_WEIGHTS=0/1, else whether a second copy of every linear weight fits in
-    a quarter of `available_bytes`."""
+    """OMNIINFER_CPU_PACK_WEIGHTS=0/1, else whether a second copy of every linear weight (and the
+    LM head's int8 copy) fits in a quarter of `available_bytes`."""
     setting = os.environ.get(ENV_PACK, "auto").strip().lower()
     if setting in ("0", "1"):
         return setting == "1"
@@ -211,4 +211,5 @@ def should_pack(model: torch.nn.Module, available_bytes: int) -> bool:
         raise ValueError(f"{ENV_PACK}={setting!r}: expected 0, 1 or auto")
     weights = {id(m.weight): m.weight for m in model.modules() if hasattr(m, "linear_method")}
     extra = sum(w.numel() * w.element_size() for w in weights.values())
+    extra += sum(m.weight.numel() for m in model.modules() if isinstance(m, ParallelLMHead))  # int8
     return extra <= available_bytes // 4
