@@ -22,7 +22,7 @@ import torch
 from omniinfer.models.layers.decoder_stack import DecoderLayerSpec
 from omniinfer_cpu.attention.paged import CpuPagedImpl, kernel_metadata
 from omniinfer_cpu.layer_ops import CpuLayerOps
-from omniinfer_cpu.linear import DTYPE_CODES, KERNEL_ROWS, CpuLinearMethod
+from omniinfer_cpu.linear import DTYPE_CODES, CpuLinearMethod
 
 ENV_STACK = "OMNIINFER_CPU_DECODER_STACK"  # "0": the model runs its layers one by one (A/B runs)
 POINTERS = ("input_norm", "qkv", "qkv_packed", "qkv_bias", "o", "o_packed", "o_bias", "post_norm",
@@ -68,15 +68,10 @@ def unsupported(kernels, specs: list[DecoderLayerSpec]) -> str | None:
             return "the layers' tensors differ in dtype"
         if spec.rotary.cos.dtype != torch.float32:
             return "the rotary table is not float32"
-    if len({kernel_rows(layer) for spec in specs for layer in _products(spec).values()}) != 1:
+    if len({layer.linear_method.layer_kernel_rows(layer) for spec in specs
+            for layer in _products(spec).values()}) != 1:
         return "the linear layers differ in how many rows go to the kernel"
     return None
-
-
-def kernel_rows(layer) -> int:
-    """Up to how many rows the layer's method runs `omni_linear` (CpuLinearMethod.apply)."""
-    packed = getattr(layer, "packed_weight", None) is not None or getattr(layer, "gemm_weight", None) is not None
-    return KERNEL_ROWS if packed else layer.linear_method.max_rows
 
 
 class CpuDecoderStack:
@@ -85,7 +80,7 @@ class CpuDecoderStack:
         self.specs = specs
         self.dtype = specs[0].qkv_proj.weight.dtype
         products = [layer for spec in specs for layer in _products(spec).values()]
-        self.kernel_rows = kernel_rows(products[0])
+        self.kernel_rows = products[0].linear_method.layer_kernel_rows(products[0])
         # more rows: omni_gemm, which needs every product packed for it
         self.has_gemm = all(getattr(layer, "gemm_weight", None) is not None for layer in products)
         s = specs[0]

@@ -92,13 +92,21 @@ class CpuLinearMethod(LinearMethod):
                 self._warned = True
                 logger.warning("linear layers use torch's F.linear above %d rows: %s", self.max_rows, why)
 
+    def layer_kernel_rows(self, layer: torch.nn.Module) -> int:
+        """Up to how many rows `apply` runs this layer on the compiled kernel."""
+        return self._kernel_limit(getattr(layer, "packed_weight", None), getattr(layer, "gemm_weight", None))
+
+    def _kernel_limit(self, packed, gemm_weight) -> int:
+        """KERNEL_ROWS where a packed copy serves more rows, else max_rows."""
+        return KERNEL_ROWS if packed is not None or gemm_weight is not None else self.max_rows
+
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         weight = layer.weight
         rows = x.shape[0] if x.dim() == 2 else -1
         packed = getattr(layer, "packed_weight", None)
         gemm_weight = getattr(layer, "gemm_weight", None)
-        limit = KERNEL_ROWS if packed is not None or gemm_weight is not None else self.max_rows
-        if 0 < rows <= limit and self.linear is not None and x.dtype == weight.dtype in DTYPE_CODES:
+        if (0 < rows <= self._kernel_limit(packed, gemm_weight) and self.linear is not None
+                and x.dtype == weight.dtype in DTYPE_CODES):
             return self._kernel(x, weight, bias)
         if gemm_weight is not None and rows > 0 and x.dtype == weight.dtype and not layer.gemm_gated:
             return self._gemm(layer, x, bias)
