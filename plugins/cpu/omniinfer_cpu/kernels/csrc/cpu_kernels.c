@@ -1012,6 +1012,34 @@ void omni_argmax(const void *x, int64_t ld, int rows, int cols, int dt, int64_t 
  * Built where the CPU has AVX-512 (float32) and AVX-512 BF16 (bfloat16):
  * omni_gemm_supported(dtype) says which. */
 
+/* ---- torch.argmax's order over columns seen in increasing order, split among threads ------ */
+
+/* take column c's value x into a running first maximum (col < 0: none yet): only a greater value
+ * or a first NaN replaces it, so the first maximum stays, a NaN the greatest */
+INLINE void argmax_take(float *best, int32_t *col, float x, int64_t c) {
+    float b = *best;
+    if (*col < 0 || x > b || (x != x && b == b)) *best = x, *col = (int32_t)c;
+}
+
+/* The first maximum of row r over every thread's running one ([nthreads, M] each; threads hold
+ * disjoint columns): a NaN above all, the first column among equals. -1 when none. */
+static int64_t argmax_merge(const float *best, const int32_t *best_col, int M, int nthreads, int r) {
+    int64_t arg = -1;
+    float top = 0.f;
+    int top_nan = 0;
+    for (int t = 0; t < nthreads; t++) {
+        size_t at = (size_t)t * M + r;
+        int64_t c = best_col[at];
+        float v = best[at];
+        int is_nan = v != v;
+        if (c < 0) continue;
+        if (arg < 0 || (is_nan && (!top_nan || c < arg)) ||
+            (!is_nan && !top_nan && (v > top || (v == top && c < arg))))
+            arg = c, top = v, top_nan = is_nan;
+    }
+    return arg;
+}
+
 #define GEMM_NR 64
 #define GEMM_MR 6
 #define GEMM_MC 120
@@ -1115,10 +1143,7 @@ INLINE void gemm_argmax_tile(const gemm_args *g, int dt, int m, int MR, int64_t 
             vf val = acc[r][v] + bias[v];
             *(vfu *)(vals + 16 * v) = dt == BF16 ? vround_bf16(val) : val;
         }
-        for (int c = 0; c < n; c++) {
-            float x = vals[c], b = *best;
-            if (*col < 0 || x > b || (x != x && b == b)) *best = x, *col = (int32_t)(c0 + c);
-        }
+        for (int c = 0; c < n; c++) argmax_take(best, col, vals[c], c0 + c);
     }
 }
 
@@ -1212,25 +1237,6 @@ static const gemm_tile_fn GEMM_TILES_BF16[GEMM_MR + 1] = {
 #endif
 
 #if defined(__AVX512F__)
-/* The first maximum of row r over every thread's (a NaN above all, the first column among
- * equals), as torch.argmax. */
-static int64_t gemm_argmax_row(const float *best, const int32_t *best_col, int M, int nthreads, int r) {
-    int64_t arg = -1;
-    float top = 0.f;
-    int top_nan = 0;
-    for (int t = 0; t < nthreads; t++) {
-        size_t at = (size_t)t * M + r;
-        int64_t c = best_col[at];
-        float v = best[at];
-        int is_nan = v != v;
-        if (c < 0) continue;
-        if (arg < 0 || (is_nan && (!top_nan || c < arg)) ||
-            (!is_nan && !top_nan && (v > top || (v == top && c < arg))))
-            arg = c, top = v, top_nan = is_nan;
-    }
-    return arg;
-}
-
 /* omni_gemm's work; with `argmax` set (and y unused), the first maximum of each row instead */
 static int gemm_run(const void *x, int64_t ldx, const void *packed, const void *bias, void *y,
                     int64_t ldy, int M, int N, int K, int gated, int dt, int nthreads,
@@ -1303,7 +1309,7 @@ static int gemm_run(const void *x, int64_t ldx, const void *packed, const void *
 #endif
             int64_t r0, r1;
             thread_share(M, &r0, &r1);
-            for (int64_t r = r0; r < r1; r++) argmax[r] = gemm_argmax_row(best, best_col, M, used, (int)r);
+            for (int64_t r = r0; r < r1; r++) argmax[r] = argmax_merge(best, best_col, M, used, (int)r);
         }
     }
     free(best), free(best_col);
@@ -1504,17 +1510,6 @@ INLINE vf q8_load(const int8_t *p) {  /* 16 int8 as floats */
 #endif
 }
 
-typedef struct { float best; int64_t idx, nan_idx; } q8_pick;
-
-/* torch.argmax's order: the first NaN, else the greatest, the first among equals (rows ascending) */
-INLINE void q8_consider(q8_pick *p, float v, int64_t r) {
-    if (v != v) {
-        if (p->nan_idx < 0) p->nan_idx = r;
-    } else if (p->idx < 0 || v > p->best) {
-        p->best = v, p->idx = r;
-    }
-}
-
 /* out[m] = the greedy token of row m of x [M, K] (M = 1 or 2) against w [N, K] (no bias), as
  * argmax of omni_linear(x, w) with `nthreads` threads would give it. q, scale, coef: omni_q8_pack's.
  * Returns 0; -1 (nothing written) for M outside 1-2 or a non-finite x, -2 when more than
@@ -1529,10 +1524,13 @@ int omni_linear_argmax_q8(const void *x, int64_t ldx, const void *w, const int8_
     size_t es = dt == F32 ? 4 : 2;
     float *xf = malloc(sizeof(float) * (size_t)M * K), *approx = malloc(sizeof(float) * (size_t)M * N);
     float *lb = malloc(sizeof(float) * (size_t)nthreads * 2);
-    q8_pick *picks = malloc(sizeof(q8_pick) * (size_t)nthreads * 2);
+    /* per x row and thread: the running first maximum of the stored values, its row, how many
+     * rows got exact sums */
+    float *best = malloc(sizeof(float) * (size_t)nthreads * 2);
+    int32_t *best_row = malloc(sizeof(int32_t) * (size_t)nthreads * 2);
     int *counts = calloc((size_t)nthreads * 2, sizeof(int));
     int rc = 0, num_threads = 1;
-    if (!xf || !approx || !lb || !picks || !counts) {
+    if (!xf || !approx || !lb || !best || !best_row || !counts) {
         rc = -3;
         goto done;
     }
@@ -1585,7 +1583,9 @@ int omni_linear_argmax_q8(const void *x, int64_t ldx, const void *w, const int8_
             float best_lb = -INFINITY;
             for (int i = 0; i < T; i++) best_lb = lb[i * 2 + m] > best_lb ? lb[i * 2 + m] : best_lb;
             float floor_lb = dt == F32 ? best_lb : fminf(round_vec(best_lb), round_to(BF16, best_lb));
-            q8_pick p = {0.f, -1, -1};
+            float *top = best + (size_t)m * nthreads + t;
+            int32_t *top_row = best_row + (size_t)m * nthreads + t;
+            *top_row = -1;
             int count = 0;
             for (int64_t r = n0; r < n1; r++) {
                 double beta = (double)coef[r] * xn[m] + coef[N + r];
@@ -1603,23 +1603,18 @@ int omni_linear_argmax_q8(const void *x, int64_t ldx, const void *w, const int8_
                     GEMV_ROW(x, (size_t)ldx, wr, dt, K, 2, 4, two);
                     v = round_to(dt, two[m]);
                 }
-                q8_consider(&p, v, r);
+                argmax_take(top, top_row, v, r);
             }
-            picks[t * 2 + m] = p;
-            counts[t * 2 + m] = count;
+            counts[(size_t)m * nthreads + t] = count;
         }
     }
-    for (int m = 0; m < M && rc == 0; m++) {
-        q8_pick all = {0.f, -1, -1};
-        for (int i = 0; i < num_threads; i++) {  /* row ranges ascending */
-            q8_pick p = picks[i * 2 + m];
-            if (counts[i * 2 + m] > max_candidates) rc = -2;
-            if (p.nan_idx >= 0 && all.nan_idx < 0) all.nan_idx = p.nan_idx;
-            if (p.idx >= 0) q8_consider(&all, p.best, p.idx);
-        }
-        if (rc == 0) out[m] = all.nan_idx >= 0 ? all.nan_idx : all.idx;
-    }
+    for (int m = 0; m < M; m++)
+        for (int t = 0; t < num_threads; t++)
+            if (counts[(size_t)m * nthreads + t] > max_candidates) rc = -2;
+    for (int m = 0; m < M && rc == 0; m++)  /* row ranges ascend with the thread */
+        out[m] = argmax_merge(best + (size_t)m * nthreads, best_row + (size_t)m * nthreads, 1,
+                              num_threads, 0);
 done:
-    free(xf), free(approx), free(lb), free(picks), free(counts);
+    free(xf), free(approx), free(lb), free(best), free(best_row), free(counts);
     return rc;
 }
