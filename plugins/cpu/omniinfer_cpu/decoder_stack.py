@@ -25,9 +25,9 @@ from omniinfer_cpu.layer_ops import CpuLayerOps
 from omniinfer_cpu.linear import DTYPE_CODES, CpuLinearMethod
 
 ENV_STACK = "OMNIINFER_CPU_DECODER_STACK"  # "0": the model runs its layers one by one (A/B runs)
-POINTERS = ("input_norm", "qkv", "qkv_packed", "qkv_bias", "o", "o_packed", "o_bias", "post_norm",
-            "gate_up", "gate_up_packed", "gate_up_bias", "down", "down_packed", "down_bias",
-            "k_cache", "v_cache", "cos", "sin")
+POINTERS = ("input_norm", "qkv", "qkv_packed", "qkv_ec", "qkv_bias", "o", "o_packed", "o_ec", "o_bias",
+            "post_norm", "gate_up", "gate_up_packed", "gate_up_ec", "gate_up_bias", "down", "down_packed",
+            "down_ec", "down_bias", "k_cache", "v_cache", "cos", "sin")
 SIZES = ("hidden", "num_heads", "num_kv_heads", "head_size", "intermediate", "block_size", "window",
          "max_position")
 
@@ -101,6 +101,7 @@ class CpuDecoderStack:
             for name, layer in _products(spec).items():
                 ptr[name], ptr[name + "_bias"] = layer.weight, layer.bias
                 ptr[name + "_packed"] = getattr(layer, "gemm_weight", None)
+                ptr[name + "_ec"] = getattr(layer, "ec_weight", None)
             for name, t in ptr.items():
                 assert t is None or t.is_contiguous(), name
                 setattr(struct, name, None if t is None else t.data_ptr())

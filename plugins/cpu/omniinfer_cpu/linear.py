@@ -11,6 +11,9 @@ bandwidth for one row, and at a quarter for 2-16 rows (measured in docs/performa
   gate_up layer built with `silu_and_mul` is packed so that the product writes silu(gate) * up
   itself, and an all-greedy step's LM head takes each row's greedy token as it multiplies
   (``omni_gemm_argmax``: no logits written, none read back; 3-16% off the LM head here);
+* float32 weights of up to `kernel_rows` rows from a copy with coded top bytes made at load
+  (``omni_ec_pack`` / ``omni_linear_ec``): the same values in 7/8 of the bytes, the same sums
+  bit for bit, for the decode that reads every weight once a token;
 * the greedy token of one or two rows from an int8 copy of the LM head made at load
   (``omni_linear_argmax_q8``): every logit to within a proven bound, then exact sums, with
   ``omni_linear``'s arithmetic, for the few rows that could be the greatest; the same token as
@@ -19,8 +22,8 @@ bandwidth for one row, and at a quarter for 2-16 rows (measured in docs/performa
   (``torch.ops.mkldnn._reorder_linear_weight``): 1.2-2x torch's `F.linear` at 9-2048 rows.
 
 The packed copy costs the weight's bytes again (the [out, in] weight stays: the kernel and a
-tied embedding read it), so it is made only while all of them fit in a quarter of the memory
-available at load (`OMNIINFER_CPU_PACK_WEIGHTS=0/1` forces it off/on); without it the kernel
+tied embedding read it), so it and the coded copy are made only while all the copies fit in a
+quarter of the memory available at load (`OMNIINFER_CPU_PACK_WEIGHTS=0/1` forces it off/on); without it the kernel
 serves up to `max_rows` rows and `F.linear` the rest.
 """
 
@@ -40,6 +43,9 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_PACK = "OMNIINFER_CPU_PACK_WEIGHTS"
 ENV_GEMM = "OMNIINFER_CPU_GEMM"  # "0": 3+ rows go to oneDNN's packed weights (A/B runs)
 ENV_Q8 = "OMNIINFER_CPU_LM_HEAD_Q8"  # "0": no int8 copy of the LM head (A/B runs)
+ENV_EC = "OMNIINFER_CPU_CODED_F32"  # "0": no coded copy of float32 weights (A/B runs)
+EC_MAX_PATCHES = 1 / 256  # a coded copy needing more patches than this share of weights is not made
+EC_BYTES = 7 / 8  # a coded copy's size against the float32 weight's
 Q8_MAX_MISSES = 8  # consecutive calls with too many candidate rows before the copy is dropped
 KERNEL_ROWS = 2  # the kernel beats oneDNN's packed weights up to here (fp32 and bf16)
 MAX_ROWS = 16  # ... and torch's F.linear up to here
@@ -78,7 +84,10 @@ class CpuLinearMethod(LinearMethod):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if not layer.weight.is_contiguous():
             layer.weight.data = layer.weight.data.contiguous()
-        layer.packed_weight = layer.gemm_weight = layer.q8_weight = None
+        layer.packed_weight = layer.gemm_weight = layer.q8_weight = layer.ec_weight = None
+        if (self.pack and self.linear is not None and layer.weight.dtype == torch.float32
+                and layer.weight.dim() == 2 and os.environ.get(ENV_EC, "1").strip() != "0"):
+            self._ec_pack(layer)
         layer.gemm_gated = getattr(layer, "silu_and_mul", None) is not None
         if (self.pack and self.linear is not None and isinstance(layer, ParallelLMHead) and layer.tp_size == 1
                 and layer.weight.dtype in DTYPE_CODES and os.environ.get(ENV_Q8, "1").strip() != "0"):
@@ -107,7 +116,7 @@ class CpuLinearMethod(LinearMethod):
         gemm_weight = getattr(layer, "gemm_weight", None)
         if (0 < rows <= self._kernel_limit(packed, gemm_weight) and self.linear is not None
                 and x.dtype == weight.dtype in DTYPE_CODES):
-            return self._kernel(x, weight, bias)
+            return self._kernel(layer, x, bias)
         if gemm_weight is not None and rows > 0 and x.dtype == weight.dtype and not layer.gemm_gated:
             return self._gemm(layer, x, bias)
         if packed is not None and x.dtype == weight.dtype and rows > 0:
@@ -122,7 +131,7 @@ class CpuLinearMethod(LinearMethod):
                 and x.dtype == layer.weight.dtype and rows > 0):
             if rows > KERNEL_ROWS:
                 return self._gemm(layer, x, bias)
-            return silu_and_mul(self._kernel(x, layer.weight, bias))
+            return silu_and_mul(self._kernel(layer, x, bias))
         return silu_and_mul(self.apply(layer, x, bias))
 
     def apply_argmax(self, layer, x, argmax_rows):
@@ -153,6 +162,18 @@ class CpuLinearMethod(LinearMethod):
         self._kernels.q8_pack(layer.weight.data_ptr(), num_out, num_in, DTYPE_CODES[layer.weight.dtype],
                               layer.q8_weight.data_ptr(), layer.q8_scale.data_ptr(), layer.q8_coef.data_ptr(),
                               torch.get_num_threads())
+
+    def _ec_pack(self, layer: torch.nn.Module) -> None:
+        """The coded copy of a float32 weight, where this CPU decodes it (AVX-512 VBMI), the input
+        width is a multiple of 16 and few weights need patches."""
+        num_out, num_in = layer.weight.shape
+        threads = torch.get_num_threads()
+        patches = self._kernels.ec_count(layer.weight.data_ptr(), num_out, num_in, threads)
+        if patches < 0 or patches > EC_MAX_PATCHES * num_out * num_in:
+            return
+        copy = torch.empty(self._kernels.ec_size(num_out, num_in, patches), dtype=torch.uint8)
+        if self._kernels.ec_pack(layer.weight.data_ptr(), num_out, num_in, patches, copy.data_ptr(), threads) == 0:
+            layer.ec_weight = copy
 
     def _q8_argmax(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """The rows' greedy tokens through the int8 copy, or None (a non-finite input, or too
@@ -196,22 +217,28 @@ class CpuLinearMethod(LinearMethod):
                        torch.get_num_threads())
         return out
 
-    def _kernel(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def _kernel(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """omni_linear, or omni_linear_ec on the coded copy (the same result)."""
         if x.stride(1) != 1:
             x = x.contiguous()
+        weight, coded = layer.weight, getattr(layer, "ec_weight", None)
         rows, num_out = x.shape[0], weight.shape[0]
         out = torch.empty(rows, num_out, dtype=x.dtype)
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        self.linear(x.data_ptr(), x.stride(0), weight.data_ptr(),
-                    None if bias is None else bias.data_ptr(), out.data_ptr(), num_out,
-                    rows, num_out, x.shape[1], DTYPE_CODES[x.dtype], torch.get_num_threads())
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if coded is None or self._kernels.linear_ec(x.data_ptr(), x.stride(0), coded.data_ptr(), bias_ptr,
+                                                    out.data_ptr(), num_out, rows, num_out, x.shape[1],
+                                                    torch.get_num_threads()) != 0:
+            self.linear(x.data_ptr(), x.stride(0), weight.data_ptr(), bias_ptr, out.data_ptr(), num_out,
+                        rows, num_out, x.shape[1], DTYPE_CODES[x.dtype], torch.get_num_threads())
         return out
 
 
 def should_pack(model: torch.nn.Module, available_bytes: int) -> bool:
     """OMNIINFER_CPU_PACK_WEIGHTS=0/1, else whether a second copy of every linear weight (and the
-    LM head's int8 copy) fits in a quarter of `available_bytes`."""
+    coded copies of float32 ones, and the LM head's int8 copy) fits in a quarter of
+    `available_bytes`."""
     setting = os.environ.get(ENV_PACK, "auto").strip().lower()
     if setting in ("0", "1"):
         return setting == "1"
@@ -219,5 +246,6 @@ def should_pack(model: torch.nn.Module, available_bytes: int) -> bool:
         raise ValueError(f"{ENV_PACK}={setting!r}: expected 0, 1 or auto")
     weights = {id(m.weight): m.weight for m in model.modules() if hasattr(m, "linear_method")}
     extra = sum(w.numel() * w.element_size() for w in weights.values())
+    extra += sum(int(w.numel() * 4 * EC_BYTES) for w in weights.values() if w.dtype == torch.float32)
     extra += sum(m.weight.numel() for m in model.modules() if isinstance(m, ParallelLMHead))  # int8
     return extra <= available_bytes // 4

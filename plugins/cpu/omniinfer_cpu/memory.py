@@ -25,7 +25,7 @@ logger = init_logger(__name__)
 ENV_HUGE_PAGES = "OMNIINFER_CPU_HUGE_PAGES"  # "0" keeps the weights where torch put them
 HUGE_PAGE = 2 << 20
 MIN_BYTES = 1 << 20  # smaller parameters stay put
-STREAMED_ATTRS = ("q8_weight",)  # module attributes (not parameters) moved too
+STREAMED_ATTRS = ("q8_weight", "ec_weight")  # module attributes (not parameters) moved too
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -63,7 +63,7 @@ def move_to_huge_pages(model: torch.nn.Module) -> mmap.mmap | None:
         return None
     params = [p for p in model.parameters() if p.device.type == "cpu"
               and p.numel() * p.element_size() >= MIN_BYTES]
-    # big tensors a kernel streams beside the parameters (the LM head's int8 copy)
+    # big tensors a kernel streams beside the parameters (the LM head's int8 copy, coded copies)
     streamed = [(m, name) for m in model.modules() for name in STREAMED_ATTRS
                 if isinstance(getattr(m, name, None), torch.Tensor)
                 and getattr(m, name).numel() * getattr(m, name).element_size() >= MIN_BYTES]

@@ -521,6 +521,10 @@ def test_weights_in_huge_pages(monkeypatch, checkpoint_dir, hf_greedy):
         assert start <= param.data_ptr() < start + len(runner._weight_arena), name
     q8 = runner.model.lm_head.q8_weight  # the int8 copy the greedy LM head streams, too
     assert q8 is not None and start <= q8.data_ptr() < start + len(runner._weight_arena)
+    coded = [m.ec_weight for m in runner.model.modules() if getattr(m, "ec_weight", None) is not None]
+    kernels = build.load()
+    assert coded or kernels is None or not kernels.ec_supported()  # and the float32 weights' coded copies
+    assert all(start <= c.data_ptr() < start + len(runner._weight_arena) for c in coded)
     prompt = [9, 8, 7, 6, 5]
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6,
                                                                      ignore_eos=True), use_tqdm=False)

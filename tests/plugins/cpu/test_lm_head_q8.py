@@ -159,15 +159,3 @@ def test_switched_off_and_only_for_the_lm_head(monkeypatch, checkpoint_dir):
     assert llm.llm_engine.executor.worker.model_runner.model.lm_head.q8_weight is None
     out = llm.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3
-
-
-def test_the_copy_counts_in_the_packing_budget(monkeypatch, checkpoint_dir):
-    """Packing (and so the int8 copy) needs the packed copies and the int8 head within a quarter
-    of the available memory."""
-    from omniinfer_cpu.linear import ENV_PACK, should_pack
-
-    monkeypatch.delenv(ENV_PACK, raising=False)
-    model = LLM(checkpoint_dir("llama"), num_kv_blocks=64).llm_engine.executor.worker.model_runner.model
-    weights = {id(m.weight): m.weight for m in model.modules() if hasattr(m, "linear_method")}
-    need = sum(w.numel() * w.element_size() for w in weights.values()) + model.lm_head.weight.numel()
-    assert should_pack(model, 4 * need) and not should_pack(model, 4 * need - 4)

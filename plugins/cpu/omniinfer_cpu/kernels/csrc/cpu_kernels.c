@@ -385,6 +385,301 @@ void omni_linear(const void *x, int64_t ldx, const void *w, const void *bias, vo
     }
 }
 
+/* ---- linear: float32 weights with coded top bytes (7/8 of the bytes) ------------------------- */
+/* Batch-1 decode reads every weight once a token, so its speed is the bytes it reads. A float32
+ * weight's top byte (the sign and the exponent's high 7 bits) takes few values in one row of a
+ * trained or initialised layer, so the copy made here keeps each weight's low three bytes as they
+ * are and its top byte as a 4-bit index into its row's table of 16: 28 bits a weight, and the
+ * values exactly the weight's. A weight whose top byte is not in its row's table is stored as +0
+ * and listed as a patch (column, value) that is put back into its lane before the multiply, so
+ * omni_linear_ec does omni_linear's arithmetic on the same values: the same results, bit for bit.
+ * Decoding takes three byte shuffles per 16 weights (AVX-512 VBMI), under the reads' time.
+ *
+ * Layout (omni_ec_size bytes): N rows of K / 16 groups of 56 bytes, one group per 16 weights
+ * (bytes 3j .. 3j + 2: weight j's low three bytes; bytes 48 + j / 2: its index, the low nibble
+ * for an even j); 64 bytes of padding (a group's 64-byte load runs 8 bytes past it); the tables,
+ * 16 bytes a row (entry 0 is 0x00, for zeros and patches); patch_start, int32 [N + 1]; the
+ * patches, ordered by row and column. */
+
+#define EC_GROUP 56
+
+typedef struct {
+    int32_t k;
+    float v;
+} ec_patch;
+
+INLINE size_t ec_rows_bytes(int64_t N, int64_t K) { return (size_t)(N * (K / VL)) * EC_GROUP + 64; }
+
+int omni_ec_supported(void) {
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int64_t omni_ec_size(int N, int K, int64_t patches) {
+    return (int64_t)ec_rows_bytes(N, K) + 16 * (int64_t)N + 4 * ((int64_t)N + 1) + 8 * patches;
+}
+
+/* Row r's table (0x00 and the 15 most frequent other top bytes, the smaller byte first among
+ * equals; unused entries 0x00) and how many of its weights it leaves to patches. */
+static int ec_table(const uint32_t *w, int K, uint8_t table[16], int8_t code_of[256]) {
+    int count[256] = {0};
+    for (int k = 0; k < K; k++) count[w[k] >> 24]++;
+    memset(table, 0, 16);
+    memset(code_of, -1, 256);
+    code_of[0] = 0;
+    int covered = count[0];
+    count[0] = -1;
+    for (int c = 1; c < 16; c++) {
+        int best = -1;
+        for (int b = 1; b < 256; b++)
+            if (count[b] > 0 && (best < 0 || count[b] > count[best])) best = b;
+        if (best < 0) break;
+        table[c] = (uint8_t)best, code_of[best] = (int8_t)c;
+        covered += count[best];
+        count[best] = -1;
+    }
+    return K - covered;
+}
+
+/* How many patches w [N, K] (float32) needs; -1 when the copy is not built here (no AVX-512
+ * VBMI) or K is not a multiple of 16. */
+int64_t omni_ec_count(const float *w, int N, int K, int nthreads) {
+    if (!omni_ec_supported() || N <= 0 || K <= 0 || K % VL) return -1;
+    int64_t total = 0;
+#pragma omp parallel for schedule(static) reduction(+ : total) num_threads(nthreads > 0 ? nthreads : 1)
+    for (int r = 0; r < N; r++) {
+        uint8_t table[16];
+        int8_t code_of[256];
+        total += ec_table((const uint32_t *)w + (size_t)r * K, K, table, code_of);
+    }
+    return total;
+}
+
+/* w [N, K] -> out (omni_ec_size(N, K, patches) bytes). Returns 0, or -1 (nothing usable written)
+ * when the copy is not built here or `patches` is not omni_ec_count's. */
+int omni_ec_pack(const float *w, int N, int K, int64_t patches, uint8_t *out, int nthreads) {
+    if (!omni_ec_supported() || N <= 0 || K <= 0 || K % VL || patches < 0 || patches > INT32_MAX)
+        return -1;
+    uint8_t *tables = out + ec_rows_bytes(N, K);
+    int32_t *start = (int32_t *)(tables + 16 * (size_t)N);
+    ec_patch *patch = (ec_patch *)(start + N + 1);
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int r = 0; r < N; r++) {
+        int8_t code_of[256];
+        start[r + 1] = ec_table((const uint32_t *)w + (size_t)r * K, K, tables + 16 * (size_t)r, code_of);
+    }
+    start[0] = 0;
+    for (int r = 0; r < N; r++) {
+        if ((int64_t)start[r] + start[r + 1] > patches) return -1;
+        start[r + 1] += start[r];
+    }
+    if (start[N] != patches) return -1;
+    memset(out + ec_rows_bytes(N, K) - 64, 0, 64);
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int r = 0; r < N; r++) {
+        int8_t code_of[256];
+        memset(code_of, -1, 256);
+        for (int c = 0; c < 16; c++)
+            if (c == 0 || tables[16 * (size_t)r + c]) code_of[tables[16 * (size_t)r + c]] = (int8_t)c;
+        const uint32_t *wr = (const uint32_t *)w + (size_t)r * K;
+        ec_patch *p = patch + start[r];
+        for (int g = 0; g < K / VL; g++) {
+            uint8_t *grp = out + ((size_t)r * (K / VL) + g) * EC_GROUP;
+            memset(grp + 48, 0, 8);
+            for (int j = 0; j < VL; j++) {
+                int k = g * VL + j;
+                uint32_t b = wr[k];
+                int c = code_of[b >> 24];
+                if (c < 0) {  /* stored as +0, put back from the patch */
+                    b = 0, c = 0;
+                    p->k = k;
+                    memcpy(&p->v, &wr[k], 4);
+                    p++;
+                }
+                grp[3 * j] = (uint8_t)b, grp[3 * j + 1] = (uint8_t)(b >> 8), grp[3 * j + 2] = (uint8_t)(b >> 16);
+                grp[48 + j / 2] |= (uint8_t)(c << (4 * (j & 1)));
+            }
+        }
+    }
+    return 0;
+}
+
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+typedef struct {
+    __m512i table, expand, shift;
+} ec_decoder;
+
+INLINE ec_decoder ec_decoder_for(const uint8_t *table) {
+    ec_decoder d;
+    d.table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table));  /* index & 63 */
+    uint8_t expand[64], shift[64];
+    for (int j = 0; j < VL; j++) {
+        for (int b = 0; b < 3; b++) expand[4 * j + b] = (uint8_t)(3 * j + b);
+        expand[4 * j + 3] = 0;
+        /* byte 3 of lane j: 8 bits of the index quadword from bit 4j (index j, then junk) */
+        for (int b = 0; b < 3; b++) shift[4 * j + b] = 0;
+        shift[4 * j + 3] = (uint8_t)(4 * j);
+    }
+    d.expand = _mm512_loadu_si512(expand);
+    d.shift = _mm512_loadu_si512(shift);
+    return d;
+}
+
+/* the 16 weights of one group */
+INLINE vf ec_load(const ec_decoder *d, const uint8_t *grp) {
+    int64_t idx;
+    memcpy(&idx, grp + 48, 8);
+    __m512i top = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(d->shift, _mm512_set1_epi64(idx)),
+                                          d->table);
+    return (vf)_mm512_mask_permutexvar_epi8(top, 0x7777777777777777ULL, d->expand,
+                                            _mm512_loadu_si512(grp));
+}
+
+/* the patches of columns [k, k + n * 16) put into their lanes of w[0 .. n) */
+static __attribute__((noinline)) void ec_patch_lanes(vf *w, int n, int k, const ec_patch **p,
+                                                     const ec_patch *end) {
+    float lanes[4 * VL];
+    memcpy(lanes, w, sizeof(vf) * n);
+    for (; *p < end && (*p)->k < k + n * VL; (*p)++) lanes[(*p)->k - k] = (*p)->v;
+    memcpy(w, lanes, sizeof(vf) * n);
+}
+
+/* row_vec (float32) on a coded row */
+INLINE vf ec_row_vec(const float *x, const uint8_t *row, const uint8_t *table, const ec_patch *p,
+                     const ec_patch *end, int K) {
+    ec_decoder d = ec_decoder_for(table);
+    vf a0 = (vf){0}, a1 = a0, a2 = a0, a3 = a0;
+    int next = p < end ? p->k : K;
+    int k = 0;
+    for (; k + 4 * VL <= K; k += 4 * VL, row += 4 * EC_GROUP) {
+        vf w[4] = {ec_load(&d, row), ec_load(&d, row + EC_GROUP), ec_load(&d, row + 2 * EC_GROUP),
+                   ec_load(&d, row + 3 * EC_GROUP)};
+        if (__builtin_expect(next < k + 4 * VL, 0)) {
+            ec_patch_lanes(w, 4, k, &p, end);
+            next = p < end ? p->k : K;
+        }
+        a0 += w[0] * *(const vfu *)(x + k);
+        a1 += w[1] * *(const vfu *)(x + k + VL);
+        a2 += w[2] * *(const vfu *)(x + k + 2 * VL);
+        a3 += w[3] * *(const vfu *)(x + k + 3 * VL);
+    }
+    for (; k + VL <= K; k += VL, row += EC_GROUP) {
+        vf w = ec_load(&d, row);
+        if (__builtin_expect(next < k + VL, 0)) {
+            ec_patch_lanes(&w, 1, k, &p, end);
+            next = p < end ? p->k : K;
+        }
+        a0 += w * *(const vfu *)(x + k);
+    }
+    vf v = (a0 + a1) + (a2 + a3);
+    v[0] += 0.f;  /* row_vec's (empty) tail: turns a -0 lane into +0 as there */
+    return v;
+}
+
+/* gemv_row (float32, U = 4) on a coded row */
+INLINE void ec_gemv_row(const float *x, size_t ldx, const uint8_t *row, const uint8_t *table,
+                        const ec_patch *p, const ec_patch *end, int K, int MB, float *out) {
+    ec_decoder d = ec_decoder_for(table);
+    vf acc[4][4];
+#pragma GCC unroll 4
+    for (int u = 0; u < 4; u++)
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; m++) acc[u][m] = (vf){0};
+    int next = p < end ? p->k : K;
+    int k = 0;
+    for (; k + 4 * VL <= K; k += 4 * VL, row += 4 * EC_GROUP) {
+        vf w[4] = {ec_load(&d, row), ec_load(&d, row + EC_GROUP), ec_load(&d, row + 2 * EC_GROUP),
+                   ec_load(&d, row + 3 * EC_GROUP)};
+        if (__builtin_expect(next < k + 4 * VL, 0)) {
+            ec_patch_lanes(w, 4, k, &p, end);
+            next = p < end ? p->k : K;
+        }
+#pragma GCC unroll 4
+        for (int u = 0; u < 4; u++)
+#pragma GCC unroll 4
+            for (int m = 0; m < MB; m++) acc[u][m] += w[u] * *(const vfu *)(x + m * ldx + k + u * VL);
+    }
+    for (; k + VL <= K; k += VL, row += EC_GROUP) {
+        vf w = ec_load(&d, row);
+        if (__builtin_expect(next < k + VL, 0)) {
+            ec_patch_lanes(&w, 1, k, &p, end);
+            next = p < end ? p->k : K;
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < MB; m++) acc[0][m] += w * *(const vfu *)(x + m * ldx + k);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; m++) {
+#pragma GCC unroll 4
+        for (int u = 1; u < 4; u++) acc[0][m] += acc[u][m];
+        out[m] = hsum(acc[0][m]);
+    }
+}
+
+/* linear_rows (float32) on coded rows [n0, n1) */
+static void ec_linear_rows(const float *x, size_t ldx, const uint8_t *ec, const float *bias, float *y,
+                           size_t ldy, int M, int N, int K, int n0, int n1) {
+    const uint8_t *tables = ec + ec_rows_bytes(N, K);
+    const int32_t *start = (const int32_t *)(tables + 16 * (size_t)N);
+    const ec_patch *patch = (const ec_patch *)(start + N + 1);
+    size_t row_bytes = (size_t)(K / VL) * EC_GROUP;
+#define EC_ROW(r) ec + (size_t)(r) * row_bytes, tables + 16 * (size_t)(r), patch + start[r], patch + start[(r) + 1]
+    if (M == 1) {
+        int n = n0;
+        for (; n + VL <= n1; n += VL) {
+            vf part[VL];
+            for (int r = 0; r < VL; r++) part[r] = ec_row_vec(x, EC_ROW(n + r), K);
+            vf sums = reduce16(part);
+            if (bias) sums += ld(bias, F32, n);
+            stv(y, F32, n, sums);
+        }
+        for (; n < n1; n++) y[n] = hsum(ec_row_vec(x, EC_ROW(n), K)) + (bias ? bias[n] : 0.f);
+        return;
+    }
+    float out[4];
+    for (int n = n0; n < n1; n++) {
+        float b = bias ? bias[n] : 0.f;
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            int mb = M - m0 < 4 ? M - m0 : 4;
+            const float *xm = x + (size_t)m0 * ldx;
+            switch (mb) {
+                case 1: ec_gemv_row(xm, ldx, EC_ROW(n), K, 1, out); break;
+                case 2: ec_gemv_row(xm, ldx, EC_ROW(n), K, 2, out); break;
+                case 3: ec_gemv_row(xm, ldx, EC_ROW(n), K, 3, out); break;
+                default: ec_gemv_row(xm, ldx, EC_ROW(n), K, 4, out); break;
+            }
+            for (int m = 0; m < mb; m++) y[(size_t)(m0 + m) * ldy + n] = out[m] + b;
+        }
+    }
+#undef EC_ROW
+}
+#endif
+
+/* omni_linear (float32) with the weight as omni_ec_pack coded it: the same result, bit for bit.
+ * Returns 0, or -1 (nothing written) where the copy is not built. */
+int omni_linear_ec(const float *x, int64_t ldx, const uint8_t *ec, const float *bias, float *y,
+                   int64_t ldy, int M, int N, int K, int nthreads) {
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+    if (K % VL) return -1;
+    if (nthreads < 1) nthreads = 1;
+    if ((int64_t)N * K < 32768) nthreads = 1;  /* as omni_linear */
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t n0, n1;
+        thread_share(N, &n0, &n1);
+        ec_linear_rows(x, (size_t)ldx, ec, bias, y, (size_t)ldy, M, N, K, (int)n0, (int)n1);
+    }
+    return 0;
+#else
+    (void)x; (void)ldx; (void)ec; (void)bias; (void)y; (void)ldy; (void)M; (void)N; (void)K; (void)nthreads;
+    return -1;
+#endif
+}
+
 /* ---- paged attention ------------------------------------------------------------------------ */
 /* Cache layout (CpuPagedBackend.get_kv_cache_shape: [2, blocks, kv_heads, block_size, head]): one
  * head's block_size x head tile is contiguous. Values are stored as the shape says. Keys are
@@ -1352,20 +1647,30 @@ int omni_gemm_argmax(const void *x, int64_t ldx, const void *packed, const void 
 /* One pre-norm Llama layer (decoder_stack.py builds these from the model's DecoderLayerSpec):
  *   h = x + o(attention(rotary(qkv(norm(x)))));  x' = h + down(silu(gate) * up), gate|up = gate_up(norm(h))
  * Each product with `*_packed` set (omni_gemm_pack; gate_up packed gated) runs omni_gemm above
- * `kernel_rows` rows, omni_linear on the [out, in] weight up to there. */
+ * `kernel_rows` rows; up to there omni_linear on the [out, in] weight, or omni_linear_ec on its
+ * coded copy where `*_ec` is set (float32). */
 typedef struct {
-    const void *input_norm, *qkv, *qkv_packed, *qkv_bias, *o, *o_packed, *o_bias, *post_norm,
-        *gate_up, *gate_up_packed, *gate_up_bias, *down, *down_packed, *down_bias;
+    const void *input_norm, *qkv, *qkv_packed, *qkv_ec, *qkv_bias, *o, *o_packed, *o_ec, *o_bias,
+        *post_norm, *gate_up, *gate_up_packed, *gate_up_ec, *gate_up_bias, *down, *down_packed,
+        *down_ec, *down_bias;
     void *k_cache, *v_cache;
     const float *cos, *sin;  /* float32 [max_position, head_size / 2] */
     float input_eps, post_eps, scale;
     int hidden, num_heads, num_kv_heads, head_size, intermediate, block_size, window, max_position;
 } omni_layer;
 
-static int stack_linear(const void *x, const void *w, const void *packed, const void *bias, void *y,
-                        int M, int N, int K, int gated, int kernel_rows, int dt, int nthreads) {
-    if (M <= kernel_rows) {
+/* omni_linear, or omni_linear_ec where the weight has a coded copy */
+static void kernel_linear(const void *x, const void *w, const void *ec, const void *bias, void *y,
+                          int M, int N, int K, int dt, int nthreads) {
+    if (!ec || omni_linear_ec(x, K, ec, bias, y, N, M, N, K, nthreads))
         omni_linear(x, K, w, bias, y, N, M, N, K, dt, nthreads);
+}
+
+static int stack_linear(const void *x, const void *w, const void *packed, const void *ec,
+                        const void *bias, void *y, int M, int N, int K, int gated, int kernel_rows,
+                        int dt, int nthreads) {
+    if (M <= kernel_rows) {
+        kernel_linear(x, w, ec, bias, y, M, N, K, dt, nthreads);
         return 0;
     }
     if (!packed) return -4;
@@ -1403,8 +1708,8 @@ int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, 
         else
             omni_rms_norm(hidden, residual, residual, L->input_norm, normed, T, H, L->input_eps, dt,
                           nthreads);
-        if ((rc = stack_linear(normed, L->qkv, L->qkv_packed, L->qkv_bias, qkv, T, QKV, H, 0,
-                               kernel_rows, dt, nthreads)))
+        if ((rc = stack_linear(normed, L->qkv, L->qkv_packed, L->qkv_ec, L->qkv_bias, qkv, T, QKV,
+                               H, 0, kernel_rows, dt, nthreads)))
             return rc;
         if (omni_rotary(qkv, QKV, qkv + (size_t)q_size * es, QKV, positions, L->cos, L->sin,
                         L->max_position, T, L->num_heads, L->num_kv_heads, D, dt, nthreads))
@@ -1416,20 +1721,21 @@ int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, 
                                        L->num_heads, L->num_kv_heads, D, L->block_size, L->scale,
                                        L->window, dt, nthreads)))
             return rc;
-        if ((rc = stack_linear(att, L->o, L->o_packed, L->o_bias, hidden, T, H, q_size, 0,
-                               kernel_rows, dt, nthreads)))
+        if ((rc = stack_linear(att, L->o, L->o_packed, L->o_ec, L->o_bias, hidden, T, H, q_size,
+                               0, kernel_rows, dt, nthreads)))
             return rc;
         omni_rms_norm(hidden, residual, residual, L->post_norm, normed, T, H, L->post_eps, dt, nthreads);
         if (T <= kernel_rows) {
-            omni_linear(normed, H, L->gate_up, L->gate_up_bias, gate_up, 2 * I, T, 2 * I, H, dt,
-                        nthreads);
+            kernel_linear(normed, L->gate_up, L->gate_up_ec, L->gate_up_bias, gate_up, T, 2 * I, H,
+                          dt, nthreads);
             omni_silu_and_mul(gate_up, act, T, I, dt, nthreads);
-        } else if ((rc = stack_linear(normed, L->gate_up, L->gate_up_packed, L->gate_up_bias, act, T,
-                                      2 * I, H, 1, kernel_rows, dt, nthreads))) {
+        } else if ((rc = stack_linear(normed, L->gate_up, L->gate_up_packed, L->gate_up_ec,
+                                      L->gate_up_bias, act, T, 2 * I, H, 1, kernel_rows, dt,
+                                      nthreads))) {
             return rc;
         }
-        if ((rc = stack_linear(act, L->down, L->down_packed, L->down_bias, hidden, T, H, I, 0,
-                               kernel_rows, dt, nthreads)))
+        if ((rc = stack_linear(act, L->down, L->down_packed, L->down_ec, L->down_bias, hidden, T, H,
+                               I, 0, kernel_rows, dt, nthreads)))
             return rc;
     }
     return 0;
