@@ -393,7 +393,7 @@ void omni_linear(const void *x, int64_t ldx, const void *w, const void *bias, vo
  * values exactly the weight's. A weight whose top byte is not in its row's table is stored as +0
  * and listed as a patch (column, value) that is put back into its lane before the multiply, so
  * omni_linear_ec does omni_linear's arithmetic on the same values: the same results, bit for bit.
- * Decoding takes three byte shuffles per 16 weights (AVX-512 VBMI), under the reads' time.
+ * Decoding takes two shuffles per 16 weights (vpermb needs AVX-512 VBMI), under the reads' time.
  *
  * Layout (omni_ec_size bytes): N rows of K / 16 groups of 56 bytes, one group per 16 weights
  * (bytes 3j .. 3j + 2: weight j's low three bytes; bytes 48 + j / 2: its index, the low nibble
@@ -515,28 +515,24 @@ typedef struct {
 
 INLINE ec_decoder ec_decoder_for(const uint8_t *table) {
     ec_decoder d;
-    d.table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table));  /* index & 63 */
-    uint8_t expand[64], shift[64];
-    for (int j = 0; j < VL; j++) {
+    d.table = _mm512_slli_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)table)), 24);
+    uint8_t expand[64];
+    for (int j = 0; j < VL; j++) {  /* lane j: its three bytes, then the byte with its index */
         for (int b = 0; b < 3; b++) expand[4 * j + b] = (uint8_t)(3 * j + b);
-        expand[4 * j + 3] = 0;
-        /* byte 3 of lane j: 8 bits of the index quadword from bit 4j (index j, then junk) */
-        for (int b = 0; b < 3; b++) shift[4 * j + b] = 0;
-        shift[4 * j + 3] = (uint8_t)(4 * j);
+        expand[4 * j + 3] = (uint8_t)(48 + j / 2);
     }
     d.expand = _mm512_loadu_si512(expand);
-    d.shift = _mm512_loadu_si512(shift);
+    /* the index to the bottom: the low nibble for an even lane, the high one for an odd lane
+     * (vpermd reads an index's low 4 bits) */
+    d.shift = _mm512_setr_epi32(24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28, 24, 28);
     return d;
 }
 
-/* the 16 weights of one group */
+/* the 16 weights of one group: one byte shuffle, a shift, a table lookup, one merge */
 INLINE vf ec_load(const ec_decoder *d, const uint8_t *grp) {
-    int64_t idx;
-    memcpy(&idx, grp + 48, 8);
-    __m512i top = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(d->shift, _mm512_set1_epi64(idx)),
-                                          d->table);
-    return (vf)_mm512_mask_permutexvar_epi8(top, 0x7777777777777777ULL, d->expand,
-                                            _mm512_loadu_si512(grp));
+    __m512i r = _mm512_permutexvar_epi8(d->expand, _mm512_loadu_si512(grp));
+    __m512i top = _mm512_permutexvar_epi32(_mm512_srlv_epi32(r, d->shift), d->table);
+    return (vf)_mm512_ternarylogic_epi32(_mm512_set1_epi32(0x00ffffff), r, top, 0xea);  /* (mask & r) | top */
 }
 
 /* the patches of columns [k, k + n * 16) put into their lanes of w[0 .. n) */
