@@ -11,9 +11,9 @@ bandwidth for one row, and at a quarter for 2-16 rows (measured in docs/performa
   gate_up layer built with `silu_and_mul` is packed so that the product writes silu(gate) * up
   itself, and an all-greedy step's LM head takes each row's greedy token as it multiplies
   (``omni_gemm_argmax``: no logits written, none read back; 3-16% off the LM head here);
-* float32 weights of up to `kernel_rows` rows from a copy with coded top bytes made at load
-  (``omni_ec_pack`` / ``omni_linear_ec``): the same values in 7/8 of the bytes, the same sums
-  bit for bit, for the decode that reads every weight once a token;
+* up to `kernel_rows` rows from a copy of the weight with coded top bytes made at load
+  (``omni_ec_pack`` / ``omni_linear_ec``): the same values in 7/8 of float32's bytes or 3/4 of
+  bfloat16's, the same sums bit for bit, for the decode that reads every weight once a token;
 * the greedy token of one or two rows from an int8 copy of the LM head made at load
   (``omni_linear_argmax_q8``): every logit to within a proven bound, then exact sums, with
   ``omni_linear``'s arithmetic, for the few rows that could be the greatest; the same token as
@@ -23,8 +23,8 @@ bandwidth for one row, and at a quarter for 2-16 rows (measured in docs/performa
 
 The packed copy costs the weight's bytes again (the [out, in] weight stays: the kernel and a
 tied embedding read it), so it and the coded copy are made only while all the copies fit in a
-quarter of the memory available at load (`OMNIINFER_CPU_PACK_WEIGHTS=0/1` forces it off/on); without it the kernel
-serves up to `max_rows` rows and `F.linear` the rest.
+quarter of the memory available at load (`OMNIINFER_CPU_PACK_WEIGHTS=0/1` forces it off/on);
+without it the kernel serves up to `max_rows` rows and `F.linear` the rest.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ENV_PACK = "OMNIINFER_CPU_PACK_WEIGHTS"
 ENV_GEMM = "OMNIINFER_CPU_GEMM"  # "0": 3+ rows go to oneDNN's packed weights (A/B runs)
 ENV_Q8 = "OMNIINFER_CPU_LM_HEAD_Q8"  # "0": no int8 copy of the LM head (A/B runs)
-ENV_EC = "OMNIINFER_CPU_CODED_F32"  # "0": no coded copy of float32 weights (A/B runs)
+ENV_EC = "OMNIINFER_CPU_CODED_WEIGHTS"  # "0": no coded copies of the weights (A/B runs)
 EC_MAX_PATCHES = 1 / 256  # a coded copy needing more patches than this share of weights is not made
-EC_BYTES = 7 / 8  # a coded copy's size against the float32 weight's
+EC_BITS = {torch.float32: 28, torch.bfloat16: 12}  # a coded copy's bits a weight
 Q8_MAX_MISSES = 8  # consecutive calls with too many candidate rows before the copy is dropped
 KERNEL_ROWS = 2  # the kernel beats oneDNN's packed weights up to here (fp32 and bf16)
 MAX_ROWS = 16  # ... and torch's F.linear up to here
@@ -85,7 +85,7 @@ class CpuLinearMethod(LinearMethod):
         if not layer.weight.is_contiguous():
             layer.weight.data = layer.weight.data.contiguous()
         layer.packed_weight = layer.gemm_weight = layer.q8_weight = layer.ec_weight = None
-        if (self.pack and self.linear is not None and layer.weight.dtype == torch.float32
+        if (self.pack and self.linear is not None and layer.weight.dtype in DTYPE_CODES
                 and layer.weight.dim() == 2 and os.environ.get(ENV_EC, "1").strip() != "0"):
             self._ec_pack(layer)
         layer.gemm_gated = getattr(layer, "silu_and_mul", None) is not None
@@ -164,15 +164,17 @@ class CpuLinearMethod(LinearMethod):
                               torch.get_num_threads())
 
     def _ec_pack(self, layer: torch.nn.Module) -> None:
-        """The coded copy of a float32 weight, where this CPU decodes it (AVX-512 VBMI), the input
-        width is a multiple of 16 and few weights need patches."""
+        """The coded copy of a weight, where this CPU decodes it (AVX-512 VBMI; bfloat16 also AVX-512
+        BF16), the input width is a multiple of 16 (float32) or 32 (bfloat16) and few weights need
+        patches."""
         num_out, num_in = layer.weight.shape
-        threads = torch.get_num_threads()
-        patches = self._kernels.ec_count(layer.weight.data_ptr(), num_out, num_in, threads)
+        threads, dtype = torch.get_num_threads(), DTYPE_CODES[layer.weight.dtype]
+        patches = self._kernels.ec_count(layer.weight.data_ptr(), num_out, num_in, dtype, threads)
         if patches < 0 or patches > EC_MAX_PATCHES * num_out * num_in:
             return
-        copy = torch.empty(self._kernels.ec_size(num_out, num_in, patches), dtype=torch.uint8)
-        if self._kernels.ec_pack(layer.weight.data_ptr(), num_out, num_in, patches, copy.data_ptr(), threads) == 0:
+        copy = torch.empty(self._kernels.ec_size(num_out, num_in, dtype, patches), dtype=torch.uint8)
+        if self._kernels.ec_pack(layer.weight.data_ptr(), num_out, num_in, dtype, patches, copy.data_ptr(),
+                                 threads) == 0:
             layer.ec_weight = copy
 
     def _q8_argmax(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
@@ -229,16 +231,15 @@ class CpuLinearMethod(LinearMethod):
         bias_ptr = None if bias is None else bias.data_ptr()
         if coded is None or self._kernels.linear_ec(x.data_ptr(), x.stride(0), coded.data_ptr(), bias_ptr,
                                                     out.data_ptr(), num_out, rows, num_out, x.shape[1],
-                                                    torch.get_num_threads()) != 0:
+                                                    DTYPE_CODES[x.dtype], torch.get_num_threads()) != 0:
             self.linear(x.data_ptr(), x.stride(0), weight.data_ptr(), bias_ptr, out.data_ptr(), num_out,
                         rows, num_out, x.shape[1], DTYPE_CODES[x.dtype], torch.get_num_threads())
         return out
 
 
 def should_pack(model: torch.nn.Module, available_bytes: int) -> bool:
-    """OMNIINFER_CPU_PACK_WEIGHTS=0/1, else whether a second copy of every linear weight (and the
-    coded copies of float32 ones, and the LM head's int8 copy) fits in a quarter of
-    `available_bytes`."""
+    """OMNIINFER_CPU_PACK_WEIGHTS=0/1, else whether a second copy of every linear weight (and their
+    coded copies, and the LM head's int8 copy) fits in a quarter of `available_bytes`."""
     setting = os.environ.get(ENV_PACK, "auto").strip().lower()
     if setting in ("0", "1"):
         return setting == "1"
@@ -246,6 +247,6 @@ def should_pack(model: torch.nn.Module, available_bytes: int) -> bool:
         raise ValueError(f"{ENV_PACK}={setting!r}: expected 0, 1 or auto")
     weights = {id(m.weight): m.weight for m in model.modules() if hasattr(m, "linear_method")}
     extra = sum(w.numel() * w.element_size() for w in weights.values())
-    extra += sum(int(w.numel() * 4 * EC_BYTES) for w in weights.values() if w.dtype == torch.float32)
+    extra += sum(w.numel() * EC_BITS.get(w.dtype, 0) // 8 for w in weights.values())
     extra += sum(m.weight.numel() for m in model.modules() if isinstance(m, ParallelLMHead))  # int8
     return extra <= available_bytes // 4

@@ -66,15 +66,16 @@ SIGNATURES = {
     "omni_q8_pack": ([_P, _I32, _I32, _I32, _P, _P, _P, _I32], None),
     # x, ldx, w, q, scale, coef, out (int64), M, N, K, dtype, max_candidates, nthreads
     "omni_linear_argmax_q8": ([_P, _I64, _P, _P, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
-    "omni_ec_supported": ([], _I32),
-    # N, K, patches
-    "omni_ec_size": ([_I32, _I32, _I64], _I64),
-    # w (float32 [N, K]), N, K, nthreads
-    "omni_ec_count": ([_P, _I32, _I32, _I32], _I64),
-    # w, N, K, patches, out, nthreads
-    "omni_ec_pack": ([_P, _I32, _I32, _I64, _P, _I32], _I32),
-    # x, ldx, ec, bias, y, ldy, M, N, K, nthreads
-    "omni_linear_ec": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32], _I32),
+    # dtype
+    "omni_ec_supported": ([_I32], _I32),
+    # N, K, dtype, patches
+    "omni_ec_size": ([_I32, _I32, _I32, _I64], _I64),
+    # w [N, K], N, K, dtype, nthreads
+    "omni_ec_count": ([_P, _I32, _I32, _I32, _I32], _I64),
+    # w, N, K, dtype, patches, out, nthreads
+    "omni_ec_pack": ([_P, _I32, _I32, _I32, _I64, _P, _I32], _I32),
+    # x, ldx, ec, bias, y, ldy, M, N, K, dtype, nthreads
+    "omni_linear_ec": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32], _I32),
     # layers (omni_layer[]), num_layers, hidden, residual, has_residual, positions, slot_mapping, T,
     # block_tables, table_stride, query_start_loc, seq_lens, num_seqs, work, kernel_rows, dtype,
     # nthreads
