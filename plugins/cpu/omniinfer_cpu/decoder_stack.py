@@ -8,7 +8,8 @@ rows, from C: the result is bit for bit the layers' (tests/plugins/cpu/test_deco
 
 Built when every layer is one this plugin computes end to end (CPU_PAGED attention, the CPU
 linear method with its compiled kernel, the compiled layer ops, one dtype); a step is served when
-its rows go to the kernel (`kernel_rows`) or every product has a weight packed for `omni_gemm`.
+its rows go to the kernel (`kernel_rows`; the products read the weights' coded copies where
+there are) or every product has a weight packed for `omni_gemm`.
 Otherwise the model runs its layers as before. `OMNIINFER_CPU_DECODER_STACK=0` turns it off.
 """
 

@@ -2,6 +2,8 @@
  *
  * omni_linear:          y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for small M (decode): streams the
  *                       weight once, a contiguous range of rows per thread, float32 accumulation.
+ * omni_linear_ec:       omni_linear from a copy of the weight with coded top bytes (omni_ec_pack):
+ *                       the same sums from 7/8 of float32's bytes or 3/4 of bfloat16's.
  * omni_paged_attention: writes the step's keys/values into the paged cache, then attention of
  *                       every query token over its sequence's cached keys (varlen prefills, chunks
  *                       after a cached context and decodes in one call; causal; sliding window).
