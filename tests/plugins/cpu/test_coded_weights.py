@@ -155,6 +155,21 @@ def test_patched_weights_and_special_values(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_sums_that_underflow_to_negative_zero(dtype):
+    """Products too small for any float round to -0: omni_linear's sum of such a row is +0 (its
+    tail adds +0 to a lane), and so is the coded copy's."""
+    skip_unless_coded(dtype)
+    kernels = build.load()
+    num_out, num_in = 20, 4 * LANES[dtype]
+    weight = torch.full((num_out, num_in), -1e-23).to(dtype)
+    coded, _ = pack(kernels, weight, threads=1)
+    for rows in (1, 2):
+        x = torch.full((rows, num_in + 5), 1e-23).to(dtype)[:, :num_in]
+        plain, ec = products(kernels, weight, coded, x, None, 1)
+        assert same_bits(plain, ec)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_what_the_kernels_refuse(dtype):
     kernels, code, lanes = build.load(), DTYPE_CODES[dtype], LANES[dtype]
     weight = torch.randn(8, lanes + 8).to(dtype)
