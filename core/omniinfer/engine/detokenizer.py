@@ -1,18 +1,42 @@
-"""Incremental detokenization and stop-string handling."""
+"""Incremental detokenization and stop-string handling.
+
+Every detokenizer has the same contract:
+
+* `add(token) -> str`: the token's text now (what a stop-string check needs);
+* `push(token)`: the token, its text wanted only later (no stop strings to check);
+* `take() -> str`: the text of the pushed tokens so far;
+* `flush() -> str`: everything still held (pushed tokens, incomplete characters), once the
+  sequence is done.
+"""
 
 from __future__ import annotations
+
+import codecs
 
 _CONTEXT_TOKENS = 6  # prompt tokens kept as left context (spacing of the first output token)
 
 
-class IncrementalDetokenizer:
+class _TextQueue:
+    """`push`/`take` for detokenizers whose text comes token by token: decoded at once."""
+
+    __slots__ = ()
+
+    def push(self, token_id: int) -> None:
+        self.queued += self.add(token_id)
+
+    def take(self) -> str:
+        text, self.queued = self.queued, ""
+        return text
+
+
+class IncrementalDetokenizer(_TextQueue):
     """Turns tokens into text as they arrive, holding back incomplete UTF-8 sequences.
 
     Decodes a small sliding window (from `prefix` to the end) and emits what it adds beyond
     the text of `prefix..read`, so the cost per token does not grow with the output.
     """
 
-    __slots__ = ("tokenizer", "ids", "prefix", "read", "skip_special_tokens")
+    __slots__ = ("tokenizer", "ids", "prefix", "read", "skip_special_tokens", "queued")
 
     def __init__(self, tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -20,6 +44,7 @@ class IncrementalDetokenizer:
         self.prefix = 0
         self.read = len(self.ids)
         self.skip_special_tokens = skip_special_tokens
+        self.queued = ""
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -37,14 +62,14 @@ class IncrementalDetokenizer:
         before = decode(self.ids[self.prefix:self.read], skip_special_tokens=self.skip_special_tokens)
         after = decode(self.ids[self.prefix:], skip_special_tokens=self.skip_special_tokens)
         self.prefix = self.read = len(self.ids)
-        return after[len(before):]
+        return self.take() + after[len(before):]
 
 
-class StreamDetokenizer:
-    """The same contract through the tokenizers library's DecodeStream (Rust, ~0.3 us a token),
-    for fast tokenizers: it keeps its own window and holds back incomplete characters."""
+class StreamDetokenizer(_TextQueue):
+    """The same contract through the tokenizers library's DecodeStream (Rust, 1-2 us a token),
+    for other fast tokenizers: it keeps its own window and holds back incomplete characters."""
 
-    __slots__ = ("backend", "stream", "ids", "text_len", "skip_special_tokens")
+    __slots__ = ("backend", "stream", "ids", "text_len", "skip_special_tokens", "queued")
 
     def __init__(self, backend, prompt_ids: list[int], skip_special_tokens: bool = True):
         from tokenizers.decoders import DecodeStream
@@ -55,6 +80,7 @@ class StreamDetokenizer:
         self.ids: list[int] = []
         self.text_len = 0
         self.skip_special_tokens = skip_special_tokens
+        self.queued = ""
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -68,18 +94,110 @@ class StreamDetokenizer:
         full = self.backend.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         rest = full[self.text_len:] if len(full) > self.text_len else ""
         self.text_len += len(rest)
-        return rest
+        return self.take() + rest
 
 
-def make_detokenizer(tokenizer, prompt_ids: list[int], skip_special_tokens: bool = True):
-    """The fastest incremental detokenizer this tokenizer allows."""
-    backend = getattr(tokenizer, "_tokenizer", None)
-    if getattr(tokenizer, "is_fast", False) and backend is not None:
+class ByteLevelDetokenizer:
+    """For byte-level BPE tokenizers (GPT-2, Llama 3, Qwen2): every token is a fixed byte
+    string, so the text is the output's bytes through an incremental UTF-8 decoder. That text
+    is `tokenizer.decode(output ids)` exactly, however the tokens are grouped, so pushed tokens
+    can wait until their text is read: a sequence that is neither streamed nor stopped by a
+    string is decoded once, when it finishes."""
+
+    __slots__ = ("table", "pending", "utf8")
+
+    def __init__(self, table: list[bytes]):
+        self.table = table  # token id -> bytes (b"" for skipped specials and unknown ids)
+        self.pending: list[int] = []
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def add(self, token_id: int) -> str:
+        self.pending.append(token_id)
+        return self.take()
+
+    def push(self, token_id: int) -> None:
+        self.pending.append(token_id)
+
+    def take(self) -> str:
+        pending = self.pending
+        if not pending:
+            return ""
+        table, size = self.table, len(self.table)
+        data = b"".join([table[t] if 0 <= t < size else b"" for t in pending])
+        pending.clear()
+        return self.utf8.decode(data)
+
+    def flush(self) -> str:
+        text = self.take()
+        return text + self.utf8.decode(b"", final=True)
+
+
+def byte_level_table(backend, skip_special_tokens: bool) -> list[bytes] | None:
+    """Each token id's bytes, as the tokenizers library's ByteLevel decoder turns tokens into
+    bytes; None unless that decoder is the tokenizer's whole decoder."""
+    from tokenizers import decoders, pre_tokenizers
+
+    if type(backend.decoder) is not decoders.ByteLevel:
+        return None
+    char_byte = _byte_level_chars()
+    if set(char_byte) != set(pre_tokenizers.ByteLevel.alphabet()):  # not the mapping known here
+        return None
+    added = backend.get_added_tokens_decoder()
+    table = []
+    for i in range(backend.get_vocab_size(with_added_tokens=True)):
+        token = backend.id_to_token(i)
+        entry = added.get(i)
+        if token is None or (skip_special_tokens and entry is not None and entry.special):
+            table.append(b"")
+            continue
         try:
-            return StreamDetokenizer(backend, prompt_ids, skip_special_tokens)
-        except ImportError:  # tokenizers without DecodeStream
-            pass
-    return IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
+            table.append(bytes([char_byte[c] for c in token]))
+        except KeyError:  # a token with characters outside the alphabet stands for itself
+            table.append(token.encode())
+    return table
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-to-character mapping, inverted: printable bytes map to themselves, the rest
+    to the characters from U+0100 on, in byte order."""
+    kept = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {chr(b): b for b in kept}
+    extra = 0
+    for b in range(256):
+        if b not in kept:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class Detokenizers:
+    """Makes each sequence's detokenizer: the fastest one this tokenizer allows. The byte table
+    is built once per `skip_special_tokens` value (~0.3 s for a 152k vocabulary): here for the
+    default, so the first request does not wait for it."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "_tokenizer", None)
+        self.backend = backend if getattr(tokenizer, "is_fast", False) else None
+        self.tables: dict[bool, list[bytes] | None] = {}
+        if self.backend is not None:
+            self.table(True)
+
+    def table(self, skip_special_tokens: bool) -> list[bytes] | None:
+        if skip_special_tokens not in self.tables:
+            self.tables[skip_special_tokens] = byte_level_table(self.backend, skip_special_tokens)
+        return self.tables[skip_special_tokens]
+
+    def __call__(self, prompt_ids: list[int], skip_special_tokens: bool = True):
+        if self.backend is not None:
+            table = self.table(skip_special_tokens)
+            if table is not None:
+                return ByteLevelDetokenizer(table)
+            try:
+                return StreamDetokenizer(self.backend, prompt_ids, skip_special_tokens)
+            except ImportError:  # tokenizers without DecodeStream
+                pass
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens)
 
 
 def find_stop(text: str, new_len: int, stops: list[str]) -> tuple[int, str] | None:

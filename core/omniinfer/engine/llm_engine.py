@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 from omniinfer.attention.selector import select_attention_backend
 from omniinfer.config import EngineArgs, EngineConfig, dtype_name
-from omniinfer.engine.detokenizer import find_stop, make_detokenizer
+from omniinfer.engine.detokenizer import Detokenizers, find_stop
 from omniinfer.engine.outputs import CompletionOutput, RequestOutput
 from omniinfer.engine.scheduler import Scheduler, SchedulerOutput
 from omniinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -87,6 +87,7 @@ class LLMEngine:
                     torch_build(self.platform), ", ".join(self.platform.device_names()) or "-",
                     self.attn_backend.name, dtype_name(m.dtype))
         self.tokenizer = load_tokenizer(m.tokenizer)
+        self.make_detokenizer = Detokenizers(self.tokenizer)
         self.eos_token_ids = list(m.eos_token_ids)
         if not self.eos_token_ids and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids = [self.tokenizer.eos_token_id]
@@ -171,7 +172,7 @@ class LLMEngine:
                               max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                               stream=stream)
         seq = Sequence(next(self._seq_ids), group, 0, list(ids), len(ids), self.config.cache.block_size)
-        seq.detok = make_detokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        seq.detok = self.make_detokenizer(ids, params.skip_special_tokens)
         group.seqs.append(seq)
         self.groups[request_id] = group
         self.num_streamed += stream
@@ -285,8 +286,8 @@ class LLMEngine:
         after = parent
         for k in range(1, n):
             child = parent.fork(next(self._seq_ids), k)
-            child.detok = make_detokenizer(self.tokenizer, parent.group.prompt_token_ids,
-                                                 parent.group.params.skip_special_tokens)
+            child.detok = self.make_detokenizer(parent.group.prompt_token_ids,
+                                                parent.group.params.skip_special_tokens)
             self.scheduler.blocks.fork(parent, child)
             self.scheduler.add_running(child, after=after)
             parent.group.seqs.append(child)
@@ -313,8 +314,12 @@ class LLMEngine:
             for tid, entry in top.items():
                 entry.decoded_token = self.tokenizer.decode([tid])
             seq.output_logprobs.append(top)
-        new_text = seq.detok.add(token)
-        seq.output_text += new_text
+        if p.stop:  # the text is checked now
+            new_text = seq.detok.add(token)
+            seq.output_text += new_text
+        else:  # the text is wanted only when read (`_output`)
+            seq.detok.push(token)
+            new_text = ""
         status = None
         num_output = num_tokens - seq.num_prompt_tokens
         if num_output >= p.min_tokens:
@@ -322,7 +327,7 @@ class LLMEngine:
                 status = SequenceStatus.FINISHED_STOPPED
             elif token in p.stop_token_ids:
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
-            elif p.stop and new_text:
+            elif new_text:
                 hit = find_stop(seq.output_text, len(new_text), p.stop)
                 if hit is not None:
                     index, stop = hit
@@ -350,6 +355,7 @@ class LLMEngine:
         holdback = max((len(s) for s in group.params.stop), default=1) - 1
         completions = []
         for seq in group.seqs:
+            seq.output_text += seq.detok.take()
             text = seq.output_text
             if holdback and not seq.is_finished:  # might still become a stop string
                 text = text[: max(0, len(text) - holdback)]
