@@ -6,6 +6,8 @@ from omniinfer.benchmarks.perf import (
     build_random_checkpoint,
     model_flops,
     quiet,
+    unwind_on_sigterm,
 )
 
-__all__ = ["DEFAULT_WORKLOADS", "SHAPES", "build_random_checkpoint", "model_flops", "quiet"]
+__all__ = ["DEFAULT_WORKLOADS", "SHAPES", "build_random_checkpoint", "model_flops", "quiet",
+           "unwind_on_sigterm"]

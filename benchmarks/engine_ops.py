@@ -40,7 +40,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import DEFAULT_WORKLOADS, SHAPES, build_random_checkpoint, quiet  # noqa: E402
+from common import DEFAULT_WORKLOADS, SHAPES, build_random_checkpoint, quiet, unwind_on_sigterm  # noqa: E402
 
 # the throughput benchmark's workloads (N, input, output), and a seconds-long one for CI
 WORKLOADS = {**DEFAULT_WORKLOADS, "tiny": (8, 16, 8)}
@@ -173,6 +173,7 @@ def main() -> None:
 
     num_prompts, input_len, output_len = (given or default for given, default in zip(
         (args.num_prompts, args.input_len, args.output_len), WORKLOADS[args.shape]))
+    unwind_on_sigterm()
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or build_random_checkpoint(os.path.join(tmp, "m"), args.shape, args.dtype)
         extra = {} if args.num_scheduler_steps is None else {"num_scheduler_steps": args.num_scheduler_steps}

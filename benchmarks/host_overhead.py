@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import build_random_checkpoint  # noqa: E402
+from common import build_random_checkpoint, unwind_on_sigterm  # noqa: E402
 
 
 class TrivialModel(torch.nn.Module):
@@ -93,6 +93,7 @@ def main() -> None:
         args.num_scheduler_steps = OFFLINE_SCHEDULER_STEPS
     if args.num_scheduler_steps < 1:
         parser.error(f"--num-scheduler-steps {args.num_scheduler_steps}: expected a positive number")
+    unwind_on_sigterm()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_random_checkpoint(os.path.join(tmp, "m"), "trivial")
         rows = [run(n, args.steps, model_dir, args.num_scheduler_steps) for n in args.seqs]

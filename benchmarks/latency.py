@@ -8,7 +8,14 @@ from __future__ import annotations
 
 import argparse
 
-from omniinfer.benchmarks.perf import SHAPES, append_json, latency, latency_table, quiet
+from omniinfer.benchmarks.perf import (
+    SHAPES,
+    append_json,
+    latency,
+    latency_table,
+    quiet,
+    unwind_on_sigterm,
+)
 
 
 def main() -> None:
@@ -25,6 +32,7 @@ def main() -> None:
     if args.output_len < 2:
         parser.error(f"--output-len {args.output_len}: ms per output token needs at least 2 tokens")
     quiet()
+    unwind_on_sigterm()
     result = latency(args.shape, args.dtype, args.input_len, args.output_len, args.repeats,
                      args.compare, args.model)
     print(latency_table(result))

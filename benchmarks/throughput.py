@@ -20,7 +20,14 @@ from __future__ import annotations
 
 import argparse
 
-from omniinfer.benchmarks.perf import SHAPES, append_json, quiet, throughput, throughput_table
+from omniinfer.benchmarks.perf import (
+    SHAPES,
+    append_json,
+    quiet,
+    throughput,
+    throughput_table,
+    unwind_on_sigterm,
+)
 
 
 def main() -> None:
@@ -45,6 +52,7 @@ def main() -> None:
     if args.num_scheduler_steps is not None and args.num_scheduler_steps < 1:
         parser.error(f"--num-scheduler-steps {args.num_scheduler_steps}: expected a positive number")
     quiet()
+    unwind_on_sigterm()
     result = throughput(args.shape, args.dtype, args.num_prompts, args.input_len, args.output_len,
                         args.compare, args.model, args.max_num_batched_tokens, args.repeats,
                         args.num_scheduler_steps)

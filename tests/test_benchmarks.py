@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -177,3 +179,27 @@ def test_take_turns_rotates_the_order():
     times = take_turns(runs, 4)
     assert order == list("abc" "bca" "cab" "abc")
     assert times == {"a": [1, 6, 8, 10], "b": [2, 4, 9, 11], "c": [3, 5, 7, 12]}
+
+
+@pytest.mark.parametrize("script", ["throughput.py", "host_overhead.py"])
+def test_a_terminated_benchmark_deletes_its_checkpoint(tmp_path, script):
+    """SIGTERM (as from `timeout`) unwinds: the temporary checkpoint does not stay on disk."""
+    args = {"throughput.py": ["--shape", "tiny", "-n", "64", "--output-len", "512", "--repeats", "50"],
+            "host_overhead.py": ["--seqs", "64", "--steps", "480"]}[script]
+    env = dict(os.environ, OMNIINFER_LOG_LEVEL="WARNING", TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(tmp_path.glob("*/*/model.safetensors")):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was built"
+            time.sleep(0.05)
+        time.sleep(1.0)  # into the run
+        assert proc.poll() is None, "the run ended before it could be stopped"
+        proc.terminate()
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM, proc.stderr.read()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    # (torch's compile cache may stay: it is meant to)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor")] == []

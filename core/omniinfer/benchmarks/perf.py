@@ -11,7 +11,9 @@ import itertools
 import json
 import os
 import random
+import signal
 import statistics
+import sys
 import tempfile
 import time
 
@@ -449,6 +451,13 @@ def append_json(path: str, result: dict) -> None:
     rows.append(result)
     with open(path, "w") as f:
         json.dump(rows, f, indent=2)
+
+
+def unwind_on_sigterm() -> None:
+    """Let SIGTERM (`timeout`, `kill`) unwind the stack as Ctrl-C does, so that the temporary
+    checkpoints a benchmark builds (up to 2 GB each) are deleted: Python's default for SIGTERM
+    ends the process without running `finally` blocks or `with` exits."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def quiet() -> None:

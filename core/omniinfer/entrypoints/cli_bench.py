@@ -94,6 +94,7 @@ def run_throughput(args) -> int:
         raise SystemExit(f"error: --repeats {args.repeats}: expected a positive number of runs")
     if args.shape or args.compare:  # the performance suite (benchmarks/throughput.py)
         perf.quiet()
+        perf.unwind_on_sigterm()
         r = perf.throughput(args.shape, _perf_dtype(args), args.num_prompts, args.input_len,
                             args.output_len, args.compare, None if args.shape else args.model,
                             args.max_num_batched_tokens or 2048, args.repeats,
@@ -120,6 +121,7 @@ def run_latency(args) -> int:
 
     if args.shape or args.compare:  # the performance suite (benchmarks/latency.py): batch 1
         perf.quiet()
+        perf.unwind_on_sigterm()
         r = perf.latency(args.shape, _perf_dtype(args), args.input_len or 128, args.output_len or 64,
                          args.num_iters, args.compare, None if args.shape else args.model)
         return _print(args, r, [perf.latency_table(r)])
