@@ -40,6 +40,9 @@ DEFAULT_WORKLOADS = {"small": (64, 128, 128), "medium": (32, 128, 64)}  # N, inp
 PEAK_BUDGETS = {"tiny": dict(seconds=0.05, rounds=1)}
 
 
+MAX_MODEL_LEN = 2048  # the checkpoints' context and the engines' max_model_len
+
+
 def build_random_checkpoint(path: str, shape: str, dtype: str = "float32") -> str:
     """A randomly initialised checkpoint of `shape` (with the tiny test tokenizer) at `path`."""
     from omniinfer.testing.tiny_models import build_tiny_checkpoint
@@ -48,7 +51,7 @@ def build_random_checkpoint(path: str, shape: str, dtype: str = "float32") -> st
     arch = spec.pop("arch")
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
-    return build_tiny_checkpoint(path, arch, dtype=dtype, max_position_embeddings=2048,
+    return build_tiny_checkpoint(path, arch, dtype=dtype, max_position_embeddings=MAX_MODEL_LEN,
                                  initializer_range=0.02, **spec)
 
 
@@ -126,7 +129,8 @@ def omniinfer_runs(path: str, prompts, output_len: int, dtype: str, engine_args:
     close). A run generates the whole workload and returns its seconds."""
     from omniinfer import LLM, SamplingParams
 
-    llms = [LLM(path, dtype=dtype, max_num_seqs=len(prompts), max_model_len=2048, **args)
+    llms = [LLM(path, dtype=dtype, max_num_seqs=len(prompts),
+                max_model_len=MAX_MODEL_LEN, **args)
             for args in engine_args]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
@@ -154,7 +158,11 @@ def transformers_runs(path: str, prompts, output_len: int, dtype: torch.dtype,
     """transformers on the same workload, warmed up: {"static_<b>": run} for each batch size b
     (`generate` on consecutive batches of b prompts) and "continuous" (`generate_batch`, where the
     installed version has it). One model serves them all (continuous batching leaves it as it
-    was: checked, same tokens and times after it)."""
+    was: checked, same tokens and times after it).
+
+    Continuous batching gets a KV cache of the size omniinfer's engine may use, every prompt at
+    MAX_MODEL_LEN tokens: left to itself on the CPU it takes 60-90% of the machine's memory
+    (14.5 GB here), and runs slower with it (29.5 s against 18.7 for the small fp32 workload)."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
@@ -173,11 +181,21 @@ def transformers_runs(path: str, prompts, output_len: int, dtype: torch.dtype,
             return time.perf_counter() - t0
         return run
 
+    def cache_size() -> dict:
+        try:
+            from transformers.generation.configuration_utils import ContinuousBatchingConfig
+        except ImportError:  # older versions size their cache from generation_config alone
+            return {}
+        cb = ContinuousBatchingConfig()  # a new one each run: the run writes what it inferred
+        cb.num_blocks = -(-len(prompts) * MAX_MODEL_LEN // cb.page_size)
+        return {"continuous_batching_config": cb}
+
     def continuous(config, inputs):
         def run() -> float:
             t0 = time.perf_counter()
             with torch.inference_mode():
-                model.generate_batch(inputs=inputs, generation_config=config, progress_bar=False)
+                model.generate_batch(inputs=inputs, generation_config=config, progress_bar=False,
+                                     **cache_size())
             return time.perf_counter() - t0
         return run
 
@@ -221,7 +239,7 @@ def omniinfer_latency_run(path: str, prompt: list[int], output_len: int, dtype: 
     (seconds to the first token, seconds per later token)."""
     from omniinfer import LLM, SamplingParams
 
-    llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=2048)
+    llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=MAX_MODEL_LEN)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
