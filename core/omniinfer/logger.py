@@ -28,6 +28,6 @@ def _configure_root() -> None:
 def init_logger(name: str) -> logging.Logger:
     """A logger under the `omniinfer` hierarchy (plugins pass their module name too)."""
     _configure_root()
-    if not name.startswith(_ROOT):
+    if name != _ROOT and not name.startswith(_ROOT + "."):
         name = f"{_ROOT}.{name}"
     return logging.getLogger(name)
