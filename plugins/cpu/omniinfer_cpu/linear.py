@@ -93,7 +93,7 @@ class CpuLinearMethod(LinearMethod):
                 and layer.weight.dtype in DTYPE_CODES and os.environ.get(ENV_Q8, "1").strip() != "0"):
             self._q8_pack(layer)
         if (self.pack and layer.weight.dtype in self.gemm_dtypes and layer.weight.dim() == 2
-                and (layer.weight.dtype == torch.float32 or layer.weight.shape[1] % 2 == 0)):
+                and layer.weight.shape[1] % self.gemm.gemm_k_multiple(DTYPE_CODES[layer.weight.dtype]) == 0):
             layer.gemm_weight = self._gemm_pack(layer.weight, layer.gemm_gated)
         elif self.pack and layer.weight.dtype in DTYPE_CODES:
             layer.packed_weight, why = onednn_pack(layer.weight)

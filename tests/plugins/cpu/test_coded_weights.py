@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import level_params
 
 from omniinfer import LLM, SamplingParams
 from omniinfer.models.layers.linear import ReplicatedLinear
-from omniinfer_cpu.kernels import build
+from omniinfer_cpu.kernels import build, isa
 from omniinfer_cpu.linear import (
     DTYPE_CODES,
     EC_BITS,
@@ -33,8 +34,12 @@ def coded_here(dtype: torch.dtype) -> bool:
 
 def skip_unless_coded(dtype: torch.dtype) -> None:
     if not coded_here(dtype):
-        pytest.skip(f"this CPU lacks AVX-512 VBMI{' or BF16' if dtype == torch.bfloat16 else ''}: "
-                    f"no coded {dtype} copies are built here")
+        kernels = build.load()
+        need = "avx512_bf16" if dtype == torch.bfloat16 else "avx512_vbmi"
+        missing = isa.missing_flags(isa.BY_NAME[need])
+        pytest.skip(f"no coded {dtype} copies at the level loaded here "
+                    f"({kernels.level.name if kernels else 'none'}): they need the {need} kernels"
+                    + (f", and this CPU lacks {', '.join(missing)}" if missing else ""))
 
 
 def pack(kernels, weight: torch.Tensor, threads: int = 2) -> tuple[torch.Tensor, int]:
@@ -185,14 +190,14 @@ def test_what_the_kernels_refuse(dtype):
     assert kernels.ec_count(weight.data_ptr(), 8, 3 * lanes, 7, 1) == -1  # no such dtype
 
 
-@pytest.mark.parametrize("march", ["-march=haswell", "-march=skylake-avx512", "-march=icelake-server"])
-def test_builds_without_the_instructions_make_no_copy(march):
-    """Without AVX-512 VBMI (or, for bfloat16, AVX-512 BF16: Ice Lake has VBMI, not BF16) the
+@pytest.mark.parametrize("level", level_params())
+def test_levels_without_the_instructions_make_no_copy(level):
+    """Below AVX-512 VBMI (or, for bfloat16, AVX-512 BF16: Ice Lake has VBMI, not BF16) the
     library says so and refuses, and the linear method runs omni_linear."""
-    kernels = build.Kernels(build.library_path((march,)))
+    kernels = build.load_level(level)
     for dtype in DTYPES:
-        if march == "-march=icelake-server" and dtype == torch.float32:
-            assert kernels.ec_supported(0) == 1
+        if level in ("avx512_vbmi", "avx512_bf16") and (dtype == torch.float32 or level == "avx512_bf16"):
+            assert kernels.ec_supported(DTYPE_CODES[dtype]) == 1
             continue
         assert kernels.ec_supported(DTYPE_CODES[dtype]) == 0
         weight = torch.randn(32, 64).to(dtype)

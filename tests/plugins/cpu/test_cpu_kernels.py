@@ -14,7 +14,7 @@ from omniinfer.platforms.registry import PluginRegistry
 from omniinfer.testing.conformance.cases import Case, assert_matches_reference, run_case
 from omniinfer_cpu.attention.paged import CpuPagedBackend
 from omniinfer_cpu.decoder_stack import CpuDecoderStack
-from omniinfer_cpu.kernels import build
+from omniinfer_cpu.kernels import build, isa
 from omniinfer_cpu.layer_ops import CpuLayerOps
 from omniinfer_cpu.linear import ENV_GEMM, CpuLinearMethod
 from omniinfer_cpu.platform import CpuPlatform
@@ -23,20 +23,6 @@ needs_kernels = pytest.mark.skipif(build.load() is None, reason=f"CPU kernels un
                                    f"{build.unavailable_reason()}")
 
 
-def gemm_params(dtypes=(torch.float32, torch.bfloat16)):
-    """The dtypes, each skipped with the reason where omni_gemm is not built for it here."""
-    kernels = build.load()
-    out = []
-    for dtype in dtypes:
-        if kernels is None:
-            reason = f"CPU kernels unavailable: {build.unavailable_reason()}"
-        elif not kernels.gemm_supported(0 if dtype == torch.float32 else 1):
-            reason = ("omni_gemm is built only where the CPU has AVX-512"
-                      + (" BF16" if dtype == torch.bfloat16 else "") + ", and this one has not")
-        else:
-            reason = None
-        out.append(pytest.param(dtype, marks=pytest.mark.skipif(reason is not None, reason=reason or "")))
-    return out
 def cpu_spec():
     return AttentionSpec(device_type="cpu", platform_name="cpu", dtype=torch.float32, head_size=64,
                          num_heads=4, num_kv_heads=2, block_size=16)
@@ -79,11 +65,10 @@ class _Layer(torch.nn.Module):
         self.weight = torch.nn.Parameter(weight, requires_grad=False)
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("k,n", [(64, 100), (256, 1027), (896, 160), (33, 7), (1024, 3)])
-def test_linear_kernel_matches_torch(dtype, rows, k, n):
+def test_linear_kernel_matches_torch(isa_level, dtype, rows, k, n):
     gen = torch.Generator().manual_seed(rows * k + n)
     x = torch.randn(rows, k, generator=gen).to(dtype)
     layer = _Layer(torch.randn(n, k, generator=gen).to(dtype))
@@ -98,8 +83,7 @@ def test_linear_kernel_matches_torch(dtype, rows, k, n):
         torch.testing.assert_close(out.float(), want, **TOL[dtype])
 
 
-@needs_kernels
-def test_linear_kernel_reads_strided_rows_and_falls_back_for_big_batches():
+def test_linear_kernel_reads_strided_rows_and_falls_back_for_big_batches(isa_level):
     gen = torch.Generator().manual_seed(0)
     layer = _Layer(torch.randn(48, 32, generator=gen))
     method = CpuLinearMethod(build.load(), max_rows=4)
@@ -129,18 +113,18 @@ def test_onednn_packed_weights_match_torch(dtype, rows, monkeypatch):
                                F.linear(x.float(), layer.weight.float(), bias.float()), **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", gemm_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [3, 7, 64, 130, 300])
 @pytest.mark.parametrize("k,n", [(96, 300), (256, 64), (2, 70), (1024, 33), (33, 17)])
-def test_gemm_matches_torch(rows, k, n, dtype):
-    """Products of 3+ rows through omni_gemm: partial 64-column panels, row tiles of 1-6, chunks
-    of 120 rows, strided input rows, with and without a bias (bfloat16 needs an even K: an odd
-    one stays with oneDNN)."""
+def test_gemm_matches_torch(isa_level, rows, k, n, dtype):
+    """Products of 3+ rows through omni_gemm: partial panels (64 columns on AVX-512, 16 on AVX2),
+    row tiles of 1-6, chunks of 120 rows, strided input rows, with and without a bias (bfloat16
+    in vdpbf16ps pairs needs an even K: an odd one stays with oneDNN)."""
     gen = torch.Generator().manual_seed(rows * n)
     layer = _Layer(torch.randn(n, k, generator=gen).to(dtype))
     method = CpuLinearMethod(build.load(), pack=True)
     method.process_weights_after_loading(layer)
-    odd = dtype == torch.bfloat16 and k % 2
+    odd = dtype == torch.bfloat16 and k % isa_level.gemm_k_multiple(1) != 0
     assert (layer.gemm_weight is None) == odd and (layer.packed_weight is None) != odd
     x = torch.randn(rows, k + 16, generator=gen).to(dtype)[:, 8:8 + k]
     bias = torch.randn(n, generator=gen).to(dtype)
@@ -149,10 +133,10 @@ def test_gemm_matches_torch(rows, k, n, dtype):
         torch.testing.assert_close(method.apply(layer, x, b).float(), want, **TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", gemm_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 3, 64, 130])
 @pytest.mark.parametrize("inter", [32, 48, 1000])
-def test_gemm_gated_writes_silu_and_mul(rows, inter, dtype):
+def test_gemm_gated_writes_silu_and_mul(isa_level, rows, inter, dtype):
     """A merged gate_up layer built with silu_and_mul is packed so that omni_gemm writes
     silu(gate) * up: the bits of the plain product followed by the SiLU-and-multiply kernel
     (whose tail of fewer than 16 columns uses the scalar exp: there, as close as bfloat16 allows)."""
@@ -186,10 +170,10 @@ def _no_fallback(logits):
     raise AssertionError("apply_argmax fell back to the logits")
 
 
-@pytest.mark.parametrize("dtype", gemm_params())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [3, 7, 64, 130, 300])
 @pytest.mark.parametrize("n", [17, 64, 300, 1000])
-def test_gemm_argmax_is_the_argmax_of_the_product(rows, n, dtype):
+def test_gemm_argmax_is_the_argmax_of_the_product(isa_level, rows, n, dtype):
     """An LM head's greedy tokens found as omni_gemm multiplies (omni_gemm_argmax, no logits
     written): torch.argmax of the product omni_gemm writes, bit for bit. Small integers make
     exact ties across lanes, panels and row chunks (the first column wins); random values make
@@ -208,8 +192,8 @@ def test_gemm_argmax_is_the_argmax_of_the_product(rows, n, dtype):
         assert got.dtype == torch.int64 and got.tolist() == method.apply(layer, x).argmax(-1).tolist()
 
 
-@pytest.mark.parametrize("dtype", gemm_params())
-def test_gemm_argmax_special_values(two_threads, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemm_argmax_special_values(isa_level, two_threads, dtype):
     """NaN counts as the greatest (the first NaN wins), a row of -inf gives column 0, and ties
     between the two threads' column ranges go to the first column, as torch.argmax; bias and
     strided rows as omni_gemm takes them. 200 columns: panels 0-1 on one thread, 2-3 (with a
@@ -257,8 +241,8 @@ def test_gemm_argmax_special_values(two_threads, dtype):
                          kk, code, 2) == -1  # no columns: no argmax
 
 
-@pytest.mark.parametrize("dtype", gemm_params([torch.bfloat16]))
-def test_engine_bf16_products_on_omni_gemm(checkpoint_dir, hf_logprobs, dtype):
+@pytest.mark.parametrize("dtype", [torch.bfloat16])
+def test_engine_bf16_products_on_omni_gemm(isa_level, checkpoint_dir, hf_logprobs, dtype):
     """A bfloat16 model: prefills and batched decodes go through omni_gemm (the MLP's gate_up
     with SiLU-and-multiply fused), and the log-probabilities stay within bfloat16's reach of
     transformers' float32 run on the same weights."""
@@ -282,19 +266,17 @@ def test_engine_bf16_products_on_omni_gemm(checkpoint_dir, hf_logprobs, dtype):
             assert abs(entry[token].logprob - ref[len(prompt) - 1 + i][token].item()) < BF16_LOGPROB_TOL
 
 
-@needs_kernels
 @pytest.mark.parametrize("case", [
     Case("decode", ((1, 1), (8, 1), (40, 1), (70, 1)), group=4),
     Case("mixed", ((0, 9), (13, 6), (32, 1), (5, 1)), block_size=8, seed=1),
     Case("window", ((0, 40), (24, 5), (50, 1)), sliding_window=19, seed=2),
     Case("heads80", ((0, 20), (17, 1)), head_size=80, num_kv_heads=1, group=8, seed=3),
 ])
-def test_paged_attention_bfloat16(case):
+def test_paged_attention_bfloat16(isa_level, case):
     """The conformance kit covers float32; the bfloat16 path here."""
     assert_matches_reference(run_case(CpuPagedBackend, case, "cpu", torch.bfloat16), torch.bfloat16)
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", [
     # blocks smaller than a 16-key chunk: the chunk's keys are gathered from several blocks
@@ -309,15 +291,14 @@ def test_paged_attention_bfloat16(case):
     # scores hundreds apart: the lazily moved softmax offset must rescale, and never overflow
     Case("peaky", ((0, 40), (70, 1), (33, 9)), query_scale=100.0, block_size=32, seed=8),
 ])
-def test_paged_attention_layouts(case, dtype):
+def test_paged_attention_layouts(isa_level, case, dtype):
     """Shapes the kernel handles on separate paths: gathered chunks, offsets inside a block,
     partial row groups, head sizes that are not a multiple of 16 vector lanes."""
     assert_matches_reference(run_case(CpuPagedBackend, case, "cpu", dtype), dtype)
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_argmax_matches_torch(dtype):
+def test_argmax_matches_torch(isa_level, dtype):
     ops = CpuLayerOps(build.load())
     gen = torch.Generator().manual_seed(0)
     for rows, cols in [(1, 1), (3, 17), (64, 32000), (2, 151936), (9, 33)]:
@@ -340,8 +321,7 @@ def test_argmax_matches_torch(dtype):
     assert ops.argmax_rows(x).tolist() == x.argmax(-1).tolist() == [20, 17, 200, 210]
 
 
-@needs_kernels
-def test_engine_runs_on_the_kernels(checkpoint_dir, hf_greedy):
+def test_engine_runs_on_the_kernels(isa_level, checkpoint_dir, hf_greedy):
     path = checkpoint_dir("llama_tied")
     llm = LLM(path, num_kv_blocks=64)
     engine = llm.llm_engine
@@ -362,8 +342,8 @@ def test_engine_runs_on_the_kernels(checkpoint_dir, hf_greedy):
     assert calls == [2] * 8  # the two sequences' greedy tokens from the LM head's int8 copy
 
 
-@pytest.mark.parametrize("dtype", gemm_params([torch.float32]))
-def test_engine_greedy_tokens_from_omni_gemm_argmax(checkpoint_dir, hf_greedy, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32])
+def test_engine_greedy_tokens_from_omni_gemm_argmax(isa_level, checkpoint_dir, hf_greedy, dtype):
     """An all-greedy batch of 3+ sequences takes its tokens from omni_gemm_argmax (the tied LM
     head: the embedding's weight, packed), transformers' tokens; a batch of two from the logits
     of the one-row kernel, as before."""
@@ -401,15 +381,16 @@ def test_kernels_switched_off_fall_back_to_torch(kernels_off, checkpoint_dir, hf
 
 
 def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
-    if build.load() is None and "x86-64" in (build.unavailable_reason() or ""):
-        pytest.skip(build.unavailable_reason())
+    level, why = isa.choose(None)
+    if level is None:
+        pytest.skip(f"no kernel level runs here: {why}")
     monkeypatch.setenv(build.ENV_CACHE, str(tmp_path))
     monkeypatch.setenv("CC", "false")  # exits 1, prints nothing
+    monkeypatch.setattr(build, "PREBUILT", tmp_path / "no-prebuilt")  # (as a source checkout)
     build.reset()
     try:
         assert build.load() is None
-        assert build.unavailable_reason() in ("false failed to build cpu_kernels.c: exit status 1",
-                                              "the CPU has neither AVX-512 nor AVX2+FMA")
+        assert build.unavailable_reason() == f"false failed to build cpu_kernels.c for {level.name}: exit status 1"
         assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
     finally:
         monkeypatch.undo()
@@ -425,9 +406,8 @@ def two_threads():
     torch.set_num_threads(before)
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernels_split_across_threads(two_threads, dtype):
+def test_kernels_split_across_threads(isa_level, two_threads, dtype):
     gen = torch.Generator().manual_seed(5)
     layer = _Layer(torch.randn(1001, 64, generator=gen).to(dtype))
     x = torch.randn(2, 64, generator=gen).to(dtype)
@@ -459,9 +439,8 @@ def test_kernels_split_across_threads(two_threads, dtype):
                 torch.testing.assert_close(got.float(), want, **TOL[dtype])
 
 
-@needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_ops_match_torch(dtype):
+def test_layer_ops_match_torch(isa_level, dtype):
     """Norm, activation and rotary: bfloat16 results round like torch's, so they are equal."""
     from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS
     from omniinfer_cpu.layer_ops import CpuLayerOps
@@ -531,54 +510,3 @@ def test_weights_in_huge_pages(monkeypatch, checkpoint_dir, hf_greedy):
     assert out[0].outputs[0].token_ids == hf_greedy(path, prompt, 6)
     monkeypatch.setenv(memory.ENV_HUGE_PAGES, "0")
     assert memory.move_to_huge_pages(runner.model) is None
-
-
-@needs_kernels
-@pytest.mark.parametrize("march", ["-march=haswell", "-march=skylake-avx512"])
-def test_portable_builds(march):
-    """The AVX2 build (GCC splits each 16-lane vector) and the AVX-512 build without bfloat16
-    instructions, run here on a CPU that has more."""
-    from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS
-    from omniinfer_cpu.layer_ops import CpuLayerOps
-
-    kernels = build.Kernels(build.library_path((march,)))
-    gen = torch.Generator().manual_seed(11)
-    # omni_gemm: float32 needs AVX-512, bfloat16 AVX-512 BF16; elsewhere oneDNN serves 3+ rows
-    avx512 = march == "-march=skylake-avx512"
-    assert (kernels.gemm_supported(0), kernels.gemm_supported(1)) == (int(avx512), 0)
-    for dtype in (torch.float32, torch.bfloat16):
-        layer = _Layer(torch.randn(70, 96, generator=gen).to(dtype))
-        method = CpuLinearMethod(kernels, pack=True)
-        method.process_weights_after_loading(layer)
-        assert (layer.gemm_weight is not None) == (avx512 and dtype == torch.float32)
-        x = torch.randn(9, 96, generator=gen).to(dtype)
-        torch.testing.assert_close(method.apply(layer, x).float(), F.linear(x.float(), layer.weight.float()),
-                                   **TOL[dtype])
-        # greedy tokens: omni_gemm_argmax where omni_gemm serves, else the argmax of the product
-        tokens = method.apply_argmax(layer, x, CpuLayerOps(kernels).argmax_rows)
-        assert tokens.tolist() == method.apply(layer, x).argmax(-1).tolist()
-    for dtype in (torch.float32, torch.bfloat16):
-        layer = _Layer(torch.randn(70, 96, generator=gen).to(dtype))
-        for rows in (1, 2, 5):
-            x = torch.randn(rows, 96, generator=gen).to(dtype)
-            out = CpuLinearMethod(kernels).apply(layer, x)
-            torch.testing.assert_close(out.float(), F.linear(x.float(), layer.weight.float()), **TOL[dtype])
-        x, w = torch.randn(3, 200, generator=gen).to(dtype), torch.randn(200, generator=gen).to(dtype)
-        torch.testing.assert_close(CpuLayerOps(kernels).rms_norm(x, w, 1e-6, x),
-                                   TORCH_LAYER_OPS.rms_norm(x, w, 1e-6, x), **TOL[dtype])
-        gate_up = torch.randn(3, 200, generator=gen).to(dtype)
-        torch.testing.assert_close(CpuLayerOps(kernels).silu_and_mul(gate_up),
-                                   TORCH_LAYER_OPS.silu_and_mul(gate_up), **TOL[dtype])
-
-        class Impl(CpuPagedBackend.get_impl_cls()):
-            def __init__(self, *args):
-                super().__init__(*args)
-                self.kernel = kernels.paged_attention
-
-        class Backend(CpuPagedBackend):
-            @classmethod
-            def get_impl_cls(cls):
-                return Impl
-
-        case = Case("mixed", ((0, 9), (13, 6), (32, 1), (5, 1)), block_size=8, seed=1)
-        assert_matches_reference(run_case(Backend, case, "cpu", dtype), dtype)

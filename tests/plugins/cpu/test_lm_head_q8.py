@@ -47,9 +47,9 @@ def stored_argmax(kernels, weight, x, threads):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_out,num_in", [(5000, 96), (2053, 200), (300, 33), (64, 7)])
-def test_tokens_are_the_argmax_of_the_stored_logits(dtype, num_out, num_in):
+def test_tokens_are_the_argmax_of_the_stored_logits(isa_level, dtype, num_out, num_in):
     """Random heads and inputs at several scales, one and two rows, one and two threads (which
-    decide how omni_linear rounds a bfloat16 row: a thread's groups of 16, the rest)."""
+    decide how omni_linear rounds a bfloat16 row: a thread's groups of VL rows, the rest)."""
     kernels = build.load()
     gen = torch.Generator().manual_seed(num_out)
     head, _ = lm_head((torch.randn(num_out, num_in, generator=gen) * 0.05).to(dtype))
@@ -62,7 +62,7 @@ def test_tokens_are_the_argmax_of_the_stored_logits(dtype, num_out, num_in):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_near_ties_nan_infinity_and_zeros(dtype):
+def test_near_ties_nan_infinity_and_zeros(isa_level, dtype):
     """Rows a rounding apart (equal once stored: the first wins), duplicated rows, a NaN weight (a
     NaN logit is the greatest), an infinite one, all-zero rows and an all-zero input."""
     kernels = build.load()
@@ -92,7 +92,7 @@ def test_near_ties_nan_infinity_and_zeros(dtype):
         assert rc == 0 and tokens.tolist() == stored_argmax(kernels, head.weight, x, threads).tolist() == [7, 7]
 
 
-def test_an_input_along_a_rows_quantization_error():
+def test_an_input_along_a_rows_quantization_error(isa_level):
     """The bound must hold where it is tight: x along row A's quantization error, so that A's exact
     logit exceeds its int8 estimate by nearly all of the bound, and a row B (exact in int8) whose
     logit lies between the two. The token is A; a bound half as wide would have dropped A for B."""
@@ -117,7 +117,7 @@ def test_an_input_along_a_rows_quantization_error():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_what_goes_back_to_the_logits(dtype):
+def test_what_goes_back_to_the_logits(isa_level, dtype):
     """A non-finite input and too many rows near the top are refused (nothing written) and the
     method takes the logits; after Q8_MAX_MISSES refusals in a row it drops the copy."""
     kernels = build.load()
@@ -135,18 +135,6 @@ def test_what_goes_back_to_the_logits(dtype):
         assert flat.q8_weight is not None
         assert flat_method.apply_argmax(flat, x, argmax_rows).tolist() == [0, 0]
     assert flat.q8_weight is None
-
-
-@pytest.mark.parametrize("march", ["-march=haswell", "-march=skylake-avx512"])
-def test_portable_builds(march):
-    kernels = build.Kernels(build.library_path((march,)))
-    gen = torch.Generator().manual_seed(9)
-    for dtype in DTYPES:
-        head, _ = lm_head((torch.randn(3000, 96, generator=gen) * 0.05).to(dtype), kernels)
-        for rows in (1, 2):
-            x = torch.randn(rows, 96, generator=gen).to(dtype)
-            rc, tokens = q8_tokens(kernels, head, x, 2)
-            assert rc == 0 and tokens.tolist() == stored_argmax(kernels, head.weight, x, 2).tolist()
 
 
 def test_switched_off_and_only_for_the_lm_head(monkeypatch, checkpoint_dir):

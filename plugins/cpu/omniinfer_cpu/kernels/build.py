@@ -1,40 +1,53 @@
-"""Compile csrc/cpu_kernels.c at first use and load it through ctypes.
+"""The CPU kernels: one library per ISA level (isa.py), the best the CPU runs, through ctypes.
 
-The library is built with the system C compiler (``$CC``, else gcc, else cc) and
-``-O3 -march=native -fopenmp`` into a per-user cache directory, keyed by the source, the
-compiler and the CPU's ISA flags, so later runs load it in milliseconds. It needs no torch
-headers (about a second to build). Its OpenMP calls bind to the libgomp torch has already
+Where a level's library comes from, first found:
+
+1. the package's own ``lib/``: a wheel of omniinfer-cpu carries every level of its architecture,
+   built by ``setup.py`` when the wheel is built (``lib/manifest.json`` names them and the
+   source they were built from), so an installed plugin compiles nothing;
+2. the per-user cache (``$OMNIINFER_CPU_KERNEL_CACHE``, else ``~/.cache/omniinfer/cpu_kernels``),
+   keyed by the source, the compiler and the level's flags: a source checkout builds a level at
+   its first use with the system C compiler (``$CC``, else gcc, else cc; 5-25 s, logged) and
+   loads it in milliseconds after. ``python -m omniinfer_cpu.kernels.build`` builds every level
+   this CPU runs ahead of time.
+
+The libraries need no torch headers. Their OpenMP calls bind to the libgomp torch has already
 loaded (same soname), so the kernels and torch's own ops share one thread pool.
 
-When the kernels cannot be used (switched off with ``OMNIINFER_CPU_KERNELS=0``, not an x86-64
-CPU with AVX2/AVX-512, no compiler, a failed build) :func:`load` returns None and
-:func:`unavailable_reason` says why; callers fall back to torch.
+The level loaded is the best this CPU runs (cpuinfo flags), or the best at or below
+``OMNIINFER_CPU_ISA`` (a cap: also how one machine tests every level it can run). A library
+reports the level it was built for (``omni_isa``), checked at load. When the kernels cannot be
+used (``OMNIINFER_CPU_KERNELS=0`` or ``OMNIINFER_CPU_ISA=none``, a CPU below the lowest level,
+no compiler, a failed build) :func:`load` returns None and :func:`unavailable_reason` says why;
+callers fall back to torch.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import functools
 import hashlib
+import json
 import os
-import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 from omniinfer.logger import init_logger
-from omniinfer.platforms.host import cpu_info
+from omniinfer_cpu.kernels import isa
 
 logger = init_logger(__name__)
 
 ENV_SWITCH = "OMNIINFER_CPU_KERNELS"  # "0" turns the compiled kernels off
-ENV_CACHE = "OMNIINFER_CPU_KERNEL_CACHE"  # where built libraries go
+ENV_CACHE = "OMNIINFER_CPU_KERNEL_CACHE"  # where libraries built at first use go
 SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
-FLAGS = ("-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11")
+PREBUILT = Path(__file__).parent / "lib"  # where setup.py puts a wheel's libraries
+MANIFEST = "manifest.json"
 
 _P, _I64, _I32, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
+    "omni_isa": ([], ctypes.c_char_p),
     # x, ldx, w, bias, y, ldy, M, N, K, dtype, nthreads
     "omni_linear": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32], None),
     # q, q_stride, key, key_stride, value, value_stride, slot_mapping, num_tokens, k_cache,
@@ -54,6 +67,8 @@ SIGNATURES = {
     "omni_argmax": ([_P, _I64, _I32, _I32, _I32, _P, _I32], None),
     # dtype
     "omni_gemm_supported": ([_I32], _I32),
+    # dtype
+    "omni_gemm_k_multiple": ([_I32], _I32),
     # N, K, gated
     "omni_gemm_packed_size": ([_I32, _I32, _I32], _I64),
     # w, N, K, gated, dtype, out, nthreads
@@ -95,94 +110,143 @@ def cache_dir() -> Path:
     return Path(base) / "omniinfer" / "cpu_kernels"
 
 
+def source_digest() -> str:
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+
+
 def _compiler() -> str:
     for name in filter(None, (os.environ.get("CC"), "gcc", "cc")):
         path = shutil.which(name)
         if path:
             return path
-    raise KernelsUnavailable("no C compiler found (set CC, or install gcc)")
+    raise KernelsUnavailable("no C compiler found (set CC, or install gcc); a wheel of "
+                             "omniinfer-cpu carries the kernels prebuilt")
 
 
-def _check_isa() -> list[str]:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise KernelsUnavailable(f"built only for x86-64 (this is {platform.machine()})")
-    flags = cpu_info()["isa_flags"]
-    if "avx512f" not in flags and not {"avx2", "fma"} <= set(flags):
-        raise KernelsUnavailable("the CPU has neither AVX-512 nor AVX2+FMA")
-    return flags
+def prebuilt_path(level: isa.IsaLevel) -> Path | None:
+    """The package's own library for `level`, when it was built from this source."""
+    try:
+        manifest = json.loads((PREBUILT / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    name = manifest.get("levels", {}).get(level.name)
+    if not name or manifest.get("source_sha256") != source_digest():
+        return None  # (a checkout whose source changed since its libraries were built)
+    path = PREBUILT / name
+    return path if path.is_file() else None
 
 
-def _build(cc: str, flags: tuple[str, ...], target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    errors = []
-    # with OpenMP first; a compiler without libgomp still gets single-threaded kernels
-    for extra in (["-fopenmp"], []):
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        cmd = [cc, *flags, *extra, str(SOURCE), "-o", tmp, "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode == 0:
-            os.replace(tmp, target)  # atomic: concurrent builders race harmlessly
-            if not extra:
-                logger.warning("CPU kernels built without OpenMP (single-threaded): %s",
-                               errors[-1] if errors else "")
-            return
-        os.unlink(tmp)
-        errors.append(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else
-                      f"exit status {result.returncode}")
-    raise KernelsUnavailable(f"{Path(cc).name} failed to build {SOURCE.name}: {errors[0]}")
-
-
-def library_path(extra_flags: tuple[str, ...] = ()) -> Path:
-    """Build the library if needed; its path. `extra_flags` (tests: another -march) go last."""
-    isa = _check_isa()
+def library_path(level: isa.IsaLevel) -> Path:
+    """The library for `level`: prebuilt, cached, or built now into the cache."""
+    found = prebuilt_path(level)
+    if found is not None:
+        return found
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
-    flags = (*FLAGS, *extra_flags)
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(flags).encode(), " ".join(isa).encode()):
+    for part in (SOURCE.read_bytes(), version.encode(), " ".join(isa.BASE_CFLAGS + level.cflags).encode()):
         key.update(part)
         key.update(b"\0")
-    target = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / f"cpu_kernels-{level.name}-{key.hexdigest()[:16]}.so"
     if not target.is_file():
-        logger.info("building the CPU kernels with %s into %s", Path(cc).name, target.parent)
-        _build(cc, flags, target)
+        logger.info("building the CPU kernels for %s with %s into %s (once; a wheel of omniinfer-cpu "
+                    "carries them prebuilt)", level.name, Path(cc).name, target.parent)
+        try:
+            warning = isa.build_library(cc, level, str(SOURCE), str(target))
+        except RuntimeError as e:
+            raise KernelsUnavailable(str(e)) from None
+        if warning:
+            logger.warning("CPU kernels for %s %s", level.name, warning)
     return target
 
 
 class Kernels:
-    """The loaded library: its functions with ctypes signatures."""
+    """One level's loaded library: its functions with ctypes signatures."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, level: isa.IsaLevel):
+        self.path, self.level = path, level
         self.lib = ctypes.CDLL(str(path))
         for name, (args, result) in SIGNATURES.items():
             fn = getattr(self.lib, name)
             fn.argtypes, fn.restype = args, result
             setattr(self, name.removeprefix("omni_"), fn)
+        built_for = self.isa().decode()
+        if built_for != level.name:
+            raise KernelsUnavailable(f"{path} was built for {built_for}, not {level.name}")
+
+    @property
+    def isa_level(self) -> str:
+        return self.level.name
+
+
+def load_level(name: str) -> Kernels:
+    """The library of level `name`, whatever the cap (tests and A/B benchmarks); raises
+    KernelsUnavailable naming the flags the CPU lacks when it cannot run that level."""
+    return _load_level(name)
 
 
 @functools.cache
-def _load() -> tuple[Kernels | None, str | None]:
-    if os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no"):
+def _load_level(name: str) -> Kernels:
+    level = isa.BY_NAME[name]
+    missing = isa.missing_flags(level)
+    if missing:
+        raise KernelsUnavailable(f"this CPU cannot run the {name} kernels: it lacks {', '.join(missing)}")
+    return Kernels(library_path(level), level)
+
+
+def _switched_off() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() in ("0", "false", "off", "no")
+
+
+@functools.cache
+def _load() -> tuple[Kernels | None, str]:
+    if _switched_off():
         return None, f"switched off ({ENV_SWITCH}=0)"
+    level, why = isa.choose(os.environ.get(isa.ENV_ISA))  # a cap naming no level raises
+    if level is None:
+        logger.warning("CPU kernels unavailable, using torch's ops instead: %s", why)
+        return None, why
     try:
-        kernels = Kernels(library_path())
+        kernels = load_level(level.name)
     except (KernelsUnavailable, OSError, subprocess.SubprocessError) as e:
         logger.warning("CPU kernels unavailable, using torch's ops instead: %s", e)
         return None, str(e)
-    return kernels, None
+    logger.info("CPU kernels: %s (%s), from %s", level.name, why, kernels.path)
+    return kernels, why
 
 
 def load() -> Kernels | None:
-    """The compiled kernels, or None (see :func:`unavailable_reason`)."""
+    """The compiled kernels at the chosen level, or None (see :func:`unavailable_reason`)."""
     return _load()[0]
 
 
 def unavailable_reason() -> str | None:
-    return _load()[1]
+    kernels, why = _load()
+    return None if kernels is not None else why
+
+
+def selection() -> tuple[str | None, str]:
+    """(the level loaded or None, why): for `omniinfer env` and benchmark reports."""
+    kernels, why = _load()
+    return (kernels.level.name if kernels is not None else None), why
 
 
 def reset() -> None:
     """Forget the loaded state (tests switch the kernels on and off)."""
     _load.cache_clear()
+    _load_level.cache_clear()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build the CPU kernels ahead of time (into the cache).")
+    parser.add_argument("--level", action="append", choices=[lv.name for lv in isa.arch_levels()],
+                        help="a level to build (repeatable; default: every level this CPU runs)")
+    args = parser.parse_args(argv)
+    names = args.level or [lv.name for lv in isa.runnable_levels()]
+    for name in names:
+        print(f"{name}: {library_path(isa.BY_NAME[name])}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

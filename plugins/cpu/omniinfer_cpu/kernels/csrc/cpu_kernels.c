@@ -1,4 +1,4 @@
-/* omniinfer CPU kernels, compiled at first use (see ../build.py) and called through ctypes.
+/* omniinfer CPU kernels, built once per ISA level (see ../build.py) and called through ctypes.
  *
  * omni_linear:          y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for small M (decode): streams the
  *                       weight once, a contiguous range of rows per thread, float32 accumulation.
@@ -10,15 +10,21 @@
  * omni_rms_norm, omni_rotary, omni_silu_and_mul: the elementwise pieces of a decoder layer.
  * omni_argmax:          the greedy token of each row of the logits.
  * omni_gemm:            y = x @ W^T for 3 to a few hundred rows, W packed at load (omni_gemm_pack);
- *                       with a gate_up weight, silu(gate) * up. AVX-512 only (omni_gemm_supported).
+ *                       with a gate_up weight, silu(gate) * up.
  * omni_gemm_argmax:     the greedy token of each row of x @ W^T, without writing the products
  *                       (the LM head of an all-greedy batch).
  * omni_decoder_layers:  a stack of pre-norm Llama layers in one call, made of the kernels above
  *                       (no Python between them: at batch 1 that was ~10% of a token).
+ * omni_isa:             the level this library was built for (build.py checks it at load).
  *
- * Written with GCC vector extensions, so one source builds for AVX-512 (16 float lanes in one
- * register), AVX2 (two) or anything else GCC targets (AVX-512 BF16's vdpbf16ps where the CPU has
- * it; omni_gemm's register tiles need AVX-512's 32 registers and are built only there).
+ * Written with GCC vector extensions whose width is the target's register: VL float lanes, 16 on
+ * AVX-512, 8 on AVX2, 4 on NEON and other 128-bit targets (a vector wider than the registers is
+ * split by GCC through the stack: on AVX2 that made the fp32 inner loop 2/3 stack traffic).
+ * Intrinsics only where an instruction has no portable spelling (AVX-512 BF16's vdpbf16ps, VBMI's
+ * byte permutes for the coded copies, masks, int8 widening). The arithmetic of each kernel is the
+ * same at every level up to the order of float32 sums (which follows VL); kernels that promise
+ * bit-for-bit agreement with another (omni_linear_ec, omni_decoder_layers, the int8 LM head's
+ * exact pass) keep it within a level.
  * dtypes: 0 = float32, 1 = bfloat16 (widened on load, or multiplied in pairs by vdpbf16ps; sums
  * in float32; results rounded to nearest even once, at the end); the query, keys, values, cache
  * and output of one call share a dtype, as do a linear's input, weight, bias and output.
@@ -31,17 +37,64 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#endif
 
-#define VL 16
-typedef float vf __attribute__((vector_size(64)));
-typedef float vfu __attribute__((vector_size(64), aligned(4), may_alias));
-typedef uint16_t vhu __attribute__((vector_size(32), aligned(2), may_alias));
-typedef uint32_t vu __attribute__((vector_size(64)));
+/* VBYTES: one vector register; NREGS: how many a kernel may keep live before GCC spills */
+#if defined(__AVX512F__)
+#define VBYTES 64
+#define NREGS 32
+#elif defined(__AVX2__)
+#define VBYTES 32
+#define NREGS 16
+#elif defined(__aarch64__)
+#define VBYTES 16
+#define NREGS 32
+#else
+#define VBYTES 16
+#define NREGS 16
+#endif
+#define VL (VBYTES / 4)
+
+/* The level named as build.py names it, checked when the library is loaded (a library built
+ * with other flags than its name says is refused instead of trusted). */
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#define OMNI_ISA "avx512_bf16"
+#elif defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#define OMNI_ISA "avx512_vbmi"
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define OMNI_ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define OMNI_ISA "avx2"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define OMNI_ISA "neon"
+#else
+#define OMNI_ISA "generic"
+#endif
+
+const char *omni_isa(void) { return OMNI_ISA; }
+
+typedef float vf __attribute__((vector_size(VBYTES)));
+typedef float vfu __attribute__((vector_size(VBYTES), aligned(4), may_alias));
+typedef uint16_t vhu __attribute__((vector_size(VBYTES / 2), aligned(2), may_alias));
+typedef uint32_t vu __attribute__((vector_size(VBYTES)));
+typedef uint32_t vuu __attribute__((vector_size(VBYTES), aligned(4), may_alias));
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v4f __attribute__((vector_size(16)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint32_t v4u __attribute__((vector_size(16)));
+
+#if VL == 16
+#define LANE_INDEX {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}
+#elif VL == 8
+#define LANE_INDEX {0, 1, 2, 3, 4, 5, 6, 7}
+#else
+#define LANE_INDEX {0, 1, 2, 3}
+#endif
 
 enum { F32 = 0, BF16 = 1 };
 #define INLINE static inline __attribute__((always_inline))
@@ -51,6 +104,11 @@ INLINE vf ld(const void *p, int dt, size_t i) {
 #if defined(__AVX512F__)
     __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#elif defined(__AVX2__)
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    return (vf)vshll_n_u16(vld1_u16((const uint16_t *)p + i), 16);
 #else
     vu t = __builtin_convertvector(*(const vhu *)((const uint16_t *)p + i), vu) << 16;
     return (vf)t;
@@ -78,17 +136,26 @@ INLINE void st1(void *p, int dt, size_t i, float v) {
     else ((uint16_t *)p)[i] = to_bf16(v);
 }
 
+/* the lanes' sum: halves added until one is left (reduce_lanes adds in the same order) */
 INLINE float hsum(vf v) {
+#if VL == 16
     v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
     v8f b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
     a += b;
     v4f c = __builtin_shufflevector(a, a, 0, 1, 2, 3);
     v4f d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
     c += d;
+#elif VL == 8
+    v4f c = __builtin_shufflevector(v, v, 0, 1, 2, 3);
+    v4f d = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    c += d;
+#else
+    v4f c = v;
+#endif
     return (c[0] + c[2]) + (c[1] + c[3]);
 }
 
-/* store 16 lanes (bfloat16: rounded to nearest even, NaN kept quiet). With AVX-512 BF16 one
+/* store VL lanes (bfloat16: rounded to nearest even, NaN kept quiet). With AVX-512 BF16 one
  * vcvtneps2bf16 does it (it reads float32 denormals, below 1.2e-38, as zero; torch rounds them). */
 INLINE void stv(void *p, int dt, size_t i, vf v) {
     if (dt == F32) {
@@ -126,32 +193,42 @@ INLINE float round_to(int dt, float v) {  /* v as the dtype would hold it */
 INLINE vf vsel(vu mask, vf a, vf b) {  /* mask lanes all-ones: a, else b */
 #if defined(__AVX512F__)
     return (vf)_mm512_ternarylogic_epi32((__m512i)mask, (__m512i)a, (__m512i)b, 0xca);
+#elif defined(__AVX2__)
+    return (vf)_mm256_blendv_ps((__m256)b, (__m256)a, (__m256)mask);
 #else
     return (vf)((mask & (vu)a) | (~mask & (vu)b));
 #endif
 }
 
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint32_t v4u __attribute__((vector_size(16)));
-
 INLINE float hmax(vf v) {
+#if VL == 16
     v8f a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
     v8f b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
     v8u m = (v8u)(a > b);
     a = (v8f)((m & (v8u)a) | (~m & (v8u)b));
     v4f c = __builtin_shufflevector(a, a, 0, 1, 2, 3), d = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+#elif VL == 8
+    v4f c = __builtin_shufflevector(v, v, 0, 1, 2, 3), d = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+#endif
+#if VL >= 8
     v4u n = (v4u)(c > d);
     c = (v4f)((n & (v4u)c) | (~n & (v4u)d));
+#else
+    v4f c = v;
+#endif
     float x = c[0] > c[1] ? c[0] : c[1], y = c[2] > c[3] ? c[2] : c[3];
     return x > y ? x : y;
 }
 
-/* e^x for 16 lanes: 2^n * p(r), |r| <= ln2 / 2, degree-6 polynomial (~2 ulp); x clamped to the
+/* e^x for VL lanes: 2^n * p(r), |r| <= ln2 / 2, degree-6 polynomial (~2 ulp); x clamped to the
  * float range (e^-88 -> ~0, e^89 -> inf is clamped to e^88.7). */
 INLINE vf vexp(vf x) {
     const vf hi = (vf){0} + 88.7f, lo = (vf){0} - 87.3f;
+    /* a NaN x stays NaN: max/min return their 2nd operand then */
 #if defined(__AVX512F__)
-    x = _mm512_max_ps(lo, _mm512_min_ps(hi, x));  /* a NaN x stays NaN: both return their 2nd operand then */
+    x = _mm512_max_ps(lo, _mm512_min_ps(hi, x));
+#elif defined(__AVX2__)
+    x = _mm256_max_ps(lo, _mm256_min_ps(hi, x));
 #else
     x = vsel((vu)(x > hi), hi, x);
     x = vsel((vu)(x < lo), lo, x);
@@ -171,8 +248,10 @@ INLINE vf vexp(vf x) {
     return p * (vf)e;
 }
 
-/* 16 vectors -> one vector of their 16 horizontal sums, in order: a transposing add tree (15
- * shuffle pairs) instead of 16 separate horizontal sums. */
+/* VL vectors -> one vector of their VL horizontal sums, in order: a transposing add tree (VL - 1
+ * shuffle pairs) instead of VL separate horizontal sums. Each lane's additions come in hsum's
+ * order (first lane j + lane j + VL / 2, then halves again), so a sum reduced here equals hsum's. */
+#if VL == 16
 #define RED_A(x, y) (__builtin_shufflevector(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) + \
     __builtin_shufflevector(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31))
 #define RED_B(x, y) (__builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) + \
@@ -182,8 +261,7 @@ INLINE vf vexp(vf x) {
 #define RED_D(x, y) (__builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) + \
     __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31))
 
-
-INLINE vf reduce16(const vf *s) {
+INLINE vf reduce_lanes(const vf *s) {
     vf a[8], b[4];
 #pragma GCC unroll 8
     for (int i = 0; i < 8; i++) a[i] = RED_A(s[2 * i], s[2 * i + 1]);
@@ -192,11 +270,39 @@ INLINE vf reduce16(const vf *s) {
     vf c0 = RED_C(b[0], b[1]), c1 = RED_C(b[2], b[3]);
     return RED_D(c0, c1);
 }
+#elif VL == 8
+#define RED_A(x, y) (__builtin_shufflevector(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + \
+    __builtin_shufflevector(x, y, 4, 5, 6, 7, 12, 13, 14, 15))
+#define RED_B(x, y) (__builtin_shufflevector(x, y, 0, 1, 4, 5, 8, 9, 12, 13) + \
+    __builtin_shufflevector(x, y, 2, 3, 6, 7, 10, 11, 14, 15))
+#define RED_C(x, y) (__builtin_shufflevector(x, y, 0, 2, 4, 6, 8, 10, 12, 14) + \
+    __builtin_shufflevector(x, y, 1, 3, 5, 7, 9, 11, 13, 15))
+
+INLINE vf reduce_lanes(const vf *s) {
+    vf a[4];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) a[i] = RED_A(s[2 * i], s[2 * i + 1]);
+    return RED_C(RED_B(a[0], a[1]), RED_B(a[2], a[3]));
+}
+#else
+#define RED_A(x, y) (__builtin_shufflevector(x, y, 0, 1, 4, 5) + __builtin_shufflevector(x, y, 2, 3, 6, 7))
+#define RED_B(x, y) (__builtin_shufflevector(x, y, 0, 2, 4, 6) + __builtin_shufflevector(x, y, 1, 3, 5, 7))
+
+INLINE vf reduce_lanes(const vf *s) {
+    return RED_B(RED_A(s[0], s[1]), RED_A(s[2], s[3]));
+}
+#endif
 
 /* ---- linear: small M ----------------------------------------------------------------------- */
 /* One weight row at a time, so each thread reads its share of W as one sequential stream (on the
  * development machine one stream per core reaches ~2x the bandwidth of 8 interleaved row streams);
- * the row meets every x row while it is in registers. U independent accumulators per x row. */
+ * the row meets every x row while it is in registers. U independent accumulators per x row, as
+ * many as the registers hold beside the weight vector (GEMV_U). */
+#if NREGS >= 32
+#define GEMV_U(MB) 4
+#else
+#define GEMV_U(MB) ((MB) <= 3 ? 4 : 2)
+#endif
 
 INLINE void gemv_row(const void *x, size_t ldx, const void *w, int dt, int K, int MB, int U,
                      float *out) {
@@ -313,7 +419,7 @@ INLINE void linear_rows_m1(const void *x, const void *w, const void *bias, void 
     for (; n + VL <= n1; n += VL) {
         vf part[VL];
         for (int r = 0; r < VL; r++) part[r] = row_vec(x, (const char *)w + (size_t)(n + r) * K * es, dt, K);
-        vf sums = reduce16(part);
+        vf sums = reduce_lanes(part);
         if (bias) sums += ld(bias, dt, n);
         stv(y, dt, n, sums);
     }
@@ -340,10 +446,10 @@ INLINE void linear_rows(const void *x, size_t ldx, const void *w, const void *bi
             int mb = M - m0 < 4 ? M - m0 : 4;
             const char *xm = (const char *)x + (size_t)m0 * ldx * es;
             switch (mb) {
-                case 1: GEMV_ROW(xm, ldx, wn, dt, K, 1, 4, out); break;
-                case 2: GEMV_ROW(xm, ldx, wn, dt, K, 2, 4, out); break;
-                case 3: GEMV_ROW(xm, ldx, wn, dt, K, 3, 4, out); break;
-                default: GEMV_ROW(xm, ldx, wn, dt, K, 4, 4, out); break;
+                case 1: GEMV_ROW(xm, ldx, wn, dt, K, 1, GEMV_U(1), out); break;
+                case 2: GEMV_ROW(xm, ldx, wn, dt, K, 2, GEMV_U(2), out); break;
+                case 3: GEMV_ROW(xm, ldx, wn, dt, K, 3, GEMV_U(3), out); break;
+                default: GEMV_ROW(xm, ldx, wn, dt, K, 4, GEMV_U(4), out); break;
             }
             for (int m = 0; m < mb; m++) st1(y, dt, (size_t)(m0 + m) * ldy + n, out[m] + b);
         }
@@ -685,7 +791,7 @@ INLINE void ec_linear_rows(const void *x, size_t ldx, const uint8_t *ec, const v
         for (; n + VL <= n1; n += VL) {
             vf part[VL];
             for (int r = 0; r < VL; r++) part[r] = ec_row_vec(x, EC_ROW(n + r), K, dt);
-            vf sums = reduce16(part);
+            vf sums = reduce_lanes(part);
             if (bias) sums += ld(bias, dt, n);
             stv(y, dt, n, sums);
         }
@@ -756,14 +862,15 @@ int omni_linear_ec(const void *x, int64_t ldx, const uint8_t *ec, const void *bi
 /* Cache layout (CpuPagedBackend.get_kv_cache_shape: [2, blocks, kv_heads, block_size, head]): one
  * head's block_size x head tile is contiguous. Values are stored as the shape says. Keys are
  * stored transposed inside the tile and packed by KX (1 for float32, 2 for bfloat16): element
- * (token o, component d) sits at [d / KX][o][d % KX], so 16 consecutive keys' components
- * d .. d + KX - 1 are one 64-byte vector. A chunk's scores are then D / KX multiply-adds into one
- * vector of 16 key lanes (vdpbf16ps on pairs of bfloat16 components where the CPU has it),
- * with no horizontal sums and no widening of the keys. */
+ * (token o, component d) sits at [d / KX][o][d % KX], so VL consecutive keys' components
+ * d .. d + KX - 1 are one vector. A chunk's scores are then D / KX multiply-adds into one
+ * vector of VL key lanes (vdpbf16ps on pairs of bfloat16 components where the CPU has it),
+ * with no horizontal sums. The layout does not depend on VL: a cache is read the same at every
+ * level. */
 
 #define MAX_HEAD 256
 #define MAX_ROWS 64  /* query rows (tokens x query heads of one KV head) an item holds */
-#define CHUNK 16     /* keys per step: one vector of lanes */
+#define CHUNK VL     /* keys per step: one vector of lanes */
 #ifndef PREFETCH_CHUNKS
 #define PREFETCH_CHUNKS 3
 #endif
@@ -771,8 +878,6 @@ int omni_linear_ec(const void *x, int64_t ldx, const uint8_t *ec, const void *bi
 #define PF_LOCALITY 2
 #endif
 #define KX(dt) ((dt) == F32 ? 1 : 2)
-
-typedef uint32_t vuu __attribute__((vector_size(64), aligned(4), may_alias));
 
 /* query tokens [t0, t1) of one sequence (relative to its start) x KV heads [h0, h1) */
 typedef struct {
@@ -808,7 +913,7 @@ static void write_kv(const void *key, int64_t key_stride, const void *value, int
     }
 }
 
-/* Scores of NR rows against one chunk: s[i] lane l = q_i . key_l, as a vector of 16 lanes.
+/* Scores of NR rows against one chunk: s[i] lane l = q_i . key_l, as a vector of VL lanes.
  * kt: the chunk's first packed row, kstride: elements (float32) or words (bfloat16) between
  * rows; q: float32 rows (or, for bfloat16 with vdpbf16ps, pairs as words) at stride MAX_HEAD.
  * Two accumulators per row (even and odd rows of the keys) halve the dependency chains. */
@@ -869,12 +974,12 @@ INLINE void qk_rows(const void *kt, size_t kstride, const void *q, int NR, int D
     for (int i = 0; i < NR; i++) s[i] = a[i][0] + a[i][1];
 }
 
-/* acc[i][d0 + :NV*16] += sum_j p[i][j] * v_j[d0 + :NV*16] for NR rows and keys j in [ja, jb)
+/* acc[i][d0 + :NV*VL] += sum_j p[i][j] * v_j[d0 + :NV*VL] for NR rows and keys j in [ja, jb)
  * (value rows at voff[j]); keys split in two accumulator sets when registers allow. */
 INLINE void pv_block(const void *v_cache, int dt, const size_t *voff, int ja, int jb,
                      const float (*p)[CHUNK], float (*acc)[MAX_HEAD], int NR, int NV, int d0) {
     enum { S = 2 };
-    int split = NR * NV <= 8;
+    int split = NR * NV <= NREGS / 4;
     vf a[S][4][4];
 #pragma GCC unroll 4
     for (int i = 0; i < NR; i++)
@@ -934,6 +1039,10 @@ INLINE void pv_rows(const void *v_cache, int dt, const size_t *voff, int ja, int
 INLINE int any_gt(vf a, float b) {  /* some lane of a > b (false for NaN lanes) */
 #if defined(__AVX512F__)
     return _mm512_cmp_ps_mask((__m512)a, _mm512_set1_ps(b), _CMP_GT_OQ) != 0;
+#elif defined(__AVX2__)
+    return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, _mm256_set1_ps(b), _CMP_GT_OQ)) != 0;
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    return vmaxvq_u32(vcgtq_f32((float32x4_t)a, vdupq_n_f32(b))) != 0;
 #else
     vu gt = (vu)(a > b);
     uint32_t any = 0;
@@ -954,7 +1063,7 @@ INLINE void prefetch_chunk(const void *k_cache, const void *v_cache, size_t es, 
 }
 
 /* One work item: the rows (token, query head) of each KV head in [h0, h1) attend over the keys
- * the causal mask (and sliding window) allows them, a chunk of 16 keys at a time with an online
+ * the causal mask (and sliding window) allows them, a chunk of VL keys at a time with an online
  * softmax in float32. */
 INLINE void attend(const Item *it, const void *q, int64_t q_stride, const void *k_cache,
                    const void *v_cache, int dt, const int32_t *table, int context_len, int q_start,
@@ -986,7 +1095,7 @@ INLINE void attend(const Item *it, const void *q, int64_t q_stride, const void *
     }
     int first = lo_all & ~(CHUNK - 1);
     int nchunks = (hi_all - first) / CHUNK + 1;
-    const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vf lane = LANE_INDEX;
     for (int h = it->h0; h < it->h1; h++) {
         for (int r = 0; r < R; r++) {
             size_t qrow = (size_t)(q_start + it->t0 + r / G) * q_stride + ((size_t)h * G + r % G) * D;
@@ -1311,7 +1420,7 @@ static int64_t first_nan(const void *x, int cols, int dt) {
  * keeps its first maximum, and the lanes then tie-break on the index. */
 #define ARGMAX_U 4
 static int64_t argmax_row(const void *x, int cols, int dt) {
-    const vf lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const vf lane = LANE_INDEX;
     vf m[ARGMAX_U], idx[ARGMAX_U], at[ARGMAX_U];  /* indices as floats: exact < 2^24 */
     vu nan = (vu){0};
 #pragma GCC unroll 4
@@ -1362,22 +1471,25 @@ void omni_argmax(const void *x, int64_t ld, int rows, int cols, int dt, int64_t 
 
 /* ---- products for batches of a few to a few hundred rows ------------------------------------
  * y[M, N] = x[M, K] @ W[N, K]^T (+ bias) with W packed once, at load, by omni_gemm_pack into
- * panels of GEMM_NR = 64 columns, four vectors per step along K:
- *   bfloat16: [P][K / 2][64][2], each column's weights for components 2j and 2j + 1 side by side,
- *             which vdpbf16ps multiplies by one broadcast pair of x;
- *   float32:  [P][K][64], multiplied by one broadcast component of x.
- * A tile of up to 6 rows x 64 columns keeps its 24 sums in registers over all of K. Each thread
- * takes a contiguous range of panels; rows go by in chunks of GEMM_MC, so a thread's weights are
- * read from L2 once per chunk. Sums in float32, each result rounded once (+ bias first), as
- * oneDNN does.
+ * panels of GEMM_NR = GEMM_NV vectors of columns (64 columns on AVX-512, 16 on AVX2 and NEON):
+ *   float32:  [P][K][NR], multiplied by one broadcast component of x;
+ *   bfloat16 with vdpbf16ps (AVX-512 BF16): [P][K / 2][NR][2], each column's weights for
+ *             components 2j and 2j + 1 side by side, which vdpbf16ps multiplies by one broadcast
+ *             pair of x;
+ *   bfloat16 elsewhere: [P][K][NR], the columns of each pair of vectors interleaved (32-bit word
+ *             i holds column i in its low half and column VL + i in its high half), so a shift
+ *             and a mask widen 2 VL weights to float32; x is widened once, before the products,
+ *             and the products are float32 FMAs (no CPU without AVX-512 BF16 multiplies bfloat16).
+ * A tile of up to GEMM_MR rows x NR columns keeps its MR x NV sums in registers over all of K
+ * (6 x 4 of AVX-512's and NEON's 32 registers, 6 x 2 of AVX2's 16). Each thread takes a
+ * contiguous range of panels; rows go by in chunks of GEMM_MC, so a thread's weights are read from
+ * L2 once per chunk. Sums in float32, each result rounded once (+ bias first), as oneDNN does.
  *
  * "Gated" packs a gate_up weight [2I, K] (gate rows, then up rows) so that panel p holds gate
- * columns 32p .. 32p + 31 in its first two vectors and the same up columns in the last two; the
+ * columns NR/2 p .. in its first NV / 2 vectors and the same up columns in the last NV / 2; the
  * tile then writes silu(gate) * up [M, I] directly, rounding (bfloat16) gate, up and silu(gate)
  * on the way as the separate product and omni_silu_and_mul do, so the result is the same bits.
- *
- * Built where the CPU has AVX-512 (float32) and AVX-512 BF16 (bfloat16):
- * omni_gemm_supported(dtype) says which. */
+ * Built at every level (omni_gemm_supported). */
 
 /* ---- torch.argmax's order over columns seen in increasing order, split among threads ------ */
 
@@ -1407,54 +1519,68 @@ static int64_t argmax_merge(const float *best, const int32_t *best_col, int M, i
     return arg;
 }
 
-#define GEMM_NR 64
+#if NREGS >= 32
+#define GEMM_NV 4
+#else
+#define GEMM_NV 2
+#endif
+#define GEMM_NR (GEMM_NV * VL)
 #define GEMM_MR 6
 #define GEMM_MC 120
-
-int omni_gemm_supported(int dt) {
-    (void)dt;
 #if defined(__AVX512BF16__)
-    if (dt == BF16) return 1;
+#define GEMM_BF16_PAIRS 1
+#else
+#define GEMM_BF16_PAIRS 0
 #endif
-#if defined(__AVX512F__)
-    if (dt == F32) return 1;
-#endif
-    return 0;
-}
 
-/* elements the packed copy of an [N, K] weight takes (bfloat16: K even) */
+int omni_gemm_supported(int dt) { return dt == F32 || dt == BF16; }
+
+/* what K must be a multiple of for omni_gemm_pack (bfloat16 pairs for vdpbf16ps: 2) */
+int omni_gemm_k_multiple(int dt) { return dt == BF16 && GEMM_BF16_PAIRS ? 2 : 1; }
+
+/* elements the packed copy of an [N, K] weight takes (bfloat16 with vdpbf16ps: K even) */
 int64_t omni_gemm_packed_size(int N, int K, int gated) {
     int64_t cols = gated ? (int64_t)(N / 2 + GEMM_NR / 2 - 1) / (GEMM_NR / 2) * GEMM_NR
                          : (int64_t)(N + GEMM_NR - 1) / GEMM_NR * GEMM_NR;
     return cols * K;
 }
 
-/* w [N, K] (bfloat16: K even; gated: N even) -> out (omni_gemm_packed_size elements; padding 0) */
+/* the panel column (0 .. NR - 1) held at position q of a packed row of NR weights */
+INLINE int gemm_column(int q, int dt) {
+    if (dt == F32 || GEMM_BF16_PAIRS) return q;
+    int r = q % (2 * VL);
+    return q - r + (r & 1) * VL + r / 2;
+}
+
+/* w [N, K] (bfloat16 with vdpbf16ps: K even; gated: N even) -> out (omni_gemm_packed_size
+ * elements; padding 0) */
 void omni_gemm_pack(const void *w, int N, int K, int gated, int dt, void *out, int nthreads) {
-    int half = N / 2, x = dt == F32 ? 1 : 2;
+    int half = N / 2;
     int64_t P = omni_gemm_packed_size(N, K, gated) / K / GEMM_NR;
-    (void)nthreads;
 #pragma omp parallel for schedule(static) num_threads(nthreads > 0 ? nthreads : 1)
     for (int64_t p = 0; p < P; p++)
         for (int k = 0; k < K; k++)
-            for (int c = 0; c < GEMM_NR; c++) {
+            for (int q = 0; q < GEMM_NR; q++) {
+                int c = gemm_column(q, dt);
                 int64_t n;
                 if (!gated) n = p * GEMM_NR + c;
                 else {
                     int64_t col = p * (GEMM_NR / 2) + c % (GEMM_NR / 2);
                     n = col < half ? col + (c < GEMM_NR / 2 ? 0 : half) : N;
                 }
-                int64_t at = ((p * (K / x) + k / x) * GEMM_NR + c) * x + k % x;
+                int64_t at = dt == BF16 && GEMM_BF16_PAIRS
+                                 ? ((p * (K / 2) + k / 2) * GEMM_NR + q) * 2 + k % 2
+                                 : (p * K + k) * GEMM_NR + q;
                 if (dt == F32) ((float *)out)[at] = n < N ? ((const float *)w)[n * K + k] : 0.f;
                 else ((uint16_t *)out)[at] = n < N ? ((const uint16_t *)w)[n * K + k] : 0;
             }
 }
 
-#if defined(__AVX512F__)
 typedef struct {
     const void *x, *bias;
+    const float *xf;  /* x as float32 (x itself, or its widened copy) for the FMA tiles */
     void *y;
-    int64_t ldx, ldy;
+    int64_t ldx, ldxf, ldy;
     int K, N, gated;
     /* argmax instead of y: this thread's first maximum so far of each row and its column (-1:
      * none yet) */
@@ -1462,123 +1588,176 @@ typedef struct {
     int32_t *best_col;
 } gemm_args;
 
+#if defined(__AVX512F__)
 INLINE __mmask16 lanes_mask(int n_valid) {
     return n_valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n_valid) - 1);
 }
+#endif
 
-INLINE vf bias_lanes(const gemm_args *g, int dt, int64_t col0, int n_valid) {  /* 16 columns */
+INLINE vf bias_lanes(const gemm_args *g, int dt, int64_t col0, int n_valid) {  /* VL columns */
     if (!g->bias || n_valid <= 0) return (vf){0};
+    if (n_valid >= VL) return ld(g->bias, dt, col0);
+#if defined(__AVX512F__)
     if (dt == F32) return (vf)_mm512_maskz_loadu_ps(lanes_mask(n_valid), (const float *)g->bias + col0);
     __m256i h = _mm256_maskz_loadu_epi16(lanes_mask(n_valid), (const uint16_t *)g->bias + col0);
     return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+#else
+    float lanes[VL] = {0};
+    for (int l = 0; l < n_valid; l++) lanes[l] = ld1(g->bias, dt, col0 + l);
+    return *(const vfu *)lanes;
+#endif
 }
 
 INLINE void store_lanes(void *y, int dt, int64_t at, int n_valid, vf v) {
     if (n_valid <= 0) return;
-    if (dt == F32) {
-        if (n_valid >= 16) *(vfu *)((float *)y + at) = v;
-        else _mm512_mask_storeu_ps((float *)y + at, lanes_mask(n_valid), (__m512)v);
+    if (n_valid >= VL) {
+        stv(y, dt, at, v);
         return;
     }
+#if defined(__AVX512F__)
+    if (dt == F32) {
+        _mm512_mask_storeu_ps((float *)y + at, lanes_mask(n_valid), (__m512)v);
+        return;
+    }
+#endif
 #if defined(__AVX512BF16__)
     __m256i h = (__m256i)_mm512_cvtneps_pbh((__m512)v);
-    if (n_valid >= 16) _mm256_storeu_si256((__m256i *)((uint16_t *)y + at), h);
-    else _mm256_mask_storeu_epi16((uint16_t *)y + at, lanes_mask(n_valid), h);
+    _mm256_mask_storeu_epi16((uint16_t *)y + at, lanes_mask(n_valid), h);
+#else
+    if (dt == F32) {
+        float lanes[VL];
+        *(vfu *)lanes = v;
+        memcpy((float *)y + at, lanes, sizeof(float) * (size_t)n_valid);
+        return;
+    }
+    uint16_t out[VL];  /* stv's rounding, then only the valid lanes */
+    stv(out, BF16, 0, v);
+    memcpy((uint16_t *)y + at, out, sizeof(uint16_t) * (size_t)n_valid);
 #endif
 }
 
-/* The tile's results into the rows' running maxima. A row's 64 values are first compared, as
+/* some of the first n_valid lanes of v is greater than top, or unordered (a NaN on either side) */
+INLINE int any_above(vf v, float top, int n_valid) {
+    if (n_valid <= 0) return 0;
+#if defined(__AVX512F__)
+    return _mm512_mask_cmp_ps_mask(lanes_mask(n_valid), (__m512)v, _mm512_set1_ps(top), _CMP_NLE_UQ) != 0;
+#elif defined(__AVX2__)
+    int bits = _mm256_movemask_ps(_mm256_cmp_ps((__m256)v, _mm256_set1_ps(top), _CMP_NLE_UQ));
+    return (bits & (n_valid >= VL ? 0xff : (1 << n_valid) - 1)) != 0;
+#else
+    for (int l = 0; l < VL && l < n_valid; l++)
+        if (!(v[l] <= top)) return 1;
+    return 0;
+#endif
+}
+
+/* The tile's results into the rows' running maxima. A row's NR values are first compared, as
  * they come out of the sums, with its maximum so far: rounding cannot lift a value that is not
  * above a (rounded) maximum over it, so only a row with a value above it, a NaN, or no maximum
  * yet goes on to the column by column pass, with each value as the product would store it
  * (bfloat16: rounded). A thread visits a row's columns in increasing order, so taking only
  * greater values (or a first NaN) keeps the first maximum, as torch.argmax. */
-INLINE void gemm_argmax_tile(const gemm_args *g, int dt, int m, int MR, int64_t c0, vf acc[][4],
-                              const vf *bias) {
+INLINE void gemm_argmax_tile(const gemm_args *g, int dt, int m, int MR, int64_t c0,
+                              vf acc[][GEMM_NV], const vf *bias) {
     int n = g->N - c0 < GEMM_NR ? (int)(g->N - c0) : GEMM_NR;
     for (int r = 0; r < MR; r++) {
         float *best = g->best + m + r;
         int32_t *col = g->best_col + m + r;
-        __m512 top = _mm512_set1_ps(*best);
-        __mmask16 above = 0;
-        for (int v = 0; v < 4; v++)  /* greater, or unordered (a NaN on either side) */
-            above |= _mm512_mask_cmp_ps_mask(lanes_mask(n - 16 * v), (__m512)(acc[r][v] + bias[v]),
-                                             top, _CMP_NLE_UQ);
+        int above = 0;
+        for (int v = 0; v < GEMM_NV; v++) above |= any_above(acc[r][v] + bias[v], *best, n - VL * v);
         if (!above && *col >= 0) continue;
         float vals[GEMM_NR];
-        for (int v = 0; v < 4; v++) {  /* as store_lanes rounds them */
+        for (int v = 0; v < GEMM_NV; v++) {  /* as store_lanes rounds them */
             vf val = acc[r][v] + bias[v];
-            *(vfu *)(vals + 16 * v) = dt == BF16 ? vround_bf16(val) : val;
+            *(vfu *)(vals + VL * v) = dt == BF16 ? vround_bf16(val) : val;
         }
         for (int c = 0; c < n; c++) argmax_take(best, col, vals[c], c0 + c);
     }
 }
 
-/* the tile's results: plain columns p * 64 .. (or their rows' running maxima), or gated columns
- * p * 32 .. of silu(gate) * up */
-INLINE void gemm_store(const gemm_args *g, int dt, int m, int MR, int64_t p, vf acc[][4]) {
+/* the tile's results: plain columns p * NR .. (or their rows' running maxima), or gated columns
+ * p * NR / 2 .. of silu(gate) * up */
+INLINE void gemm_store(const gemm_args *g, int dt, int m, int MR, int64_t p, vf acc[][GEMM_NV]) {
+    vf bias[GEMM_NV];
     if (!g->gated) {
         int64_t c0 = p * GEMM_NR;
-        vf bias[4];
-        for (int v = 0; v < 4; v++) bias[v] = bias_lanes(g, dt, c0 + 16 * v, (int)(g->N - c0 - 16 * v));
+        for (int v = 0; v < GEMM_NV; v++) bias[v] = bias_lanes(g, dt, c0 + VL * v, (int)(g->N - c0 - VL * v));
         if (g->best) {
             gemm_argmax_tile(g, dt, m, MR, c0, acc, bias);
             return;
         }
         for (int r = 0; r < MR; r++)
-            for (int v = 0; v < 4; v++)
-                store_lanes(g->y, dt, (m + r) * g->ldy + c0 + 16 * v, (int)(g->N - c0 - 16 * v),
+            for (int v = 0; v < GEMM_NV; v++)
+                store_lanes(g->y, dt, (m + r) * g->ldy + c0 + VL * v, (int)(g->N - c0 - VL * v),
                             acc[r][v] + bias[v]);
         return;
     }
+    enum { H = GEMM_NV / 2 };
     int64_t half = g->N / 2, c0 = p * (GEMM_NR / 2);
-    vf bias[4];
-    for (int v = 0; v < 2; v++) {
-        bias[v] = bias_lanes(g, dt, c0 + 16 * v, (int)(half - c0 - 16 * v));
-        bias[v + 2] = bias_lanes(g, dt, half + c0 + 16 * v, (int)(half - c0 - 16 * v));
+    for (int v = 0; v < H; v++) {
+        bias[v] = bias_lanes(g, dt, c0 + VL * v, (int)(half - c0 - VL * v));
+        bias[v + H] = bias_lanes(g, dt, half + c0 + VL * v, (int)(half - c0 - VL * v));
     }
     for (int r = 0; r < MR; r++)
-        for (int v = 0; v < 2; v++) {
-            vf gate = acc[r][v] + bias[v], up = acc[r][v + 2] + bias[v + 2];
+        for (int v = 0; v < H; v++) {
+            vf gate = acc[r][v] + bias[v], up = acc[r][v + H] + bias[v + H];
             if (dt == BF16) gate = vround_bf16(gate), up = vround_bf16(up);
             vf a = gate / (1.0f + vexp(-gate));
             if (dt == BF16) a = vround_bf16(a);
-            store_lanes(g->y, dt, (m + r) * g->ldy + c0 + 16 * v, (int)(half - c0 - 16 * v), a * up);
+            store_lanes(g->y, dt, (m + r) * g->ldy + c0 + VL * v, (int)(half - c0 - VL * v), a * up);
         }
 }
 
-/* rows m .. m + MR - 1, panel p (B: its packed weights) */
-#define GEMM_TILE_F32(MR)                                                                          \
-static void gemm_tile_f32_##MR(const gemm_args *g, int m, int64_t p, const void *panel) {          \
-    vf acc[MR][4];                                                                                 \
+/* one packed row of the panel (k) as NV float32 vectors */
+INLINE void gemm_load_f32(const void *panel, int k, vf *b) {
+    const float *row = (const float *)panel + (int64_t)k * GEMM_NR;
+#pragma GCC unroll 4
+    for (int v = 0; v < GEMM_NV; v++) b[v] = *(const vfu *)(row + VL * v);
+}
+
+INLINE void gemm_load_bf16(const void *panel, int k, vf *b) {  /* the interleaved layout */
+    const uint16_t *row = (const uint16_t *)panel + (int64_t)k * GEMM_NR;
+#pragma GCC unroll 2
+    for (int v = 0; v < GEMM_NV / 2; v++) {
+        vu w = *(const vuu *)(row + 2 * VL * v);
+        b[2 * v] = (vf)(w << 16), b[2 * v + 1] = (vf)(w & 0xffff0000u);
+    }
+}
+
+/* rows m .. m + MR - 1 of the float32 x (xf), panel p (its packed weights, loaded by LOAD) */
+#define GEMM_TILE(NAME, LOAD, DT, MR)                                                              \
+static void gemm_tile_##NAME##_##MR(const gemm_args *g, int m, int64_t p, const void *panel) {     \
+    vf acc[MR][GEMM_NV];                                                                           \
     for (int r = 0; r < MR; r++)                                                                   \
-        for (int v = 0; v < 4; v++) acc[r][v] = (vf){0};                                           \
-    const float *x = (const float *)g->x + m * g->ldx, *B = panel;                                 \
+        for (int v = 0; v < GEMM_NV; v++) acc[r][v] = (vf){0};                                     \
+    const float *x = g->xf + m * g->ldxf;                                                          \
     for (int k = 0; k < g->K; k++) {                                                               \
-        const vf *b = (const vf *)(B + (int64_t)k * GEMM_NR);                                      \
-        vf b0 = b[0], b1 = b[1], b2 = b[2], b3 = b[3];                                             \
+        vf b[GEMM_NV];                                                                             \
+        LOAD(panel, k, b);                                                                         \
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                                     \
-            vf a = (vf){0} + x[r * g->ldx + k];                                                    \
-            acc[r][0] += a * b0;                                                                   \
-            acc[r][1] += a * b1;                                                                   \
-            acc[r][2] += a * b2;                                                                   \
-            acc[r][3] += a * b3;                                                                   \
+            vf a = (vf){0} + x[r * g->ldxf + k];                                                   \
+            _Pragma("GCC unroll 4") for (int v = 0; v < GEMM_NV; v++) acc[r][v] += a * b[v];       \
         }                                                                                          \
     }                                                                                              \
-    gemm_store(g, F32, m, MR, p, acc);                                                             \
+    gemm_store(g, DT, m, MR, p, acc);                                                              \
 }
-GEMM_TILE_F32(1) GEMM_TILE_F32(2) GEMM_TILE_F32(3) GEMM_TILE_F32(4) GEMM_TILE_F32(5) GEMM_TILE_F32(6)
+#define GEMM_TILES(NAME, LOAD, DT)                                                                 \
+    GEMM_TILE(NAME, LOAD, DT, 1) GEMM_TILE(NAME, LOAD, DT, 2) GEMM_TILE(NAME, LOAD, DT, 3)         \
+    GEMM_TILE(NAME, LOAD, DT, 4) GEMM_TILE(NAME, LOAD, DT, 5) GEMM_TILE(NAME, LOAD, DT, 6)
 typedef void (*gemm_tile_fn)(const gemm_args *, int, int64_t, const void *);
-static const gemm_tile_fn GEMM_TILES_F32[GEMM_MR + 1] = {
-    0, gemm_tile_f32_1, gemm_tile_f32_2, gemm_tile_f32_3, gemm_tile_f32_4, gemm_tile_f32_5,
-    gemm_tile_f32_6};
+#define GEMM_TILE_TABLE(NAME) {0, gemm_tile_##NAME##_1, gemm_tile_##NAME##_2, gemm_tile_##NAME##_3, \
+    gemm_tile_##NAME##_4, gemm_tile_##NAME##_5, gemm_tile_##NAME##_6}
 
-#if defined(__AVX512BF16__)
-#define GEMM_TILE_BF16(MR)                                                                         \
+GEMM_TILES(f32, gemm_load_f32, F32)
+static const gemm_tile_fn GEMM_TILES_F32[GEMM_MR + 1] = GEMM_TILE_TABLE(f32);
+
+#if GEMM_BF16_PAIRS
+/* bfloat16 x rows (pairs broadcast) against pairs of bfloat16 weights, vdpbf16ps */
+#define GEMM_TILE_PAIRS(MR)                                                                        \
 static void gemm_tile_bf16_##MR(const gemm_args *g, int m, int64_t p, const void *panel) {         \
-    vf acc[MR][4];                                                                                 \
+    vf acc[MR][GEMM_NV];                                                                           \
     for (int r = 0; r < MR; r++)                                                                   \
-        for (int v = 0; v < 4; v++) acc[r][v] = (vf){0};                                           \
+        for (int v = 0; v < GEMM_NV; v++) acc[r][v] = (vf){0};                                     \
     const uint16_t *x = (const uint16_t *)g->x + m * g->ldx, *B = panel;                           \
     for (int j = 0; j < g->K / 2; j++) {                                                           \
         const __m512bh *b = (const __m512bh *)(B + (int64_t)j * GEMM_NR * 2);                      \
@@ -1595,24 +1774,21 @@ static void gemm_tile_bf16_##MR(const gemm_args *g, int m, int64_t p, const void
     }                                                                                              \
     gemm_store(g, BF16, m, MR, p, acc);                                                            \
 }
-GEMM_TILE_BF16(1) GEMM_TILE_BF16(2) GEMM_TILE_BF16(3) GEMM_TILE_BF16(4) GEMM_TILE_BF16(5)
-GEMM_TILE_BF16(6)
-static const gemm_tile_fn GEMM_TILES_BF16[GEMM_MR + 1] = {
-    0, gemm_tile_bf16_1, gemm_tile_bf16_2, gemm_tile_bf16_3, gemm_tile_bf16_4, gemm_tile_bf16_5,
-    gemm_tile_bf16_6};
+GEMM_TILE_PAIRS(1) GEMM_TILE_PAIRS(2) GEMM_TILE_PAIRS(3) GEMM_TILE_PAIRS(4) GEMM_TILE_PAIRS(5)
+GEMM_TILE_PAIRS(6)
+#else
+GEMM_TILES(bf16, gemm_load_bf16, BF16)
 #endif
-#endif
+static const gemm_tile_fn GEMM_TILES_BF16[GEMM_MR + 1] = GEMM_TILE_TABLE(bf16);
 
-#if defined(__AVX512F__)
 /* omni_gemm's work; with `argmax` set (and y unused), the first maximum of each row instead */
 static int gemm_run(const void *x, int64_t ldx, const void *packed, const void *bias, void *y,
                     int64_t ldy, int M, int N, int K, int gated, int dt, int nthreads,
                     int64_t *argmax) {
-    const gemm_tile_fn *tiles_of = GEMM_TILES_F32;
-#if defined(__AVX512BF16__)
-    if (dt == BF16) tiles_of = GEMM_TILES_BF16;
-#endif
-    gemm_args g = {x, bias, y, ldx, ldy, K, N, gated, NULL, NULL};
+    const gemm_tile_fn *tiles_of = dt == F32 ? GEMM_TILES_F32 : GEMM_TILES_BF16;
+    int widen = dt == BF16 && !GEMM_BF16_PAIRS;  /* the FMA tiles read x as float32 */
+    gemm_args g = {x, bias, dt == F32 ? (const float *)x : NULL, y, ldx, dt == F32 ? ldx : K, ldy,
+                   K, N, gated, NULL, NULL};
     size_t es = dt == F32 ? 4 : 2;
     int64_t P = omni_gemm_packed_size(N, K, gated) / K / GEMM_NR;
     if (nthreads < 1) nthreads = 1;
@@ -1629,19 +1805,31 @@ static int gemm_run(const void *x, int64_t ldx, const void *packed, const void *
     int by_units = P < nthreads && C > 1;
     int64_t units = by_units ? P * C : P;
     if (nthreads > units) nthreads = (int)units;
-    float *best = NULL;
+    float *best = NULL, *xf = NULL;
     int32_t *best_col = NULL;
+    if (widen && !(xf = malloc((size_t)M * K * sizeof(float)))) return -1;
+    g.xf = widen ? xf : g.xf;
     if (argmax) {  /* per thread and row: the maximum so far and its column */
         best = malloc((size_t)nthreads * M * sizeof(float));
         best_col = malloc((size_t)nthreads * M * sizeof(int32_t));
         if (!best || !best_col) {
-            free(best), free(best_col);
+            free(best), free(best_col), free(xf);
             return -1;
         }
         for (size_t i = 0; i < (size_t)nthreads * M; i++) best[i] = -INFINITY, best_col[i] = -1;
     }
 #pragma omp parallel num_threads(nthreads)
     {
+        if (widen) {  /* each thread widens its share of the rows, then all multiply */
+            int64_t r0, r1;
+            thread_share(M, &r0, &r1);
+            for (int64_t r = r0; r < r1; r++) {
+                int k = 0;
+                for (; k + VL <= K; k += VL) *(vfu *)(xf + r * K + k) = ld(x, BF16, r * ldx + k);
+                for (; k < K; k++) xf[r * K + k] = ld1(x, BF16, r * ldx + k);
+            }
+#pragma omp barrier
+        }
         int64_t u0, u1;
         thread_share(units, &u0, &u1);
         gemm_args mine = g;
@@ -1679,24 +1867,18 @@ static int gemm_run(const void *x, int64_t ldx, const void *packed, const void *
             for (int64_t r = r0; r < r1; r++) argmax[r] = argmax_merge(best, best_col, M, used, (int)r);
         }
     }
-    free(best), free(best_col);
+    free(best), free(best_col), free(xf);
     return 0;
 }
-#endif
 
 /* y [M, ldy] = x [M, ldx] @ W^T (+ bias [N]) with W [N, K] packed by omni_gemm_pack (gated: y is
  * [M, N / 2], silu(gate) * up), all in dtype dt. Returns -1 where omni_gemm_supported(dt) is 0
- * (nothing written), else 0. */
+ * or scratch memory could not be had (nothing written), else 0. */
 int omni_gemm(const void *x, int64_t ldx, const void *packed, const void *bias, void *y, int64_t ldy,
               int M, int N, int K, int gated, int dt, int nthreads) {
     if (!omni_gemm_supported(dt)) return -1;
     if (M <= 0 || N <= 0 || K <= 0) return 0;  /* nothing to compute */
-#if defined(__AVX512F__)
     return gemm_run(x, ldx, packed, bias, y, ldy, M, N, K, gated, dt, nthreads, NULL);
-#else
-    (void)x; (void)ldx; (void)packed; (void)bias; (void)y; (void)ldy; (void)gated; (void)nthreads;
-    return -1;
-#endif
 }
 
 /* out[r] (int64) = the column of the first maximum of row r of x @ W^T (+ bias), W [N, K] packed
@@ -1707,12 +1889,7 @@ int omni_gemm_argmax(const void *x, int64_t ldx, const void *packed, const void 
                      int M, int N, int K, int dt, int nthreads) {
     if (!omni_gemm_supported(dt) || N <= 0 || K <= 0) return -1;
     if (M <= 0) return 0;
-#if defined(__AVX512F__)
     return gemm_run(x, ldx, packed, bias, NULL, 0, M, N, K, 0, dt, nthreads, out);
-#else
-    (void)x; (void)ldx; (void)packed; (void)bias; (void)out; (void)nthreads;
-    return -1;
-#endif
 }
 
 /* ---- a stack of decoder layers in one call --------------------------------------------------- */
@@ -1879,12 +2056,19 @@ INLINE float q8_stored(float v, int dt, int64_t r, int64_t N, int T) {
     return r < n0 + (n1 - n0) / VL * VL ? round_vec(v) : round_to(BF16, v);
 }
 
-INLINE vf q8_load(const int8_t *p) {  /* 16 int8 as floats */
+INLINE vf q8_load(const int8_t *p) {  /* VL int8 as floats */
 #if defined(__AVX512F__)
     return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    int32_t four;
+    memcpy(&four, p, 4);
+    int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four)));
+    return (vf)vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
 #else
-    typedef int8_t v16c __attribute__((vector_size(16), aligned(1)));
-    return __builtin_convertvector(*(const v16c *)p, vf);
+    typedef int8_t vqc __attribute__((vector_size(VL), aligned(1)));
+    return __builtin_convertvector(*(const vqc *)p, vf);
 #endif
 }
 
@@ -1939,13 +2123,16 @@ int omni_linear_argmax_q8(const void *x, int64_t ldx, const void *w, const int8_
             float best_lb = -INFINITY;
             for (int64_t r = n0; r < n1; r++) {
                 const int8_t *qr = q + (size_t)r * K;
-                vf a0 = (vf){0}, a1 = a0;
+                vf a0 = (vf){0}, a1 = a0, a2 = a0, a3 = a0;
                 int k = 0;
-                for (; k + 2 * VL <= K; k += 2 * VL) {
+                for (; k + 4 * VL <= K; k += 4 * VL) {  /* four chains: the FMA latency hidden */
                     a0 += q8_load(qr + k) * *(const vfu *)(xm + k);
                     a1 += q8_load(qr + k + VL) * *(const vfu *)(xm + k + VL);
+                    a2 += q8_load(qr + k + 2 * VL) * *(const vfu *)(xm + k + 2 * VL);
+                    a3 += q8_load(qr + k + 3 * VL) * *(const vfu *)(xm + k + 3 * VL);
                 }
-                float sum = hsum(a0 + a1);
+                for (; k + VL <= K; k += VL) a0 += q8_load(qr + k) * *(const vfu *)(xm + k);
+                float sum = hsum((a0 + a1) + (a2 + a3));
                 for (; k < K; k++) sum += (float)qr[k] * xm[k];
                 float a = sum * scale[r];
                 approx[(size_t)m * N + r] = a;
@@ -1978,7 +2165,7 @@ int omni_linear_argmax_q8(const void *x, int64_t ldx, const void *w, const int8_
                     v = q8_stored(hsum(row_vec(x, wr, dt, K)), dt, r, N, linear_threads);
                 } else {  /* as linear_rows does for two x rows */
                     float two[4];
-                    GEMV_ROW(x, (size_t)ldx, wr, dt, K, 2, 4, two);
+                    GEMV_ROW(x, (size_t)ldx, wr, dt, K, 2, GEMV_U(2), two);
                     v = round_to(dt, two[m]);
                 }
                 argmax_take(top, top_row, v, r);
