@@ -57,6 +57,10 @@ def collect() -> dict:
     try:
         chosen = registry.select_platform(None)
         report["selected_platform"] = chosen.name
+        try:
+            report["platform_runtime"] = chosen.runtime_info()
+        except Exception as e:  # a report must never fail on one plugin
+            report["platform_runtime"] = {"error": f"{type(e).__name__}: {e}"}
         spec = chosen.attention_spec(
             dtype=torch.bfloat16 if chosen.device_type != "cpu" else torch.float32,
             head_size=128, num_heads=32, num_kv_heads=8, block_size=16)
@@ -87,6 +91,15 @@ def format_report(r: dict) -> str:
         lines.append(f"  {name:<6} {verdict:<11} priority {p['priority']:<3} {p['reason']}{devices}")
     lines.append(f"selected platform: {r['selected_platform']}")
     lines.append(f"selected attention backend: {r['selected_attention_backend']}")
+    for key, value in (r.get("platform_runtime") or {}).items():
+        if isinstance(value, dict):
+            lines.append(f"{key.replace('_', ' ')}:")
+            width = max((len(name) for name in value), default=0)
+            for name, entry in value.items():
+                state = "active" if entry.get("active") else "inactive"
+                lines.append(f"  {name:<{width}}  {state:<8}  {entry.get('why', '')}")
+        else:
+            lines.append(f"{key.replace('_', ' ')}: {value}")
     if r.get("selection_error"):
         lines.append(f"selection error: {r['selection_error']}")
     lines.append(f"attention backends installed: {', '.join(r['attention_backends'])}")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 import platform as pyplatform
 
-_ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl",
-              "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8",
-              "asimd", "sve", "sve2")
+_ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512cd", "avx512dq",
+              "avx512vl", "avx512vbmi", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile",
+              "amx_bf16", "amx_int8", "asimd", "sve", "sve2")
 
 
 def cpu_info() -> dict:

@@ -104,6 +104,14 @@ class Platform:
         return ""
 
     @classmethod
+    def runtime_info(cls) -> dict:
+        """Facts of this platform's own run-time for `omniinfer env` (called only for the
+        selected platform, so it may load the plugin's kernels): JSON-able. A value that is a
+        dict of ``{"active": bool, "why": str}`` entries is shown as a table (e.g. which kernel
+        families run, and why not); anything else as ``key: value``. {} by default."""
+        return {}
+
+    @classmethod
     def device_capability(cls) -> tuple[int, int] | None:
         """(major, minor) of device 0 where the vendor has such a notion (CUDA), else None."""
         return None

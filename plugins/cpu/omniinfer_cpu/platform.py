@@ -30,6 +30,13 @@ class CpuPlatform(Platform):
         return [f"{info['model'] or info['machine']} ({info['usable_cpus']} cores)"]
 
     @classmethod
+    def runtime_info(cls) -> dict:
+        """The ISA level of the kernels loaded, and which kernel families run (and why not)."""
+        from omniinfer_cpu.report import kernel_report
+
+        return kernel_report()
+
+    @classmethod
     def max_local_ranks(cls) -> int | None:
         return None  # ranks share the cores (each gets usable_cpus() // world_size threads)
 

@@ -1735,7 +1735,7 @@ static void gemm_tile_##NAME##_##MR(const gemm_args *g, int m, int64_t p, const 
         vf b[GEMM_NV];                                                                             \
         LOAD(panel, k, b);                                                                         \
         _Pragma("GCC unroll 8") for (int r = 0; r < MR; r++) {                                     \
-            vf a = (vf){0} + x[r * g->ldxf + k];                                                   \
+            float a = x[r * g->ldxf + k];  /* (a scalar times a vector: one broadcast load) */     \
             _Pragma("GCC unroll 4") for (int v = 0; v < GEMM_NV; v++) acc[r][v] += a * b[v];       \
         }                                                                                          \
     }                                                                                              \

@@ -1,0 +1,102 @@
+"""The CPU kernels' ISA levels: which level a CPU gets, the cap, the checks that keep a library
+built for instructions the CPU lacks from ever running, and what `omniinfer env` says."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from omniinfer_cpu.kernels import build, isa
+
+ZEN3 = set(isa.BY_NAME["avx2"].needs) | {"sse4_2", "avx"}
+SKYLAKE_X = ZEN3 | set(isa.BY_NAME["avx512"].needs)
+ICE_LAKE = SKYLAKE_X | {"avx512vbmi", "avx512_vnni"}
+COOPER_LAKE = SKYLAKE_X | {"avx512_vnni", "avx512_bf16"}  # BF16 without VBMI
+ZEN4 = ICE_LAKE | {"avx512_bf16"}
+x86_only = pytest.mark.skipif(isa.machine_arch() != "x86_64", reason="the x86 levels (this is not x86-64)")
+
+
+@x86_only
+@pytest.mark.parametrize("flags,best", [(ZEN3, "avx2"), (SKYLAKE_X, "avx512"), (ICE_LAKE, "avx512_vbmi"),
+                                        (COOPER_LAKE, "avx512"), (ZEN4, "avx512_bf16")])
+def test_the_best_level_a_cpu_runs(flags, best):
+    level, why = isa.choose(None, flags)
+    assert level.name == best and why == "the best level this CPU runs"
+    assert [lv.name for lv in isa.runnable_levels(flags)][-1] == best
+
+
+@x86_only
+def test_the_cap():
+    assert isa.choose("avx2", ZEN4)[0].name == "avx2"
+    assert isa.choose("AVX512", ZEN4)[0].name == "avx512"
+    level, why = isa.choose("avx512_bf16", ZEN3)  # a cap above the CPU: the best it has
+    assert level.name == "avx2" and "lacks avx512f" in why
+    assert isa.choose("none", ZEN4) == (None, f"switched off ({isa.ENV_ISA}=none)")
+    with pytest.raises(ValueError, match=r"OMNIINFER_CPU_ISA='avx3' is not an ISA level; allowed on "
+                                         r"x86_64: avx2, avx512, avx512_vbmi, avx512_bf16, none"):
+        isa.choose("avx3", ZEN4)
+    with pytest.raises(ValueError, match="a level for aarch64 CPUs; this is x86_64"):
+        isa.choose("neon", ZEN4)
+
+
+@x86_only
+def test_a_cpu_below_avx2_gets_no_kernels():
+    level, why = isa.choose(None, {"sse4_2", "avx"})  # e.g. Sandy Bridge
+    assert level is None and why.startswith("the CPU lacks avx2, fma, f16c")
+
+
+def test_a_level_the_cpu_lacks_is_never_loaded():
+    """load_level refuses (names the flags) instead of loading code that would be a SIGILL."""
+    for level in isa.LEVELS:
+        missing = isa.missing_flags(level)
+        if not missing:
+            continue
+        with pytest.raises(build.KernelsUnavailable, match="this CPU cannot run the"):
+            build.load_level(level.name)
+
+
+def test_a_mislabelled_library_is_refused(tmp_path):
+    """A library reports the level it was built for; loading it as another is refused."""
+    runnable = isa.runnable_levels()
+    if len(runnable) < 2:
+        pytest.skip(f"this CPU runs {len(runnable)} level(s); the check needs two")
+    low, high = runnable[0], runnable[1]
+    with pytest.raises(build.KernelsUnavailable, match=f"was built for {low.name}, not {high.name}"):
+        build.Kernels(build.library_path(low), high)
+
+
+def test_each_level_reports_itself(isa_level):
+    assert isa_level.isa().decode() == isa_level.level.name
+
+
+def test_env_reports_the_level_and_the_kernel_families(isa_level):
+    from omniinfer_cpu.report import kernel_report
+
+    report = kernel_report()
+    name = isa_level.level.name
+    assert report["cpu_kernels"].startswith(f"{name} (capped by {isa.ENV_ISA}={name})")
+    families = report["cpu_kernel_families"]
+    assert set(families) == {"packed GEMM", "coded weight copies", "int8 LM head", "decoder stack",
+                             "paged attention", "layer ops"}
+    assert families["packed GEMM"]["active"] and families["decoder stack"]["active"]
+    coded = name in ("avx512_vbmi", "avx512_bf16")
+    assert families["coded weight copies"]["active"] == coded
+    if not coded:
+        assert "avx512_vbmi" in families["coded weight copies"]["why"]
+
+
+def test_omniinfer_env_without_kernels(monkeypatch):
+    monkeypatch.setenv(isa.ENV_ISA, "none")
+    out = subprocess.run([sys.executable, "-m", "omniinfer.entrypoints.cli", "env", "--json"],
+                         capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    assert out.returncode == 0, out.stderr
+    runtime = json.loads(out.stdout)["platform_runtime"]
+    assert runtime["cpu_kernels"].startswith(f"none (switched off ({isa.ENV_ISA}=none))")
+    assert not any(f["active"] for f in runtime["cpu_kernel_families"].values())
+    text = subprocess.run([sys.executable, "-m", "omniinfer.entrypoints.cli", "env"], capture_output=True,
+                          text=True, env=dict(os.environ), timeout=120).stdout
+    assert "cpu kernel families:" in text and "  packed GEMM" in text
