@@ -1,0 +1,278 @@
+"""Each CPU kernel checked against torch without Python in the loop: kernel_driver/driver.c reads
+cases written here, runs the kernels and writes their outputs back. Built with cpu_kernels.c for
+every x86 level this CPU runs (natively), and for aarch64 with NEON (Debian's
+gcc-aarch64-linux-gnu) run under qemu-aarch64 (Debian's qemu-user): the same cases and the same
+torch references on every level, so an Arm build is checked on an x86 machine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omniinfer_cpu.kernels import build, isa
+
+DRIVER = os.path.join(os.path.dirname(__file__), "kernel_driver", "driver.c")
+CROSS_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
+CROSS_SYSROOT = "/usr/aarch64-linux-gnu"
+F32, BF16 = 0, 1
+TORCH_DTYPE = {F32: torch.float32, BF16: torch.bfloat16}
+TOL = {F32: dict(atol=1e-4, rtol=1e-4), BF16: dict(atol=3e-2, rtol=3e-2)}
+
+
+# ---- the case file ------------------------------------------------------------------------------
+def raw(t: torch.Tensor | None) -> bytes:
+    if t is None:
+        return b""
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy().tobytes()
+
+
+def write_cases(path, cases) -> None:
+    with open(path, "wb") as f:
+        f.write(b"OMNICASE" + struct.pack("<I", len(cases)))
+        for name, ints, floats, arrays in cases:
+            f.write(name.encode().ljust(32, b"\0"))
+            f.write(struct.pack(f"<I{len(ints)}q", len(ints), *ints))
+            f.write(struct.pack(f"<I{len(floats)}f", len(floats), *floats))
+            f.write(struct.pack("<I", len(arrays)))
+            for a in arrays:
+                data = raw(a)
+                f.write(struct.pack("<Q", len(data)) + data)
+
+
+def read_arrays(path, like) -> list[list[torch.Tensor | None]]:
+    """Every case's arrays as the kernels left them, shaped and typed as `like` (the inputs)."""
+    out = []
+    with open(path, "rb") as f:
+        assert f.read(8) == b"OMNICASE"
+        (n,) = struct.unpack("<I", f.read(4))
+        for i in range(n):
+            f.read(32)
+            (ni,) = struct.unpack("<I", f.read(4))
+            f.read(8 * ni)
+            (nf,) = struct.unpack("<I", f.read(4))
+            f.read(4 * nf)
+            (na,) = struct.unpack("<I", f.read(4))
+            arrays = []
+            for a in range(na):
+                (size,) = struct.unpack("<Q", f.read(8))
+                data = bytearray(f.read(size))
+                ref = like[i][a]
+                if ref is None:
+                    arrays.append(None)
+                    continue
+                dtype = torch.int16 if ref.dtype == torch.bfloat16 else ref.dtype
+                t = torch.frombuffer(data, dtype=dtype).clone().reshape(ref.shape) if size else ref.new_empty(0)
+                arrays.append(t.view(torch.bfloat16) if ref.dtype == torch.bfloat16 else t)
+            out.append(arrays)
+    return out
+
+
+# ---- the drivers ---------------------------------------------------------------------------------
+def _driver_targets():
+    out = []
+    for level in isa.arch_levels():
+        missing = isa.missing_flags(level)
+        out.append(pytest.param(level.name, id=level.name, marks=pytest.mark.skipif(
+            bool(missing), reason=f"this CPU lacks {', '.join(missing)}, which the {level.name} kernels need")))
+    if isa.machine_arch() != "aarch64":
+        why = None
+        if shutil.which(CROSS_CC) is None:
+            why = f"{CROSS_CC} is not installed (Debian: apt-get install gcc-aarch64-linux-gnu)"
+        elif shutil.which(QEMU) is None:
+            why = f"{QEMU} is not installed (Debian: apt-get install qemu-user)"
+        out.append(pytest.param("neon", id="neon-qemu", marks=pytest.mark.skipif(why is not None, reason=why or "")))
+    return out
+
+
+@pytest.fixture(scope="module")
+def drivers(tmp_path_factory):
+    """level -> the command that runs that level's driver (built once)."""
+    tmp = tmp_path_factory.mktemp("drivers")
+    built = {}
+
+    def get(name: str) -> list[str]:
+        if name in built:
+            return built[name]
+        level = isa.BY_NAME[name]
+        native = level.arch == isa.machine_arch()
+        cc = (os.environ.get("CC") or "gcc") if native else CROSS_CC
+        exe = str(tmp / f"driver-{name}")
+        cmd = [cc, "-O3", "-std=gnu11", "-fopenmp", *level.cflags, DRIVER, str(build.SOURCE), "-o", exe, "-lm"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        run = [exe] if native else [QEMU, "-L", CROSS_SYSROOT, exe]
+        built[name] = run
+        return run
+
+    return get
+
+
+def run_driver(cmd, tmp_path, cases, tag="cases"):
+    src, dst = tmp_path / f"{tag}.bin", tmp_path / f"{tag}.out"
+    write_cases(src, cases)
+    proc = subprocess.run([*cmd, str(src), str(dst)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_arrays(dst, [c[3] for c in cases])
+
+
+# ---- the cases and their torch references -------------------------------------------------------
+def rand(gen, *shape, dt=F32, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(TORCH_DTYPE[dt])
+
+
+def small_ints(gen, *shape, dt=F32):
+    return torch.randint(-3, 4, shape, generator=gen).float().to(TORCH_DTYPE[dt])
+
+
+def product_cases(gen):
+    """(case, check) pairs for the products: check(outputs) asserts against torch."""
+    out = []
+    for dt in (F32, BF16):
+        for m in (1, 2, 5):
+            x, w, b = rand(gen, m, 70, dt=dt), rand(gen, 37, 70, dt=dt), rand(gen, 37, dt=dt)
+            y = torch.zeros(m, 37, dtype=TORCH_DTYPE[dt])
+            want = F.linear(x.double(), w.double(), b.double())
+            out.append((("linear", [m, 37, 70, dt, 2], [], [x, w, b, y]),
+                        lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
+        x, w = small_ints(gen, 3, 64, dt=dt), small_ints(gen, 40, 64, dt=dt)  # exact in any order
+        want = (x.double() @ w.double().T).to(TORCH_DTYPE[dt])
+        out.append((("linear", [3, 40, 64, dt, 2], [], [x, w, None, torch.zeros(3, 40, dtype=TORCH_DTYPE[dt])]),
+                    lambda a, want=want: torch.testing.assert_close(a[3], want, atol=0, rtol=0)))
+        for m, n, k in ((7, 70, 34), (13, 33, 64), (130, 20, 16)):
+            x, w, b = rand(gen, m, k, dt=dt), rand(gen, n, k, dt=dt), rand(gen, n, dt=dt)
+            want = F.linear(x.double(), w.double(), b.double())
+            out.append((("gemm", [m, n, k, 0, dt, 2], [], [x, w, b, torch.zeros(m, n, dtype=TORCH_DTYPE[dt])]),
+                        lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
+        inter = 24
+        x, w = rand(gen, 5, 40, dt=dt), rand(gen, 2 * inter, 40, dt=dt)
+        gate, up = F.linear(x.double(), w.double()).chunk(2, dim=-1)
+        want = F.silu(gate) * up
+        out.append((("gemm", [5, 2 * inter, 40, 1, dt, 2], [], [x, w, None, torch.zeros(5, inter, dtype=TORCH_DTYPE[dt])]),
+                    lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
+        x, w = small_ints(gen, 6, 16, dt=dt), small_ints(gen, 300, 16, dt=dt)
+        want = (x.double() @ w.double().T).argmax(-1)  # exact sums: the first maximum, as torch
+        out.append((("gemm_argmax", [6, 300, 16, 0, dt, 2], [], [x, w, None, torch.full((6,), -7, dtype=torch.int64)]),
+                    lambda a, want=want: torch.testing.assert_close(a[3], want)))
+        for m in (1, 2):
+            x, w = rand(gen, m, 64, dt=dt), rand(gen, 500, 64, dt=dt, scale=0.05)
+            w[123] = (x[0].float() * 0.5).to(w.dtype)  # one clear winner for every x row
+            want = (x.double() @ w.double().T).argmax(-1)
+            out.append((("linear_argmax_q8", [m, 500, 64, dt, 2], [], [x, w, torch.full((m,), -7, dtype=torch.int64)]),
+                        lambda a, want=want: torch.testing.assert_close(a[2], want)))
+    return out
+
+
+def layer_op_cases(gen):
+    from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS as ops
+
+    out = []
+    for dt in (F32, BF16):
+        x, r, w = rand(gen, 5, 200, dt=dt), rand(gen, 5, 200, dt=dt), rand(gen, 200, dt=dt)
+        want, want_res = ops.rms_norm(x, w, 1e-6, r)
+        res_out, normed = torch.zeros_like(x), torch.zeros_like(x)
+        out.append((("rms_norm", [5, 200, dt, 2], [1e-6], [x, r, res_out, w, normed]),
+                    lambda a, want=want, want_res=want_res, dt=dt: (
+                        torch.testing.assert_close(a[4].float(), want.float(), **TOL[dt]),
+                        torch.testing.assert_close(a[2].float(), want_res.float(), **TOL[dt]))))
+        heads, kv_heads, d, t, max_pos = 4, 2, 32, 6, 64
+        q, k = rand(gen, t, heads * d, dt=dt), rand(gen, t, kv_heads * d, dt=dt)
+        pos = torch.tensor([0, 3, 7, 63, 1, 20], dtype=torch.int64)
+        inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+        freqs = torch.arange(max_pos).float()[:, None] * inv[None]
+        cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+        want_q, want_k = ops.rotary(pos, q.clone(), k.clone(), cos, sin, d)
+        out.append((("rotary", [t, heads, kv_heads, d, dt, 2, max_pos], [], [q, k, pos, cos, sin]),
+                    lambda a, wq=want_q, wk=want_k, dt=dt: (
+                        torch.testing.assert_close(a[0].float(), wq.float(), **TOL[dt]),
+                        torch.testing.assert_close(a[1].float(), wk.float(), **TOL[dt]))))
+        x = rand(gen, 3, 2 * 37, dt=dt)
+        want = ops.silu_and_mul(x)
+        out.append((("silu_and_mul", [3, 37, dt, 2], [], [x, torch.zeros(3, 37, dtype=TORCH_DTYPE[dt])]),
+                    lambda a, want=want, dt=dt: torch.testing.assert_close(a[1].float(), want.float(), **TOL[dt])))
+        x = rand(gen, 3, 1000, dt=dt)
+        want = x.float().argmax(-1)
+        out.append((("argmax", [3, 1000, dt, 2], [], [x, torch.full((3,), -7, dtype=torch.int64)]),
+                    lambda a, want=want: torch.testing.assert_close(a[1], want)))
+    return out
+
+
+def attention_phases(gen, dt, block_size, lens=(5, 17, 1, 40), heads=4, kv_heads=2, d=32, window=0):
+    """The prefill of every sequence's tokens but its last, then the decode of the last one over
+    the cache the prefill wrote; and torch's causal attention over the whole sequences."""
+    torch_dt = TORCH_DTYPE[dt]
+    per_seq = -(-max(lens) // block_size)
+    num_blocks = per_seq * len(lens) + 1
+    tables = (torch.randperm(num_blocks - 1, generator=gen) + 1).reshape(len(lens), per_seq).int()
+    seqs = [(rand(gen, n, heads, d, dt=dt), rand(gen, n, kv_heads, d, dt=dt), rand(gen, n, kv_heads, d, dt=dt))
+            for n in lens]
+    scale = d ** -0.5
+    want = []
+    for q, k, v in seqs:
+        n, g = q.shape[0], heads // kv_heads
+        kk, vv = k.double().repeat_interleave(g, dim=1), v.double().repeat_interleave(g, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale
+        allowed = torch.ones(n, n).tril().bool()
+        if window:
+            allowed &= ~torch.ones(n, n).tril(-window).bool()
+        s = s.masked_fill(~allowed, float("-inf"))
+        want.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vv))
+
+    def case(first: bool, caches):
+        rows = [(range(0, n - 1) if first else range(n - 1, n)) for n in lens]
+        q = torch.cat([s[0][list(r)] for s, r in zip(seqs, rows)]).reshape(-1, heads * d)
+        key = torch.cat([s[1][list(r)] for s, r in zip(seqs, rows)]).reshape(-1, kv_heads * d)
+        value = torch.cat([s[2][list(r)] for s, r in zip(seqs, rows)]).reshape(-1, kv_heads * d)
+        slots = torch.tensor([int(tables[i, p // block_size]) * block_size + p % block_size
+                              for i, r in enumerate(rows) for p in r], dtype=torch.int64)
+        counts = [len(r) for r in rows]
+        qsl = torch.tensor([0] + list(torch.tensor(counts).cumsum(0)), dtype=torch.int32)
+        seq_lens = torch.tensor([r.stop for r in rows], dtype=torch.int32)
+        k_cache, v_cache = caches
+        ints = [q.shape[0], len(lens), heads, kv_heads, d, block_size, window, dt, 2, per_seq]
+        arrays = [q, key, value, slots, k_cache, v_cache, tables.contiguous(), qsl, seq_lens,
+                  torch.zeros(q.shape[0], heads * d, dtype=torch_dt)]
+        return ("paged_attention", ints, [scale], arrays), rows
+
+    fresh = tuple(torch.zeros(num_blocks, kv_heads, block_size, d, dtype=torch_dt) for _ in range(2))
+    return case, fresh, want
+
+
+# ---- the tests -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("target", _driver_targets())
+def test_kernels_without_python(target, drivers, tmp_path):
+    cmd = drivers(target)
+    assert subprocess.run([*cmd, "--isa"], capture_output=True, text=True, timeout=60).stdout.strip() == target
+    gen = torch.Generator().manual_seed(7)
+    checks = product_cases(gen) + layer_op_cases(gen)
+    outs = run_driver(cmd, tmp_path, [c for c, _ in checks])
+    for (case, check), arrays in zip(checks, outs):
+        try:
+            check(arrays)
+        except AssertionError as e:
+            raise AssertionError(f"{target}: {case[0]} {case[1]}: {e}") from None
+    for dt in (F32, BF16):
+        for block_size, window in ((16, 0), (2, 0), (16, 9)):
+            make, caches, want = attention_phases(gen, dt, block_size, window=window)
+            prefill, rows = make(True, caches)
+            (first,) = run_driver(cmd, tmp_path, [prefill], "prefill")
+            decode, last_rows = make(False, (first[4], first[5]))  # the caches the prefill wrote
+            (second,) = run_driver(cmd, tmp_path, [decode], "decode")
+            for out, phase_rows in ((first[9], rows), (second[9], last_rows)):
+                got = out
+                at = 0
+                for ref, r in zip(want, phase_rows):
+                    n = len(r)
+                    expect = ref[list(r)].flatten(1)
+                    where = f"{target} attention dt={dt} block_size={block_size} window={window}"
+                    torch.testing.assert_close(got[at:at + n].double(), expect, **TOL[dt],
+                                               msg=lambda m, where=where: f"{where}: {m}")
+                    at += n
