@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
 
     labels = [label for label, _ in workloads]
+    from omniinfer.benchmarks.perf import machine_line
+
+    print(machine_line())
     print(f"attention kernels on {platform.name} ({run.device}), tokens/s per layer forward")
     print(f"{'backend':<12} {'dtype':<9} " + " ".join(f"{lb:>12}" for lb in labels))
     for row in results:

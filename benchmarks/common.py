@@ -4,10 +4,11 @@ from omniinfer.benchmarks.perf import (
     DEFAULT_WORKLOADS,
     SHAPES,
     build_random_checkpoint,
+    machine_line,
     model_flops,
     quiet,
     unwind_on_sigterm,
 )
 
-__all__ = ["DEFAULT_WORKLOADS", "SHAPES", "build_random_checkpoint", "model_flops", "quiet",
-           "unwind_on_sigterm"]
+__all__ = ["DEFAULT_WORKLOADS", "SHAPES", "build_random_checkpoint", "machine_line", "model_flops",
+           "quiet", "unwind_on_sigterm"]

@@ -193,6 +193,9 @@ def main() -> None:
         results = [measure(model, args.tp, n, args.steps, args.prompt_len) for n in args.seqs]
         baseline = [measure(model, 1, n, args.steps, args.prompt_len) for n in args.seqs]
 
+    from omniinfer.benchmarks.perf import machine_line
+
+    print(machine_line())
     print(f"\ncontrol plane per decode step, TP={args.tp} on CPU (gloo), medians of "
           f"{args.steps} steps; 'TP=1 step' is the same run on one rank")
     header = ("running seqs", "bytes/step", "tensor bytes", "broadcast ms", "prepare ms",

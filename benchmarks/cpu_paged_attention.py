@@ -29,17 +29,25 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
+from common import machine_line  # noqa: E402
+
 H, KVH, D, BS = 8, 4, 32, 16
 LAYERS = 4
 TABLE_WIDTH = 32  # blocks per sequence, at most
 
 
 def build(source: str, out_dir: str):
-    """The kernel compiled from `source` with the plugin's flags; its paged-attention function."""
-    from omniinfer_cpu.kernels.build import FLAGS, SIGNATURES
+    """The kernel compiled from `source` with the plugin's flags for the level the plugin would
+    load here (OMNIINFER_CPU_ISA caps it); its paged-attention function."""
+    from omniinfer_cpu.kernels import isa
+    from omniinfer_cpu.kernels.build import SIGNATURES
 
+    level, why = isa.choose(os.environ.get(isa.ENV_ISA))
+    if level is None:
+        sys.exit(f"error: no kernel level to build: {why}")
     lib = os.path.join(out_dir, f"k{abs(hash(os.path.abspath(source)))}.so")
-    cmd = ["gcc", *FLAGS, "-fopenmp", source, "-o", lib, "-lm"]
+    cmd = ["gcc", *isa.BASE_CFLAGS, *level.cflags, "-fopenmp", source, "-o", lib, "-lm"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"error: building {source} failed:\n{result.stderr[-2000:]}")
@@ -134,6 +142,7 @@ def main() -> None:
     sources = args.source or [os.path.normpath(default)]
     dtypes = [getattr(torch, d) for d in (args.dtype or ["float32", "bfloat16"])]
     results = []
+    print(machine_line())
     with tempfile.TemporaryDirectory() as tmp:
         fns = [build(s, tmp) for s in sources]
         for dtype in dtypes:

@@ -40,7 +40,14 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import DEFAULT_WORKLOADS, SHAPES, build_random_checkpoint, quiet, unwind_on_sigterm  # noqa: E402
+from common import (  # noqa: E402
+    DEFAULT_WORKLOADS,
+    SHAPES,
+    build_random_checkpoint,
+    machine_line,
+    quiet,
+    unwind_on_sigterm,
+)
 
 # the throughput benchmark's workloads (N, input, output), and a seconds-long one for CI
 WORKLOADS = {**DEFAULT_WORKLOADS, "tiny": (8, 16, 8)}
@@ -195,6 +202,7 @@ def main() -> None:
                          **{phase: breakdown(timers, phase) for phase in ("prefill", "decode")}})
         llm.llm_engine.shutdown()
     k = llm.llm_engine.config.scheduler.num_scheduler_steps
+    print(machine_line())
     print(f"{args.shape} {args.dtype}, {num_prompts} x ({input_len} in, {output_len} out), "
           f"{k} decode step(s) per schedule; run {statistics.median(r['seconds'] for r in runs):.3f} s "
           f"(median of {args.repeats})")

@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import build_random_checkpoint, unwind_on_sigterm  # noqa: E402
+from common import build_random_checkpoint, machine_line, unwind_on_sigterm  # noqa: E402
 
 
 class TrivialModel(torch.nn.Module):
@@ -97,6 +97,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_random_checkpoint(os.path.join(tmp, "m"), "trivial")
         rows = [run(n, args.steps, model_dir, args.num_scheduler_steps) for n in args.seqs]
+    print(machine_line())
     if args.num_scheduler_steps > 1:
         print(f"{args.num_scheduler_steps} decode steps per engine step; figures per decode step")
     print(f"{'running seqs':>12} {'ms/step (median)':>17} {'us/seq':>8} {'p90 ms':>8} {'cpu ms':>8}")

@@ -61,6 +61,9 @@ def main() -> None:
                 assert r["outputs"] == base["outputs"], "greedy output changed with speculation"
                 rows.append({"batch": batch, "draft": name, "k": k, **r,
                              "speedup": r["tokens_per_s"] / base["tokens_per_s"]})
+    from omniinfer.benchmarks.perf import machine_line
+
+    print(machine_line())
     print(f"{'batch':>5} {'draft':<22} {'k':>2} {'tok/s':>8} {'accept':>7} {'speedup':>8}")
     for r in rows:
         accept = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.2f}"

@@ -216,3 +216,47 @@ def test_a_terminated_benchmark_deletes_its_checkpoint(tmp_path, script):
             proc.kill()
     # (torch's compile cache may stay: it is meant to)
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith("torchinductor")] == []
+
+
+def test_take_turns_sets_a_skipped_configuration_aside():
+    from omniinfer.benchmarks.perf import SkippedRun, take_turns
+
+    calls = []
+
+    def refused():
+        calls.append("b")
+        raise SkippedRun("not enough memory")
+
+    times = take_turns({"a": lambda: 1.0, "b": refused, "c": SkippedRun("never runs")}, 3)
+    assert times["a"] == [1.0, 1.0, 1.0] and calls == ["b"]
+    assert str(times["b"]) == "not enough memory" and str(times["c"]) == "never runs"
+
+
+def test_transformers_refusing_its_cache_skips_that_row(monkeypatch, tmp_path):
+    """transformers' continuous batching sizes its cache against the memory free at that moment
+    and may raise MemoryError (seen: 5.5 GB asked, 4.6 available): the row says so, the others
+    are measured."""
+    from transformers import PreTrainedModel
+
+    from omniinfer.benchmarks import perf
+
+    def no_memory(self, *args, **kwargs):
+        raise MemoryError("Memory footprint 5485752320 is more than available memory 4566176563")
+
+    monkeypatch.setattr(PreTrainedModel, "generate_batch", no_memory, raising=False)
+    result = perf.throughput("tiny", "float32", num_prompts=4, input_len=8, output_len=4,
+                             compare="transformers")
+    assert result["transformers_continuous"]["skipped"].startswith(
+        "transformers refused the KV cache omniinfer gets: Memory footprint")
+    assert result["transformers_static"]["output_tokens_per_s"] > 0
+    table = perf.throughput_table(result)
+    assert "transformers cont.   skipped: transformers refused" in table
+
+
+def test_every_result_names_the_cpu_and_its_isa_level():
+    from omniinfer.benchmarks.perf import machine, machine_line
+
+    m = machine()
+    assert m["cpu"] and m["usable_cpus"] >= 1 and m["platform"] == "cpu"
+    line = machine_line(m)
+    assert line.startswith(f"machine: {m['cpu']}") and "cpu kernels " in line

@@ -43,6 +43,32 @@ PEAK_BUDGETS = {"tiny": dict(seconds=0.05, rounds=1)}
 MAX_MODEL_LEN = 2048  # the checkpoints' context and the engines' max_model_len
 
 
+def machine() -> dict:
+    """The machine a figure comes from: the CPU (model, x86 family/model, cores) and the selected
+    platform's run-time facts (for the CPU plugin: the ISA level its kernels run at)."""
+    from omniinfer.platforms.host import cpu_info
+    from omniinfer.platforms.registry import get_registry
+
+    info = cpu_info()
+    out = {"cpu": info["model"] or info["machine"], "usable_cpus": info["usable_cpus"]}
+    if "cpu_family" in info:
+        out["cpu_family_model"] = f"{info['cpu_family']}/{info.get('model', '?')}"
+    try:
+        platform = get_registry().select_platform(None)
+        out["platform"] = platform.name
+        out.update({k: v for k, v in platform.runtime_info().items() if not isinstance(v, dict)})
+    except Exception as e:  # a benchmark must not fail on the report
+        out["platform_error"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def machine_line(m: dict | None = None) -> str:
+    m = m or machine()
+    family = f" (family/model {m['cpu_family_model']})" if "cpu_family_model" in m else ""
+    facts = [f"{k.replace('_', ' ')} {m[k]}" for k in ("platform", "cpu_kernels") if k in m]
+    return f"machine: {m['cpu']}{family}, {m['usable_cpus']} CPUs; " + "; ".join(facts)
+
+
 def build_random_checkpoint(path: str, shape: str, dtype: str = "float32") -> str:
     """A randomly initialised checkpoint of `shape` (with the tiny test tokenizer) at `path`."""
     from omniinfer.testing.tiny_models import build_tiny_checkpoint
@@ -153,6 +179,10 @@ def omniinfer_runs(path: str, prompts, output_len: int, dtype: str, engine_args:
     return [runner(llm) for llm in llms], close
 
 
+class SkippedRun(Exception):
+    """A configuration that cannot run here (its reason is the message): reported, not fatal."""
+
+
 def transformers_runs(path: str, prompts, output_len: int, dtype: torch.dtype,
                       batches: list[int]) -> dict:
     """transformers on the same workload, warmed up: {"static_<b>": run} for each batch size b
@@ -193,9 +223,12 @@ def transformers_runs(path: str, prompts, output_len: int, dtype: torch.dtype,
     def continuous(config, inputs):
         def run() -> float:
             t0 = time.perf_counter()
-            with torch.inference_mode():
-                model.generate_batch(inputs=inputs, generation_config=config, progress_bar=False,
-                                     **cache_size())
+            try:
+                with torch.inference_mode():
+                    model.generate_batch(inputs=inputs, generation_config=config, progress_bar=False,
+                                         **cache_size())
+            except MemoryError as e:  # it sizes against the memory free at that moment
+                raise SkippedRun(f"transformers refused the KV cache omniinfer gets: {e}") from None
             return time.perf_counter() - t0
         return run
 
@@ -206,22 +239,36 @@ def transformers_runs(path: str, prompts, output_len: int, dtype: torch.dtype,
         config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=None,
                                   pad_token_id=0)
         warm = GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
-        continuous(warm, prompts[:2])()
-        runs["continuous"] = continuous(config, prompts)
+        try:
+            continuous(warm, prompts[:2])()
+            runs["continuous"] = continuous(config, prompts)
+        except SkippedRun as e:
+            runs["continuous"] = e
     return runs
 
 
-def take_turns(runs: dict, repeats: int) -> dict[str, list]:
+
+def take_turns(runs: dict, repeats: int) -> dict[str, list | SkippedRun]:
     """`repeats` rounds; each round runs every configuration once, so that a change in the
     machine's load between rounds hits them alike, starting one further along each round, so
     that none always runs right after the same other (in fixed order, omniinfer's multi-step
     engine, always first after transformers' runs, came out slower than its one-step engine,
-    the reverse of a rotated comparison). {name: what its run returned, by round}."""
-    times: dict[str, list] = {name: [] for name in runs}
+    the reverse of a rotated comparison). {name: what its run returned, by round}.
+    A configuration that raises SkippedRun (or is one) leaves the rotation; its entry becomes the
+    SkippedRun, whose message says why."""
+    times: dict[str, list | SkippedRun] = {name: [] for name in runs}
     names = list(runs)
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            times[name].append(runs[name]())
+            if isinstance(times[name], SkippedRun):
+                continue
+            if isinstance(runs[name], SkippedRun):
+                times[name] = runs[name]
+                continue
+            try:
+                times[name].append(runs[name]())
+            except SkippedRun as e:
+                times[name] = e
     return times
 
 
@@ -348,7 +395,7 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
 
         result = {
             "shape": shape_name or os.path.basename(os.path.normpath(path)), "dtype": dtype,
-            "num_prompts": n, "input_len": i, "output_len": o, "repeats": repeats,
+            "machine": machine(), "num_prompts": n, "input_len": i, "output_len": o, "repeats": repeats,
             "num_scheduler_steps": num_scheduler_steps,
             "threads": torch.get_num_threads(), "matmul_peak_gflops": peak,
             "omniinfer": ours(times[f"omniinfer_{steps[0]}"]),
@@ -362,7 +409,9 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
                                              "runs_s": times[f"static_{best}"],
                                              "output_tokens_per_s": n * o / static[best],
                                              "all_batches_s": static}
-            if "continuous" in times:
+            if isinstance(times.get("continuous"), SkippedRun):
+                result["transformers_continuous"] = {"skipped": str(times["continuous"])}
+            elif "continuous" in times:
                 cont = statistics.median(times["continuous"])
                 result["transformers_continuous"] = {"seconds": cont, "runs_s": times["continuous"],
                                                      "output_tokens_per_s": n * o / cont}
@@ -373,7 +422,7 @@ def throughput_table(r: dict) -> str:
     runs = f"  median of {r['repeats']} runs" if r.get("repeats", 1) > 1 else ""
     lines = [f"throughput: {r['shape']} {r['dtype']}  N={r['num_prompts']} I={r['input_len']} "
              f"O={r['output_len']}  threads={r['threads']}  matmul peak {r['matmul_peak_gflops']:.0f} GFLOP/s"
-             + runs]
+             + runs, machine_line(r.get("machine"))]
     e = r["omniinfer"]
     steps = r.get("num_scheduler_steps", 1)
     rows = [(f"omniinfer ({steps} steps)" if steps > 1 else "omniinfer", e)]
@@ -385,7 +434,9 @@ def throughput_table(r: dict) -> str:
                      f"MFU {100 * x['mfu']:5.1f}%")
     for key, label in (("transformers_static", "transformers static"),
                        ("transformers_continuous", "transformers cont.")):
-        if key in r:
+        if key in r and "skipped" in r[key]:
+            lines.append(f"  {label:<20} skipped: {r[key]['skipped']}")
+        elif key in r:
             t = r[key]
             extra = f" (batch {t['best_batch']})" if "best_batch" in t else ""
             lines.append(f"  {label:<20} {t['output_tokens_per_s']:8.0f} out tok/s{extra}  -> omniinfer is "
@@ -413,7 +464,7 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
         shape = shape_of(path)
         prompt = make_prompts(1, input_len, shape["vocab_size"])[0]
         result = {"shape": shape_name or os.path.basename(os.path.normpath(path)), "dtype": dtype,
-                  "input_len": input_len, "output_len": output_len,
+                  "machine": machine(), "input_len": input_len, "output_len": output_len,
                   "threads": torch.get_num_threads(), **bandwidth,
                   "weight_bytes": weight_bytes(shape, torch_dtype)}
         ours, close = omniinfer_latency_run(path, prompt, output_len, dtype)
@@ -447,7 +498,8 @@ def latency_table(r: dict) -> str:
     reads = r["read_gbps_rounds"]
     lines = [f"latency: {r['shape']} {r['dtype']}  I={r['input_len']} O={r['output_len']}  threads="
              f"{r['threads']}  copy {r['copy_gbps']:.1f} GB/s, read {r['read_gbps']:.1f} GB/s "
-             f"(between runs {min(reads):.1f}-{max(reads):.1f}), weights {r['weight_bytes'] / 1e9:.2f} GB/token"]
+             f"(between runs {min(reads):.1f}-{max(reads):.1f}), weights {r['weight_bytes'] / 1e9:.2f} GB/token",
+             machine_line(r.get("machine"))]
     for name in ("omniinfer", "transformers"):
         if name in r:
             x = r[name]
