@@ -62,7 +62,7 @@ def main() -> None:
     from omniinfer.models.layers.layer_ops import SiluAndMul
     from omniinfer_cpu.kernels import build
     from omniinfer_cpu.layer_ops import CpuLayerOps
-    from omniinfer_cpu.linear import CpuLinearMethod
+    from omniinfer_cpu.linear import CpuLinearMethod, onednn_pack
 
     kernels = build.load()
     dtype = getattr(torch, args.dtype)
@@ -77,16 +77,22 @@ def main() -> None:
     print(machine_line())
     print(f"{args.shape} {args.dtype}, {torch.get_num_threads()} threads; us a call (GFLOP/s), median of "
           f"{args.rounds} rounds")
-    print(f"{'product':>14} {'rows':>5} {'oneDNN':>18} {'omni_gemm':>18} {'speed-up':>9}")
+    baseline, why = onednn_pack(torch.zeros(64, 64, dtype=dtype))
+    if baseline is None:
+        print(f"oneDNN cannot pack {args.dtype} weights here ({why}): the baseline is torch's F.linear")
+    print(f"{'product':>14} {'rows':>5} {'oneDNN' if baseline is not None else 'F.linear':>18} "
+          f"{'omni_gemm':>18} {'speed-up':>9}")
     for name, num_in, num_out in linear_shapes(SHAPES[args.shape]):
         weight = (torch.randn(num_out, num_in, generator=gen) * num_in ** -0.5).to(dtype)
         gated = name == "gate_up_proj"
         layer = Layer(weight, act if gated else None)
         method.process_weights_after_loading(layer)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        packed, _ = onednn_pack(weight)
 
-        def onednn(x, packed=packed, gated=gated):
-            y = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        def onednn(x, packed=packed, gated=gated, weight=weight):
+            # oneDNN's packed weights; where it cannot pack (bfloat16 without AVX-512), F.linear
+            y = (torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "") if packed is not None
+                 else F.linear(x, weight))
             return act(y) if gated else y
 
         def omni(x, layer=layer, gated=gated):
