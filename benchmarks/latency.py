@@ -25,7 +25,10 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--compare", choices=["transformers"])
+    parser.add_argument("--compare", choices=["transformers", "llama.cpp"], action="append",
+                        help="another engine on the same weights (repeatable); llama.cpp: optional, "
+                             "needs its llama-bench / llama-batched-bench")
+    parser.add_argument("--llama-cpp-bin", help="the directory of llama.cpp's tools (else $LLAMA_CPP_BIN, PATH)")
     parser.add_argument("--model", help="an existing checkpoint instead of a random one")
     parser.add_argument("--json", help="append the result to this JSON file")
     args = parser.parse_args()
@@ -34,7 +37,7 @@ def main() -> None:
     quiet()
     unwind_on_sigterm()
     result = latency(args.shape, args.dtype, args.input_len, args.output_len, args.repeats,
-                     args.compare, args.model)
+                     args.compare, args.model, args.llama_cpp_bin)
     print(latency_table(result))
     if args.json:
         append_json(args.json, result)

@@ -37,7 +37,10 @@ def main() -> None:
     parser.add_argument("-n", "--num-prompts", type=int)
     parser.add_argument("--input-len", type=int)
     parser.add_argument("--output-len", type=int)
-    parser.add_argument("--compare", choices=["transformers"])
+    parser.add_argument("--compare", choices=["transformers", "llama.cpp"], action="append",
+                        help="another engine on the same weights (repeatable); llama.cpp: optional, "
+                             "needs its llama-bench / llama-batched-bench")
+    parser.add_argument("--llama-cpp-bin", help="the directory of llama.cpp's tools (else $LLAMA_CPP_BIN, PATH)")
     parser.add_argument("--model", help="an existing checkpoint instead of a random one")
     parser.add_argument("--json", help="append the result to this JSON file")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -55,7 +58,7 @@ def main() -> None:
     unwind_on_sigterm()
     result = throughput(args.shape, args.dtype, args.num_prompts, args.input_len, args.output_len,
                         args.compare, args.model, args.max_num_batched_tokens, args.repeats,
-                        args.num_scheduler_steps)
+                        args.num_scheduler_steps, args.llama_cpp_bin)
     print(throughput_table(result))
     if args.json:
         append_json(args.json, result)

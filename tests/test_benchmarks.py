@@ -259,3 +259,32 @@ def test_every_result_names_the_cpu_and_its_isa_level():
     assert m["cpu"] and m["usable_cpus"] >= 1 and m["platform"] == "cpu"
     line = machine_line(m)
     assert line.startswith(f"machine: {m['cpu']}") and "cpu kernels " in line
+
+
+def test_the_gguf_export_is_what_transformers_reads(tmp_path):
+    """The weights llama.cpp is compared on: transformers loads the GGUF back (it dequantises) to
+    the same logits as the checkpoint (float32: exactly; q8_0: within its rounding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from omniinfer.benchmarks.gguf_export import export
+    from omniinfer.testing.tiny_models import build_tiny_checkpoint
+
+    ids = torch.tensor([[1, 5, 9, 33, 7, 200]])
+    for arch in ("llama", "qwen2"):  # (Llama's q/k rows are permuted for GGML's rotary)
+        path = build_tiny_checkpoint(str(tmp_path / arch), arch, vocab_size=1000)
+        want = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(ids).logits
+        for file_type, tol in (("f32", 0.0), ("q8_0", 0.2)):
+            gguf = export(path, str(tmp_path / f"{arch}-{file_type}.gguf"), file_type)
+            model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=os.path.basename(gguf),
+                                                         dtype=torch.float32)
+            got = model(ids).logits
+            assert (got - want).abs().max().item() <= tol, (arch, file_type)
+
+
+def test_llama_cpp_comparison_without_its_tools_is_a_skipped_row(tmp_path):
+    path = os.pathsep.join(d for d in os.environ.get("PATH", "").split(os.pathsep)
+                           if not os.path.exists(os.path.join(d, "llama-bench")))
+    text = run("latency.py", "--shape", "tiny", "--input-len", "8", "--output-len", "4", "--repeats", "1",
+               "--compare", "llama.cpp", LLAMA_CPP_BIN=str(tmp_path), PATH=path)
+    assert "llama.cpp     skipped: llama-bench not found" in text

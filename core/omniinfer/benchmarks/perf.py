@@ -52,7 +52,7 @@ def machine() -> dict:
     info = cpu_info()
     out = {"cpu": info["model"] or info["machine"], "usable_cpus": info["usable_cpus"]}
     if "cpu_family" in info:
-        out["cpu_family_model"] = f"{info['cpu_family']}/{info.get('model', '?')}"
+        out["cpu_family_model"] = f"{info['cpu_family']}/{info.get('model_number', '?')}"
     try:
         platform = get_registry().select_platform(None)
         out["platform"] = platform.name
@@ -248,6 +248,18 @@ def transformers_runs(path: str, prompts, output_len: int, dtype: torch.dtype,
 
 
 
+COMPARISONS = ("transformers", "llama.cpp")
+
+
+def comparisons(compare) -> set[str]:
+    """`compare` (None, a name, or several) as a set, each checked."""
+    names = set() if not compare else {compare} if isinstance(compare, str) else set(compare)
+    unknown = sorted(names - set(COMPARISONS))
+    if unknown:
+        raise ValueError(f"compare={unknown[0]!r}: expected one of {', '.join(COMPARISONS)}")
+    return names
+
+
 def take_turns(runs: dict, repeats: int) -> dict[str, list | SkippedRun]:
     """`repeats` rounds; each round runs every configuration once, so that a change in the
     machine's load between rounds hits them alike, starting one further along each round, so
@@ -345,7 +357,7 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
                input_len: int | None = None, output_len: int | None = None,
                compare: str | None = None, model: str | None = None,
                max_num_batched_tokens: int = 2048, repeats: int = 1,
-               num_scheduler_steps: int | None = None) -> dict:
+               num_scheduler_steps: int | None = None, llama_cpp_bin: str | None = None) -> dict:
     """N random prompts at once through LLM.generate; MFU against the measured matmul peak;
     with compare="transformers", transformers' best static batch and continuous batching.
     num_scheduler_steps defaults to the LLM class's (8); above 1 (multi-step decoding)
@@ -357,6 +369,7 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
     median run, and the runs are kept under "runs_s"."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats!r}: expected a positive number of runs")
+    compare = comparisons(compare)
     if num_scheduler_steps is None:
         from omniinfer.entrypoints.llm import OFFLINE_SCHEDULER_STEPS
 
@@ -378,8 +391,12 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
         try:
             runs = {f"omniinfer_{k}": run for k, run in zip(steps, engines)}
             batches = [b for b in (8, 32, 64) if b <= n] or [n]
-            if compare == "transformers":
+            if "transformers" in compare:
                 runs.update(transformers_runs(path, prompts, o, torch_dtype, batches))
+            if "llama.cpp" in compare:
+                runs["llama.cpp"] = _llama_cpp(lambda lc: lc.throughput_run(
+                    lc.tool("llama-batched-bench", llama_cpp_bin), lc.gguf_of(path, dtype, tmp), n, i, o,
+                    torch.get_num_threads()))
             # one round untimed: an engine's first run of the whole workload is the slow one
             # (bf16 on the small shape: 1.52 s, then 1.13-1.16), after warm-ups of 2 prompts
             take_turns(runs, 1)
@@ -402,7 +419,10 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
         }
         if len(steps) > 1:
             result["omniinfer_single_step"] = ours(times["omniinfer_1"])
-        if compare == "transformers":
+        if "llama.cpp" in compare:
+            result["llama_cpp"] = ({"skipped": str(times["llama.cpp"])} if isinstance(times["llama.cpp"], SkippedRun)
+                                   else {**ours(times["llama.cpp"]), "tool": "llama-batched-bench"})
+        if "transformers" in compare:
             static = {b: statistics.median(times[f"static_{b}"]) for b in batches}
             best = min(static, key=static.get)
             result["transformers_static"] = {"best_batch": best, "seconds": static[best],
@@ -433,7 +453,7 @@ def throughput_table(r: dict) -> str:
                      f"{x['total_tokens_per_s']:8.0f} total tok/s  {x['requests_per_s']:6.2f} req/s  "
                      f"MFU {100 * x['mfu']:5.1f}%")
     for key, label in (("transformers_static", "transformers static"),
-                       ("transformers_continuous", "transformers cont.")):
+                       ("transformers_continuous", "transformers cont."), ("llama_cpp", "llama.cpp")):
         if key in r and "skipped" in r[key]:
             lines.append(f"  {label:<20} skipped: {r[key]['skipped']}")
         elif key in r:
@@ -445,7 +465,8 @@ def throughput_table(r: dict) -> str:
 
 
 def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len: int = 64,
-            repeats: int = 3, compare: str | None = None, model: str | None = None) -> dict:
+            repeats: int = 3, compare: str | None = None, model: str | None = None,
+            llama_cpp_bin: str | None = None) -> dict:
     """One request at a time: TTFT, ms per output token, the weight bandwidth that implies and
     the copy/read bandwidth measured first; with compare="transformers", the same for it.
 
@@ -457,6 +478,7 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
     bandwidth, and beat the floor, the weights alone at that bandwidth."""
     if output_len < 2:
         raise ValueError(f"output_len={output_len!r}: ms per output token needs at least 2 tokens")
+    compare = comparisons(compare)
     torch_dtype = getattr(torch, dtype)
     bandwidth = copy_bandwidth()
     with tempfile.TemporaryDirectory() as tmp:
@@ -470,8 +492,12 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
         ours, close = omniinfer_latency_run(path, prompt, output_len, dtype)
         try:
             runs = {"omniinfer": ours}
-            if compare == "transformers":
+            if "transformers" in compare:
                 runs["transformers"] = transformers_latency_run(path, prompt, output_len, torch_dtype)
+            if "llama.cpp" in compare:
+                runs["llama.cpp"] = _llama_cpp(lambda lc: lc.latency_run(
+                    lc.tool("llama-bench", llama_cpp_bin), lc.gguf_of(path, dtype, tmp), input_len,
+                    output_len, torch.get_num_threads()))
             runs["read"] = read_bandwidth
             rounds = take_turns(runs, repeats)
         finally:
@@ -479,7 +505,11 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
     result["read_gbps_rounds"] = rounds.pop("read")
     # what reading the weights alone takes at the rounds' read bandwidth: batch-1 decode's floor
     result["read_bound_ms_per_token"] = result["weight_bytes"] / statistics.median(result["read_gbps_rounds"]) / 1e6
-    for name, times in rounds.items():
+    for name, times in list(rounds.items()):
+        if isinstance(times, SkippedRun):
+            result[name] = {"skipped": str(times)}
+            del rounds[name]
+            continue
         result[name] = {"ttft_ms": 1e3 * statistics.median(t for t, _ in times),
                         "ms_per_token": 1e3 * statistics.median(p for _, p in times),
                         "ms_per_token_rounds": [1e3 * p for _, p in times]}
@@ -488,10 +518,22 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
         result[name]["read_fraction"] = statistics.median(
             result["weight_bytes"] / p / 1e6 / read
             for p, read in zip(result[name]["ms_per_token_rounds"], result["read_gbps_rounds"]))
-    if "transformers" in result:
-        result["speedup_rounds"] = [t / o for t, o in zip(result["transformers"]["ms_per_token_rounds"],
-                                                          result["omniinfer"]["ms_per_token_rounds"])]
+    for name in ("transformers", "llama.cpp"):
+        if name in rounds:
+            key = "speedup_rounds" if name == "transformers" else "speedup_rounds_llama_cpp"
+            result[key] = [t / o for t, o in zip(result[name]["ms_per_token_rounds"],
+                                                 result["omniinfer"]["ms_per_token_rounds"])]
     return result
+
+
+def _llama_cpp(make):
+    """make(the llama_cpp module) -> a run, or the SkippedRun saying why there is none."""
+    from omniinfer.benchmarks import llama_cpp
+
+    try:
+        return make(llama_cpp)
+    except SkippedRun as e:
+        return e
 
 
 def latency_table(r: dict) -> str:
@@ -500,20 +542,26 @@ def latency_table(r: dict) -> str:
              f"{r['threads']}  copy {r['copy_gbps']:.1f} GB/s, read {r['read_gbps']:.1f} GB/s "
              f"(between runs {min(reads):.1f}-{max(reads):.1f}), weights {r['weight_bytes'] / 1e9:.2f} GB/token",
              machine_line(r.get("machine"))]
-    for name in ("omniinfer", "transformers"):
-        if name in r:
+    for name in ("omniinfer", "transformers", "llama.cpp"):
+        if name in r and "skipped" in r[name]:
+            lines.append(f"  {name:<13} skipped: {r[name]['skipped']}")
+        elif name in r:
             x = r[name]
             lines.append(f"  {name:<13} TTFT {x['ttft_ms']:8.1f} ms  {x['ms_per_token']:7.2f} ms/token  "
                          f"weights at {x['weight_gbps']:5.1f} GB/s ({100 * x['read_fraction']:.0f}% of the "
                          f"round's read)")
     bound = r["read_bound_ms_per_token"]
     lines.append(f"  the weights alone at the rounds' median read bandwidth: {bound:7.2f} ms/token")
-    if "transformers" in r:
-        ratios = r["speedup_rounds"]
-        lines.append(f"  decode speed-up over transformers: "
-                     f"{r['transformers']['ms_per_token'] / r['omniinfer']['ms_per_token']:.2f}x"
-                     f" (round by round {min(ratios):.2f}-{max(ratios):.2f}x; the floor would be "
-                     f"{r['transformers']['ms_per_token'] / bound:.2f}x)")
+    for name, key in (("transformers", "speedup_rounds"), ("llama.cpp", "speedup_rounds_llama_cpp")):
+        if key in r:
+            ratios = r[key]
+            lines.append(f"  decode speed-up over {name}: "
+                         f"{r[name]['ms_per_token'] / r['omniinfer']['ms_per_token']:.2f}x"
+                         f" (round by round {min(ratios):.2f}-{max(ratios):.2f}x; the floor would be "
+                         f"{r[name]['ms_per_token'] / bound:.2f}x)")
+    if "ttft_ms" in r.get("llama.cpp", {}):
+        lines.append(f"  prompt of {r['input_len']}: omniinfer's TTFT is "
+                     f"{r['omniinfer']['ttft_ms'] / r['llama.cpp']['ttft_ms']:.2f}x llama.cpp's prompt time")
     return "\n".join(lines)
 
 

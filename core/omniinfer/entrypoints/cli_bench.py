@@ -59,8 +59,10 @@ def _offline_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES),
                    help="the performance workloads: a random checkpoint of this shape, model FLOP "
                         "utilisation / weight bandwidth against this machine's measured peaks")
-    p.add_argument("--compare", choices=["transformers"],
-                   help="also run transformers on the same checkpoint and workload, and print ratios")
+    p.add_argument("--compare", choices=["transformers", "llama.cpp"], action="append",
+                   help="also run transformers (or llama.cpp, optional: its llama-bench / "
+                        "llama-batched-bench) on the same weights and workload, and print ratios")
+    p.add_argument("--llama-cpp-bin", help="the directory of llama.cpp's tools (else $LLAMA_CPP_BIN, PATH)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     add_engine_args(p)
@@ -98,7 +100,7 @@ def run_throughput(args) -> int:
         r = perf.throughput(args.shape, _perf_dtype(args), args.num_prompts, args.input_len,
                             args.output_len, args.compare, None if args.shape else args.model,
                             args.max_num_batched_tokens or 2048, args.repeats,
-                            args.num_scheduler_steps)
+                            args.num_scheduler_steps, args.llama_cpp_bin)
         return _print(args, r, [perf.throughput_table(r)])
     args.num_prompts = args.num_prompts or 32
     args.input_len, args.output_len = args.input_len or 32, args.output_len or 32
@@ -123,7 +125,8 @@ def run_latency(args) -> int:
         perf.quiet()
         perf.unwind_on_sigterm()
         r = perf.latency(args.shape, _perf_dtype(args), args.input_len or 128, args.output_len or 64,
-                         args.num_iters, args.compare, None if args.shape else args.model)
+                         args.num_iters, args.compare, None if args.shape else args.model,
+                         args.llama_cpp_bin)
         return _print(args, r, [perf.latency_table(r)])
     args.input_len, args.output_len = args.input_len or 32, args.output_len or 32
     llm = _llm(args)

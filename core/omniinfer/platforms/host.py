@@ -22,8 +22,9 @@ def cpu_info() -> dict:
             key = key.strip()
             if key in ("model name", "Model") and not info["model"]:
                 info["model"] = value.strip()
-            if key in ("cpu family", "model") and key.replace(" ", "_") not in info:
-                info[key.replace(" ", "_")] = value.strip()  # (x86: which microarchitecture)
+            field = {"cpu family": "cpu_family", "model": "model_number"}.get(key)
+            if field and field not in info:
+                info[field] = value.strip()  # (x86: which microarchitecture)
             if key in ("flags", "Features") and not info["isa_flags"]:
                 flags = set(value.split())
                 info["isa_flags"] = [f for f in _ISA_FLAGS if f in flags]

@@ -1,0 +1,126 @@
+"""A Hugging Face Llama or Qwen2 checkpoint written as a GGUF file, with the `gguf` package, so
+llama.cpp reads the very weights omniinfer runs (`--compare llama.cpp` in the benchmarks).
+
+Names, shapes and metadata follow llama.cpp's own converter (convert_hf_to_gguf.py): tensors as
+``blk.N.attn_q.weight`` and so on, Llama's q/k rows permuted from Hugging Face's rotate-half
+order to GGML's interleaved rotary (Qwen2 uses the NeoX order and keeps them), norms and
+biases in float32, the other 2-D weights in the file type asked for. The vocabulary is the
+checkpoint's tokenizer, padded with unused tokens up to the model's vocabulary size (random
+checkpoints have a small tokenizer and a large embedding).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+_LAYER = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+
+def gguf_name(hf_name: str) -> str:
+    if hf_name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if hf_name == "model.norm.weight":
+        return "output_norm.weight"
+    if hf_name == "lm_head.weight":
+        return "output.weight"
+    parts = hf_name.split(".")
+    if parts[:2] == ["model", "layers"]:
+        inner, kind = ".".join(parts[3:-1]), parts[-1]
+        if inner in _LAYER:
+            return f"blk.{parts[2]}.{_LAYER[inner]}.{kind}"
+    raise ValueError(f"tensor {hf_name!r} has no GGUF name here (Llama and Qwen2 layouts only)")
+
+
+def _permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
+    """Hugging Face's rotate-half rows of q/k into GGML's interleaved order (llama.cpp's)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
+    """Write `model_dir` (config.json, safetensors, tokenizer) to `out_path` as GGUF."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"file_type={file_type!r}: expected one of {', '.join(FILE_TYPES)}")
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    (architecture,) = cfg["architectures"]
+    if architecture not in _ARCHS:
+        raise ValueError(f"architecture {architecture!r}: this exporter writes {', '.join(_ARCHS)}")
+    arch = _ARCHS[architecture]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    writer = gguf.GGUFWriter(out_path, arch)
+    writer.add_name(os.path.basename(os.path.normpath(model_dir)))
+    writer.add_context_length(cfg.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    writer.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8,
+                          "q5_1": 9}[file_type])
+    _add_vocab(writer, model_dir, cfg["vocab_size"], arch)
+    qtype = getattr(gguf.GGMLQuantizationType, file_type.upper())
+    tensors = {}
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(model_dir, name)))
+    if cfg.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    for hf_name, value in tensors.items():
+        w = value.astype(np.float32) if value.dtype != np.float32 else value
+        if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+            w = _permute_rotary(w, heads if "q_proj" in hf_name else kv_heads)
+        name = gguf_name(hf_name)
+        if w.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, np.ascontiguousarray(w))  # norms and biases stay float32
+        else:
+            data = gguf.quants.quantize(np.ascontiguousarray(w), qtype)
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out_path
+
+
+def _add_vocab(writer, model_dir: str, vocab_size: int, arch: str) -> None:
+    """The byte-level BPE tokenizer as llama.cpp's "gpt2" model, padded to vocab_size."""
+    with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
+        tok = json.load(f)
+    vocab = tok["model"]["vocab"]
+    tokens = [""] * max(vocab_size, len(vocab))
+    types = [5] * len(tokens)  # UNUSED until filled
+    for text, i in vocab.items():
+        tokens[i], types[i] = text, 1  # NORMAL
+    for added in tok.get("added_tokens", []):
+        tokens[added["id"]], types[added["id"]] = added["content"], 3 if added.get("special") else 4
+    for i, text in enumerate(tokens):
+        if not text:
+            tokens[i] = f"[PAD{i}]"
+    merges = tok["model"].get("merges", [])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    if cfg.get("bos_token_id") is not None:
+        writer.add_bos_token_id(cfg["bos_token_id"])
+    if cfg.get("eos_token_id") is not None:
+        writer.add_eos_token_id(cfg["eos_token_id"])
