@@ -1,7 +1,8 @@
 """The ahead-of-time kernel check: every catalogued Triton launch compiled for sm_80, sm_90,
 sm_100, gfx90a and gfx942 on this CPU (``python -m omniinfer.testing.kernels_aot``, in a
 subprocess: this session's kernels are interpreted), its table printed in the test summary; the
-check failing on a configuration that overflows or spills; its refusal table kept honest."""
+check failing on a configuration that overflows or spills; its refusal table reaching the
+backends' ``validate()``."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from omniinfer.attention.backend import AttentionSpec
+from omniinfer.attention.backends.triton import TritonBackend
 from omniinfer.kernels.triton import catalogue as cat
 from omniinfer.kernels.triton import refusals
 from omniinfer.kernels.triton.refusals import KnownFailure
@@ -169,6 +174,52 @@ def test_a_device_runs_the_code_of_its_catalogued_target():
     assert cat.target_for_arch("sm_75") is None and cat.target_for_arch("sm_120") is None
     assert cat.target_for_arch("gfx942").name == "gfx942"
     assert cat.target_for_arch("gfx1100") is None and cat.target_for_arch(None) is None
+
+
+def spec(arch, dtype=torch.float32, head_size=256, platform="cuda"):
+    return AttentionSpec(device_type="cuda", platform_name=platform, dtype=dtype,
+                         head_size=head_size, num_heads=16, num_kv_heads=2, block_size=16,
+                         device_arch=arch)
+
+
+def test_listed_configurations_are_refused_on_their_targets(monkeypatch):
+    monkeypatch.setattr("omniinfer.kernels.triton.unavailable_reasons", lambda device_type: [])
+    monkeypatch.setattr(refusals, "KNOWN_FAILURES", (KnownFailure(
+        "paged_prefill_attention", ("sm_80", "gfx90a"),
+        lambda s: s.dtype != torch.float16 and s.head_size > 128, "spills 96 bytes (ptxas)"),))
+    reason = "paged_prefill_attention cannot run this configuration on sm_80: spills 96 bytes (ptxas)"
+    assert TritonBackend.validate(spec("sm_86")) == [reason]
+    assert TritonBackend.validate(spec("sm_90")) == []  # another target
+    assert TritonBackend.validate(spec("sm_80", dtype=torch.float16)) == []  # another config
+    assert TritonBackend.validate(spec(None)) == []  # no architecture known: nothing to say
+    from omniinfer_cuda.attention.xformers import XFormersBackend
+    from omniinfer_rocm.attention import rocm_flash
+
+    # XFORMERS never runs the Triton prefill kernel
+    assert not [r for r in XFormersBackend.validate(spec("sm_80")) if "paged_prefill" in r]
+    # ROCM_FLASH runs it only without CK flash attention
+    monkeypatch.setattr(rocm_flash, "load_ck_varlen", lambda: None)
+    amd = spec("gfx90a", dtype=torch.bfloat16, platform="rocm")
+    assert rocm_flash.RocmFlashBackend.validate(amd) == [
+        "paged_prefill_attention cannot run this configuration on gfx90a: spills 96 bytes (ptxas)"]
+    monkeypatch.setattr(rocm_flash, "load_ck_varlen", lambda: object())
+    assert rocm_flash.RocmFlashBackend.validate(amd) == []
+
+
+def test_platforms_name_the_architecture_their_device_compiles_for(monkeypatch):
+    from omniinfer_cuda.platform import CudaPlatform
+    from omniinfer_rocm.platform import RocmPlatform
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=0: (8, 6))
+    assert CudaPlatform.device_arch() == "sm_86"
+    assert CudaPlatform.attention_spec(dtype=torch.float16, head_size=128, num_heads=8,
+                                       num_kv_heads=2, block_size=16).device_arch == "sm_86"
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=0: SimpleNamespace(gcnArchName="gfx90a:sramecc+:xnack-"))
+    assert RocmPlatform.device_arch() == "gfx90a"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert CudaPlatform.device_arch() is None and RocmPlatform.device_arch() is None
 
 
 def test_every_refusal_names_a_catalogued_op_and_target():
