@@ -129,6 +129,40 @@ def test_the_check_fails_naming_an_oversized_or_spilling_configuration(tmp_path)
     assert proc.stdout.rstrip().endswith("result: FAIL (3 failure(s))")
 
 
+FAKE_GPU = """
+import json, sys
+from types import SimpleNamespace
+from triton.backends.compiler import GPUTarget
+from triton.compiler import CompiledKernel
+from triton.runtime import driver
+from omniinfer.testing.kernels_aot import run_check
+from omniinfer.testing.kernels_aot.report import table
+
+driver.set_active(SimpleNamespace(  # an H100 as triton's driver would describe it
+    get_current_target=lambda: GPUTarget("cuda", 90, 32), get_current_device=lambda: 0,
+    utils=SimpleNamespace(get_device_properties=lambda device: {"max_shared_mem": 232448})))
+
+def load(self):  # what the driver reports after cuModuleLoadData
+    self.n_regs, self.n_spills = 77, 0
+
+CompiledKernel._init_handles = load
+report = run_check(ops=["reshape_and_cache"], targets=["sm_90"], device=True)
+print(table(report))
+print(json.dumps([(r.target.name, r.target.is_device, r.compiled.registers) for r in report.results]))
+"""
+
+
+def test_with_a_gpu_the_device_gets_its_own_column_from_its_driver():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", FAKE_GPU], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.splitlines()[-1])
+    assert len(rows) == 2 * len([c for c in cat.catalogue() if c.op == "reshape_and_cache"])
+    assert {tuple(r) for r in rows if r[1]} == {("sm_90", True, 77)}
+    assert "sm_90 GPU <=227K" in proc.stdout and "result: PASS" in proc.stdout
+
+
 def _result(op="square", config="fp32 big", target="gfx942", shape=None, **compiled):
     launch = cat.KernelLaunch(op, config, shape, lambda: None)
     return Result(launch, "k", next(t for t in cat.TARGETS if t.name == target),
