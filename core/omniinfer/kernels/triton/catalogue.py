@@ -103,7 +103,9 @@ class KernelLaunch:
 # ---- attention (kernels/triton/reshape_and_cache.py, paged_attention.py) -----------------------
 # Per-rank attention geometries of the model families the engine serves (models/llama.py), at
 # CacheConfig's default block size, in the dtypes the GPU platforms list. Kept tight (each
-# compile costs about a second per target): each shape stresses one thing the others do not.
+# compile costs about a second per target): each shape stresses one thing the others do not,
+# and the write kernel (a masked copy of kv heads x head per token) comes with the common shape, the
+# most heads (MHA) and the widest row (head 256 in float32).
 # BLOCK_SIZE only enters index arithmetic, so block sizes other than 16 are left to the
 # interpreted conformance tests (8/16/32).
 _LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_size=128)  # also Mistral 7B, Llama 3 70B/TP8
@@ -118,9 +120,9 @@ _SHAPES: tuple[tuple[AttentionShape, tuple[str, ...]], ...] = (
      ("write", "decode", "prefill")),
     # a group of 7 padded to 8, in float16 (what pre-bf16 GPUs and many ROCm users run)
     (AttentionShape("qwen2-7b", torch.float16, num_heads=28, num_kv_heads=4, head_size=128),
-     ("write", "decode", "prefill")),
+     ("decode", "prefill")),
     # float32 (TRITON and XFORMERS accept it): plain FMA dots instead of tensor cores
-    (AttentionShape("llama-3-8b", torch.float32, **_LLAMA3_8B), ("write", "prefill")),
+    (AttentionShape("llama-3-8b", torch.float32, **_LLAMA3_8B), ("prefill",)),
     # the largest head the TRITON backend accepts (MAX_HEAD_SIZE), in its widest dtype
     (AttentionShape("head-256 limit", torch.float32, num_heads=16, num_kv_heads=2, head_size=256),
      ("write", "decode", "prefill")),
@@ -129,6 +131,7 @@ _SHAPES: tuple[tuple[AttentionShape, tuple[str, ...]], ...] = (
      ("prefill",)),
 )
 _LONG_CHUNK = 512  # tokens a prefill chunk has; "prefill qN" chunks have N
+
 
 def _layer_tensors(shape: AttentionShape, num_tokens: int, num_seqs: int):
     """q (a view of the fused qkv projection, as the model passes it), out (as
