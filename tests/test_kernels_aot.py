@@ -69,8 +69,9 @@ def test_every_catalogued_configuration_compiles_for_every_target(full_run):
     pairs = {(r["op"], r["config"], r["target"]) for r in report["results"]}
     assert pairs == {(launch.op, launch.config, t) for launch in cat.catalogue() for t in compiled}
     for r in report["results"]:
-        assert r["registers"] > 0 and r["shared_bytes"] is not None and r["spill_bytes"] == 0, r
-    assert report["failures"] == []
+        assert r["registers"] > 0 and r["shared_bytes"] is not None, r
+        assert r["problems"] == [] or r["refused"], r  # the refused ones fail where listed
+    assert report["failures"] == [] and report["complete"]
 
 
 def _jit_kernels() -> set[str]:
