@@ -61,7 +61,7 @@ def record(launch: KernelLaunch) -> list[RecordedLaunch]:
 
 
 def specialise(call: RecordedLaunch, target: Target):
-    """(signature, constexprs, attrs, options) as triton's launcher would derive them for `target`."""
+    """(options, signature, constexprs, attrs) as triton's launcher derives them for `target`."""
     from triton import knobs
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
