@@ -35,6 +35,7 @@ class AttentionSpec:
     sliding_window: int | None = None
     device_capability: tuple[int, int] | None = None  # e.g. (9, 0) for an H100; None off-GPU
     min_triton_capability: tuple[int, int] | None = None  # the platform's floor for Triton kernels
+    device_arch: str | None = None  # what device 0's code is compiled for: "sm_90", "gfx942"
 
 
 class AttentionBackend:

@@ -117,6 +117,12 @@ class Platform:
         return None
 
     @classmethod
+    def device_arch(cls) -> str | None:
+        """The architecture device 0's kernels are compiled for ("sm_90", "gfx942"), named as
+        the kernel catalogue names its targets (kernels/triton/catalogue.py); None off-GPU."""
+        return None
+
+    @classmethod
     def attention_spec(cls, *, dtype: torch.dtype, head_size: int, num_heads: int,
                        num_kv_heads: int, block_size: int, sliding_window: int | None = None):
         """The `AttentionSpec` backends validate against on this platform (its device type,
@@ -127,7 +133,8 @@ class Platform:
                              head_size=head_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                              block_size=block_size, sliding_window=sliding_window,
                              device_capability=cls.device_capability(),
-                             min_triton_capability=cls.min_triton_capability)
+                             min_triton_capability=cls.min_triton_capability,
+                             device_arch=cls.device_arch())
 
     @classmethod
     def device_names(cls) -> list[str]:

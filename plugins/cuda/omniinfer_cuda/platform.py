@@ -42,6 +42,11 @@ class CudaPlatform(AcceleratorPlatform):
         return tuple(torch.cuda.get_device_capability(0)) if torch.cuda.is_available() else None
 
     @classmethod
+    def device_arch(cls) -> str | None:
+        capability = cls.device_capability()
+        return None if capability is None else f"sm_{capability[0]}{capability[1]}"
+
+    @classmethod
     def model_runner_cls(cls) -> type:
         from omniinfer_cuda.model_runner import CudaModelRunner
 

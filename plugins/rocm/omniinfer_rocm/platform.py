@@ -45,3 +45,15 @@ class RocmPlatform(AcceleratorPlatform):
 
         props = torch.cuda.get_device_properties(0)
         return getattr(props, "gcnArchName", None)
+
+    @classmethod
+    def device_arch(cls) -> str | None:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        try:
+            arch = cls.gcn_arch()  # "gfx90a:sramecc+:xnack-": the target features follow a colon
+        except (AssertionError, RuntimeError):  # no HIP device behind torch after all
+            return None
+        return arch.split(":")[0] if arch else None

@@ -14,11 +14,17 @@ import torch
 from omniinfer.attention.backend import AttentionBackend, AttentionSpec, StagedAttentionImpl
 
 MAX_HEAD_SIZE = 256
+# the launch functions below, as the kernel catalogue and its refusal table name them
+WRITE, DECODE, PREFILL = "reshape_and_cache", "paged_decode_attention", "paged_prefill_attention"
 
 
-def triton_reasons(spec: AttentionSpec) -> list[str]:
-    """Why the core Triton kernels cannot run for `spec` (shared by every backend built on them)."""
+def triton_reasons(spec: AttentionSpec, ops: tuple[str, ...] = (WRITE, DECODE, PREFILL)
+                   ) -> list[str]:
+    """Why the core Triton kernels cannot run `ops` for `spec` (shared by every backend built on
+    them): triton missing, a GPU below the floor, or what the ahead-of-time check found this
+    device's architecture cannot run (kernels/triton/refusals.py; nothing compiles here)."""
     from omniinfer.kernels.triton import unavailable_reasons
+    from omniinfer.kernels.triton.refusals import refusal_reasons
 
     reasons = unavailable_reasons(spec.device_type)
     if spec.head_size > MAX_HEAD_SIZE:
@@ -27,7 +33,7 @@ def triton_reasons(spec: AttentionSpec) -> list[str]:
     if capability is not None and floor is not None and capability < floor:
         reasons.append(f"triton needs compute capability {floor[0]}.{floor[1]}+, this GPU has "
                        f"{capability[0]}.{capability[1]}")
-    return reasons
+    return reasons + refusal_reasons(spec, ops)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,

@@ -132,7 +132,7 @@ def _tiles(head_size: int, group: int, block_m: int) -> tuple[int, int, int, int
 
 def _launch(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
             grid_q: int, block_q: int, head_pad: int, group_pad: int, tile_n: int, scale: float,
-            sliding_window: int | None, is_decode: bool) -> None:
+            sliding_window: int | None, is_decode: bool, num_warps: int = 4) -> None:
     num_seqs = seq_lens.shape[0]
     num_kv_heads = key_cache.shape[2]
     _paged_attention_kernel[(num_seqs, grid_q, num_kv_heads)](
@@ -147,6 +147,7 @@ def _launch(out, query, key_cache, value_cache, block_tables, seq_lens, query_st
         GROUP=query.shape[1] // num_kv_heads, GROUP_PAD=group_pad,
         BLOCK_Q=block_q, TILE_N=tile_n, BLOCK_SIZE=key_cache.shape[1],
         SLIDING_WINDOW=sliding_window or 0, IS_DECODE=is_decode, DOT_F32=INTERPRETED,
+        num_warps=num_warps,
     )
 
 
@@ -185,10 +186,16 @@ def paged_prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: t
         return
     _check(out, query, key_cache, value_cache, block_tables)
     group = query.shape[1] // key_cache.shape[2]
-    head_pad, group_pad, block_q, tile_n = _tiles(query.shape[2], group,
-                                                  64 if query.shape[2] <= 128 else 32)
+    # float32 tiles take twice the registers: the half-precision tile with 4 warps spills on
+    # NVIDIA (ptxas: 14 KB at head 128, 1.5 KB at 256); half the rows on 8 warps does not
+    # (python -m omniinfer.testing.kernels_aot). The interpreter, whose cost is per program,
+    # keeps the bigger tile.
+    wide = query.element_size() == 4 and not INTERPRETED
+    block_m = (64 if query.shape[2] <= 128 else 32) // (2 if wide else 1)
+    head_pad, group_pad, block_q, tile_n = _tiles(query.shape[2], group, block_m)
     block_q = min(block_q, max(1, triton.next_power_of_2(max_query_len)))
     block_q = max(block_q, max(1, MIN_DOT // group_pad))
     grid_q = triton.cdiv(max_query_len, block_q)
     _launch(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, grid_q,
-            block_q, head_pad, group_pad, tile_n, scale, sliding_window, is_decode=False)
+            block_q, head_pad, group_pad, tile_n, scale, sliding_window, is_decode=False,
+            num_warps=8 if wide else 4)

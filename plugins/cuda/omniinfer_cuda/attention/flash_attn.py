@@ -39,6 +39,7 @@ from omniinfer.attention.backend import (
     StagedAttentionImpl,
 )
 from omniinfer.attention.backends import triton as triton_ops
+from omniinfer.kernels.triton.refusals import refusal_reasons
 
 MIN_CAPABILITY = (8, 0)
 MAX_HEAD_SIZE = 256  # flash-attn 2: head sizes that are multiples of 8, up to 256
@@ -218,7 +219,10 @@ class FlashAttentionBackend(AttentionBackend):
         if not ops.takes_block_table(spec.block_size):  # decode then runs the Triton kernel
             reasons += [f"{r} (needed: {ops.module_name}'s paged KV takes only multiples of "
                         f"{ops.paged_block_multiple} as block size)"
-                        for r in triton_ops.triton_reasons(spec)]
+                        for r in triton_ops.triton_reasons(spec, (triton_ops.WRITE,
+                                                                  triton_ops.DECODE))]
+        else:  # the Triton write kernel still fills the cache
+            reasons += refusal_reasons(spec, (triton_ops.WRITE,))
         return reasons
 
     @classmethod

@@ -100,7 +100,8 @@ class XFormersBackend(AttentionBackend):
         except ImportError as e:
             reasons.append(f"xformers is not importable ({type(e).__name__}: {e}); pip install "
                            "'omniinfer-cuda[xformers]'")
-        reasons += [f"{r} (needed for decode)" for r in triton_ops.triton_reasons(spec)
+        reasons += [f"{r} (needed for decode)"
+                    for r in triton_ops.triton_reasons(spec, (triton_ops.WRITE, triton_ops.DECODE))
                     if not r.startswith("head size")]
         return reasons
 

@@ -69,7 +69,10 @@ class RocmFlashBackend(AttentionBackend):
         reasons = []
         if spec.platform_name != "rocm":
             reasons.append(f"serves the rocm platform only, not {spec.platform_name}")
-        return reasons + triton_ops.triton_reasons(spec)
+        ops = (triton_ops.WRITE, triton_ops.DECODE)
+        if load_ck_varlen() is None:  # prefill runs the Triton kernel too
+            ops += (triton_ops.PREFILL,)
+        return reasons + triton_ops.triton_reasons(spec, ops)
 
     @classmethod
     def get_builder_cls(cls):
