@@ -1,7 +1,7 @@
 """CPU_PAGED kernel micro-benchmark: one layer-step of decode and of prefill through
 ``omni_paged_attention``, built from one or more kernel sources for A/B runs.
 
-    python benchmarks/cpu_paged_attention.py [--source a.c --source b.c] [--cache l3]
+    python benchmarks/cpu_paged_attention.py [--source DIR_A --source DIR_B] [--cache l3]
                                              [--dtype bfloat16] [--rounds 7] [--json out.json]
 
 Shapes are the small benchmark model's heads (8 query heads, 4 KV heads, head size 32, block
@@ -10,8 +10,10 @@ size 16). Decode: 64 sequences of 128-255 cached tokens; prefill: 16 prompts of 
 caches, used in turn like the layers of a model, so the keys come from memory as in the engine;
 ``--cache l3`` uses one small cache that stays in L3 (the kernel's compute alone). Sources are
 timed interleaved, round by round, and each result is first checked against a torch
-reference. An older source to compare with: ``git show REV:plugins/cpu/omniinfer_cpu/kernels/
-csrc/cpu_kernels.c > /tmp/old.c`` (same cache layout only: the layout changed at 2ffa589).
+reference. A source is a kernels' csrc directory (every .c file in it is built, as the plugin
+does) or, for revisions before the split, the single cpu_kernels.c; an older one to compare with:
+``git archive REV plugins/cpu/omniinfer_cpu/kernels/csrc | tar -x -C /tmp/old`` (same cache
+layout only: the layout changed at 2ffa589).
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def build(source: str, out_dir: str):
     if level is None:
         sys.exit(f"error: no kernel level to build: {why}")
     lib = os.path.join(out_dir, f"k{abs(hash(os.path.abspath(source)))}.so")
-    cmd = ["gcc", *isa.BASE_CFLAGS, *level.cflags, "-fopenmp", source, "-o", lib, "-lm"]
+    files = isa.sources(source) if os.path.isdir(source) else [source]
+    cmd = ["gcc", *isa.BASE_CFLAGS, *level.cflags, "-fopenmp", *files, "-o", lib, "-lm"]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"error: building {source} failed:\n{result.stderr[-2000:]}")
@@ -128,7 +131,7 @@ def reference(w: dict) -> torch.Tensor:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     default = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "plugins", "cpu",
-                           "omniinfer_cpu", "kernels", "csrc", "cpu_kernels.c")
+                           "omniinfer_cpu", "kernels", "csrc")
     parser.add_argument("--source", action="append", help="kernel source (repeat for A/B; default: "
                         "the plugin's)")
     parser.add_argument("--cache", choices=["memory", "l3"], default="memory")

@@ -153,12 +153,12 @@ def test_cpu_gemm(tmp_path):
 def test_cpu_paged_attention_kernel_ab(tmp_path):
     """Two sources timed side by side (here the same one twice), each checked against torch."""
     out = tmp_path / "k.json"
-    source = os.path.join(ROOT, "plugins", "cpu", "omniinfer_cpu", "kernels", "csrc", "cpu_kernels.c")
-    copy = tmp_path / "copy.c"
-    shutil.copyfile(source, copy)
+    source = os.path.join(ROOT, "plugins", "cpu", "omniinfer_cpu", "kernels", "csrc")
+    copy = tmp_path / "copy"
+    shutil.copytree(source, copy)
     text = run("cpu_paged_attention.py", "--cache", "l3", "--rounds", "1", "--iters", "1",
                "--source", source, "--source", str(copy), "--json", str(out))
-    assert "decode" in text and "copy.c" in text
+    assert "decode" in text and "copy:" in text
     rows = json.loads(out.read_text())
     assert [(r["dtype"], r["kind"]) for r in rows] == [
         ("float32", "decode"), ("float32", "prefill"), ("bfloat16", "decode"), ("bfloat16", "prefill")]

@@ -10,7 +10,6 @@ platform-specific (its libraries are machine code, not tied to a Python version)
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -24,7 +23,7 @@ from setuptools.command.build_py import build_py
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KERNELS = os.path.join(HERE, "omniinfer_cpu", "kernels")
-SOURCE = os.path.join(KERNELS, "csrc", "cpu_kernels.c")
+CSRC = os.path.join(KERNELS, "csrc")
 
 try:
     from setuptools.command.bdist_wheel import bdist_wheel
@@ -55,15 +54,13 @@ def build_levels(out_dir: str, log=print) -> dict:
 
     def one(level):
         target = os.path.join(out_dir, f"cpu_kernels-{level.name}.so")
-        warning = isa.build_library(cc, level, SOURCE, target)
+        warning = isa.build_library(cc, level, isa.sources(CSRC), target)
         log(f"omniinfer-cpu: built the {level.name} kernels" + (f" ({warning})" if warning else ""))
         return level.name, os.path.basename(target)
 
     with ThreadPoolExecutor(max_workers=max(1, min(len(levels), os.cpu_count() or 1))) as pool:
         built = dict(pool.map(one, levels))
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
-    manifest = {"source_sha256": digest, "compiler": version, "arch": isa.machine_arch(), "levels": built}
+    manifest = {"source_sha256": isa.source_digest(CSRC), "compiler": version, "arch": isa.machine_arch(), "levels": built}
     with open(os.path.join(out_dir, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     return manifest

@@ -34,7 +34,7 @@ SIZES = ("hidden", "num_heads", "num_kv_heads", "head_size", "intermediate", "bl
 
 
 class Layer(ctypes.Structure):
-    """cpu_kernels.c's omni_layer."""
+    """decoder_stack.c's omni_layer."""
     _fields_ = ([(name, ctypes.c_void_p) for name in POINTERS]
                 + [(name, ctypes.c_float) for name in ("input_eps", "post_eps", "scale")]
                 + [(name, ctypes.c_int) for name in SIZES])

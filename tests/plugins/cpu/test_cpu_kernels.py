@@ -390,7 +390,7 @@ def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
     build.reset()
     try:
         assert build.load() is None
-        assert build.unavailable_reason() == f"false failed to build cpu_kernels.c for {level.name}: exit status 1"
+        assert build.unavailable_reason() == f"false failed to build the CPU kernels for {level.name}: exit status 1"
         assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
     finally:
         monkeypatch.undo()

@@ -1,5 +1,5 @@
 """Each CPU kernel checked against torch without Python in the loop: kernel_driver/driver.c reads
-cases written here, runs the kernels and writes their outputs back. Built with cpu_kernels.c for
+cases written here, runs the kernels and writes their outputs back. Built with the kernels for
 every x86 level this CPU runs (natively), and for aarch64 with NEON (Debian's
 gcc-aarch64-linux-gnu) run under qemu-aarch64 (Debian's qemu-user): the same cases and the same
 torch references on every level, so an Arm build is checked on an x86 machine."""
@@ -106,7 +106,8 @@ def drivers(tmp_path_factory):
         native = level.arch == isa.machine_arch()
         cc = (os.environ.get("CC") or "gcc") if native else CROSS_CC
         exe = str(tmp / f"driver-{name}")
-        cmd = [cc, "-O3", "-std=gnu11", "-fopenmp", *level.cflags, DRIVER, str(build.SOURCE), "-o", exe, "-lm"]
+        cmd = [cc, "-O3", "-std=gnu11", "-fopenmp", *level.cflags, DRIVER, *isa.sources(str(build.CSRC)),
+               "-o", exe, "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         run = [exe] if native else [QEMU, "-L", CROSS_SYSROOT, exe]

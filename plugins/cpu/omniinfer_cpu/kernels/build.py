@@ -41,7 +41,7 @@ logger = init_logger(__name__)
 
 ENV_SWITCH = "OMNIINFER_CPU_KERNELS"  # "0" turns the compiled kernels off
 ENV_CACHE = "OMNIINFER_CPU_KERNEL_CACHE"  # where libraries built at first use go
-SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.c"
+CSRC = Path(__file__).parent / "csrc"  # one C file per kernel family, omni.h shared
 PREBUILT = Path(__file__).parent / "lib"  # where setup.py puts a wheel's libraries
 MANIFEST = "manifest.json"
 
@@ -111,7 +111,7 @@ def cache_dir() -> Path:
 
 
 def source_digest() -> str:
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()
+    return isa.source_digest(str(CSRC))
 
 
 def _compiler() -> str:
@@ -144,7 +144,7 @@ def library_path(level: isa.IsaLevel) -> Path:
     cc = _compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.split("\n")[0]
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), version.encode(), " ".join(isa.BASE_CFLAGS + level.cflags).encode()):
+    for part in (source_digest().encode(), version.encode(), " ".join(isa.BASE_CFLAGS + level.cflags).encode()):
         key.update(part)
         key.update(b"\0")
     target = cache_dir() / f"cpu_kernels-{level.name}-{key.hexdigest()[:16]}.so"
@@ -152,7 +152,7 @@ def library_path(level: isa.IsaLevel) -> Path:
         logger.info("building the CPU kernels for %s with %s into %s (once; a wheel of omniinfer-cpu "
                     "carries them prebuilt)", level.name, Path(cc).name, target.parent)
         try:
-            warning = isa.build_library(cc, level, str(SOURCE), str(target))
+            warning = isa.build_library(cc, level, isa.sources(str(CSRC)), str(target))
         except RuntimeError as e:
             raise KernelsUnavailable(str(e)) from None
         if warning:

@@ -125,9 +125,28 @@ def choose(cap: str | None, flags: set[str] | None = None) -> tuple[IsaLevel | N
 BASE_CFLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11")
 
 
-def build_library(cc: str, level: IsaLevel, source: str, target: str) -> str | None:
-    """Compile `source` for `level` into `target` (atomically: concurrent builders race
-    harmlessly). Returns None, or a warning when it had to go without OpenMP. Raises
+def sources(csrc: str) -> list[str]:
+    """The kernel families' C files in `csrc`, all built into one library."""
+    import os
+
+    return sorted(os.path.join(csrc, f) for f in os.listdir(csrc) if f.endswith(".c"))
+
+
+def source_digest(csrc: str) -> str:
+    """sha256 over every C file and header in `csrc`: what a built library was built from."""
+    import hashlib
+    import os
+
+    key = hashlib.sha256()
+    for name in sorted(f for f in os.listdir(csrc) if f.endswith((".c", ".h"))):
+        with open(os.path.join(csrc, name), "rb") as f:
+            key.update(name.encode() + b"\0" + f.read() + b"\0")
+    return key.hexdigest()
+
+
+def build_library(cc: str, level: IsaLevel, files: list[str], target: str) -> str | None:
+    """Compile `files` for `level` into one library at `target` (atomically: concurrent builders
+    race harmlessly). Returns None, or a warning when it had to go without OpenMP. Raises
     RuntimeError with the compiler's last line when it cannot build."""
     import os
     import subprocess
@@ -139,7 +158,7 @@ def build_library(cc: str, level: IsaLevel, source: str, target: str) -> str | N
     for extra in (["-fopenmp"], []):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target) or ".")
         os.close(fd)
-        cmd = [cc, *BASE_CFLAGS, *level.cflags, *extra, source, "-o", tmp, "-lm"]
+        cmd = [cc, *BASE_CFLAGS, *level.cflags, *extra, *files, "-o", tmp, "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode == 0:
             os.replace(tmp, target)
@@ -147,5 +166,5 @@ def build_library(cc: str, level: IsaLevel, source: str, target: str) -> str | N
         os.unlink(tmp)
         err = result.stderr.strip()
         errors.append(err.splitlines()[-1] if err else f"exit status {result.returncode}")
-    raise RuntimeError(f"{os.path.basename(cc)} failed to build {os.path.basename(source)} for "
-                       f"{level.name}: {errors[0]}")
+    raise RuntimeError(f"{os.path.basename(cc)} failed to build the CPU kernels for {level.name}: "
+                       f"{errors[0]}")

@@ -1,6 +1,6 @@
 /* A Python-free driver for the CPU kernels: reads cases (kernel, integer and float arguments,
  * arrays) written by tests/plugins/cpu/test_kernel_driver.py, runs each kernel on them, and writes
- * every array back, so the test compares the outputs with torch. Built with cpu_kernels.c for one
+ * every array back, so the test compares the outputs with torch. Built with the kernels for one
  * ISA level: natively for the x86 levels this CPU runs, and for aarch64 (NEON) with
  * aarch64-linux-gnu-gcc, run under qemu-aarch64.
  *

@@ -1,0 +1,100 @@
+/* omni_decoder_layers: all of a model's decoder layers in one call. */
+#include "omni.h"
+
+/* ---- a stack of decoder layers in one call --------------------------------------------------- */
+/* One pre-norm Llama layer (decoder_stack.py builds these from the model's DecoderLayerSpec):
+ *   h = x + o(attention(rotary(qkv(norm(x)))));  x' = h + down(silu(gate) * up), gate|up = gate_up(norm(h))
+ * Each product with `*_packed` set (omni_gemm_pack; gate_up packed gated) runs omni_gemm above
+ * `kernel_rows` rows; up to there omni_linear on the [out, in] weight, or omni_linear_ec on its
+ * coded copy where `*_ec` is set. */
+typedef struct {
+    const void *input_norm, *qkv, *qkv_packed, *qkv_ec, *qkv_bias, *o, *o_packed, *o_ec, *o_bias,
+        *post_norm, *gate_up, *gate_up_packed, *gate_up_ec, *gate_up_bias, *down, *down_packed,
+        *down_ec, *down_bias;
+    void *k_cache, *v_cache;
+    const float *cos, *sin;  /* float32 [max_position, head_size / 2] */
+    float input_eps, post_eps, scale;
+    int hidden, num_heads, num_kv_heads, head_size, intermediate, block_size, window, max_position;
+} omni_layer;
+
+/* omni_linear, or omni_linear_ec where the weight has a coded copy */
+static void kernel_linear(const void *x, const void *w, const void *ec, const void *bias, void *y,
+                          int M, int N, int K, int dt, int nthreads) {
+    if (!ec || omni_linear_ec(x, K, ec, bias, y, N, M, N, K, dt, nthreads))
+        omni_linear(x, K, w, bias, y, N, M, N, K, dt, nthreads);
+}
+
+static int stack_linear(const void *x, const void *w, const void *packed, const void *ec,
+                        const void *bias, void *y, int M, int N, int K, int gated, int kernel_rows,
+                        int dt, int nthreads) {
+    if (M <= kernel_rows) {
+        kernel_linear(x, w, ec, bias, y, M, N, K, dt, nthreads);
+        return 0;
+    }
+    if (!packed) return -4;
+    return omni_gemm(x, K, packed, bias, y, gated ? N / 2 : N, M, N, K, gated, dt, nthreads) ? -4 : 0;
+}
+
+/* Runs `num_layers` layers over T tokens, as the model's layers one by one would, call for call
+ * (the same kernels, in the same order, on the same rows: bit for bit the same result).
+ * hidden [T, H] (in: the layers' input; out: the last down product) and residual [T, H] (in: the
+ * running residual when has_residual, else nothing; out: the residual the model's final norm
+ * adds). The attention arguments are omni_paged_attention's, the same for every layer. work:
+ * T * (H + QKV + heads * head + 3 * intermediate) elements (QKV = (heads + 2 kv_heads) * head).
+ * Returns 0; -1 attention refused the shapes, -2 out of memory, -3 a position outside the rotary
+ * table (before anything is written), -4 more than kernel_rows rows without a packed weight. */
+int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, void *residual,
+                        int has_residual, const int64_t *positions, const int64_t *slot_mapping,
+                        int T, const int32_t *block_tables, int64_t table_stride,
+                        const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs,
+                        void *work, int kernel_rows, int dt, int nthreads) {
+    if (num_layers <= 0 || T <= 0) return 0;
+    size_t es = dt == F32 ? 4 : 2;
+    const omni_layer *L0 = &layers[0];
+    for (int t = 0; t < T; t++)
+        if (positions[t] < 0 || positions[t] >= L0->max_position) return -3;
+    if (!has_residual) memcpy(residual, hidden, (size_t)T * L0->hidden * es);
+    for (int i = 0; i < num_layers; i++) {
+        const omni_layer *L = &layers[i];
+        int H = L->hidden, D = L->head_size, I = L->intermediate;
+        int q_size = L->num_heads * D, kv_size = L->num_kv_heads * D, QKV = q_size + 2 * kv_size;
+        char *normed = work, *qkv = normed + (size_t)T * H * es, *att = qkv + (size_t)T * QKV * es;
+        char *gate_up = att + (size_t)T * q_size * es, *act = gate_up + (size_t)T * 2 * I * es;
+        int rc;
+        if (i == 0 && !has_residual)
+            omni_rms_norm(hidden, NULL, NULL, L->input_norm, normed, T, H, L->input_eps, dt, nthreads);
+        else
+            omni_rms_norm(hidden, residual, residual, L->input_norm, normed, T, H, L->input_eps, dt,
+                          nthreads);
+        if ((rc = stack_linear(normed, L->qkv, L->qkv_packed, L->qkv_ec, L->qkv_bias, qkv, T, QKV,
+                               H, 0, kernel_rows, dt, nthreads)))
+            return rc;
+        if (omni_rotary(qkv, QKV, qkv + (size_t)q_size * es, QKV, positions, L->cos, L->sin,
+                        L->max_position, T, L->num_heads, L->num_kv_heads, D, dt, nthreads))
+            return -3;
+        if ((rc = omni_paged_attention(qkv, QKV, qkv + (size_t)q_size * es, QKV,
+                                       qkv + (size_t)(q_size + kv_size) * es, QKV, slot_mapping, T,
+                                       L->k_cache, L->v_cache, block_tables, table_stride,
+                                       query_start_loc, seq_lens, num_seqs, att, q_size,
+                                       L->num_heads, L->num_kv_heads, D, L->block_size, L->scale,
+                                       L->window, dt, nthreads)))
+            return rc;
+        if ((rc = stack_linear(att, L->o, L->o_packed, L->o_ec, L->o_bias, hidden, T, H, q_size,
+                               0, kernel_rows, dt, nthreads)))
+            return rc;
+        omni_rms_norm(hidden, residual, residual, L->post_norm, normed, T, H, L->post_eps, dt, nthreads);
+        if (T <= kernel_rows) {
+            kernel_linear(normed, L->gate_up, L->gate_up_ec, L->gate_up_bias, gate_up, T, 2 * I, H,
+                          dt, nthreads);
+            omni_silu_and_mul(gate_up, act, T, I, dt, nthreads);
+        } else if ((rc = stack_linear(normed, L->gate_up, L->gate_up_packed, L->gate_up_ec,
+                                      L->gate_up_bias, act, T, 2 * I, H, 1, kernel_rows, dt,
+                                      nthreads))) {
+            return rc;
+        }
+        if ((rc = stack_linear(act, L->down, L->down_packed, L->down_ec, L->down_bias, hidden, T, H,
+                               I, 0, kernel_rows, dt, nthreads)))
+            return rc;
+    }
+    return 0;
+}
