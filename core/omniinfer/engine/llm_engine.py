@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 from omniinfer.attention.selector import select_attention_backend
 from omniinfer.config import EngineArgs, EngineConfig, dtype_name
+from omniinfer.engine import request_checks
 from omniinfer.engine.detokenizer import Detokenizers, find_stop
 from omniinfer.engine.outputs import CompletionOutput, RequestOutput
 from omniinfer.engine.scheduler import Scheduler, SchedulerOutput
@@ -118,39 +119,27 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt: a string or {"prompt_token_ids": [...]}; checked."""
-        vocab = self.config.model.vocab_size
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty; give at least one character or token")
+            request_checks.check_text("prompt", prompt)
             return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)):
-                raise TypeError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
-            if not ids:
-                raise ValueError("prompt_token_ids is empty; give at least one token")
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise TypeError(f"prompt_token_ids must hold ints, got {t!r} ({type(t).__name__})")
-                if not 0 <= t < vocab:
-                    raise ValueError(f"prompt_token_ids holds token id {t}; allowed: 0 <= id < "
-                                     f"vocab size {vocab}")
-            return prompt.get("prompt"), list(ids)
+            return prompt.get("prompt"), request_checks.token_ids(prompt, self.config.model.vocab_size)
         raise TypeError(f"prompt must be a string or a dict with 'prompt_token_ids', got "
                         f"{type(prompt).__name__}")
 
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """Check a request of this many prompt tokens against the engine's limits (max_logprobs,
+        max_num_seqs, the vocabulary, max_model_len, the KV cache); returns its resolved budget
+        of generated tokens. Raises ValueError naming the field to blame."""
+        request_checks.check_params(self.config, params)
+        max_tokens = request_checks.resolve_max_tokens(self.config, num_prompt_tokens, params)
+        request_checks.check_fits(self.scheduler, num_prompt_tokens, max_tokens, params)
+        return max_tokens
+
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        limit = self.config.model.max_model_len
-        if params.max_tokens is None:
-            if num_prompt_tokens >= limit:
-                raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len={limit} "
-                                 "leaves no room to generate")
-            return limit - num_prompt_tokens
-        if num_prompt_tokens + params.max_tokens > limit:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens and max_tokens="
-                             f"{params.max_tokens}: {num_prompt_tokens + params.max_tokens} exceeds "
-                             f"max_model_len={limit}")
-        return params.max_tokens
+        return request_checks.resolve_max_tokens(self.config, num_prompt_tokens, params)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, stream: bool = True) -> None:
@@ -166,7 +155,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.tokenize_prompt(prompt)
-        max_tokens = self.resolve_max_tokens(len(ids), params)
+        max_tokens = self.check_request(len(ids), params)
         group = SequenceGroup(request_id, text, ids, params,
                               arrival_time=arrival_time or time.monotonic(),
                               max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
