@@ -80,8 +80,11 @@ class ServingContext:
 
 
 def output_error(out: RequestOutput) -> APIError | None:
-    """The request failed inside the engine (e.g. more KV blocks than exist): a 400."""
+    """The request ended with an error: a 500 when processing it failed inside a step (the
+    engine and the other requests go on), else a 400 (a request the scheduler refused)."""
     if out.error:
+        if out.is_internal_error:
+            return APIError(out.error, 500, type="InternalServerError", code="request_failed")
         return APIError(out.error)
     for c in out.outputs:
         if c.finish_reason == "error":
