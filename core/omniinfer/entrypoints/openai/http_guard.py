@@ -232,7 +232,8 @@ class H11Protocol(_UvicornH11Protocol):
             error = APIError("the request headers are too large", 431,
                              code="request_header_fields_too_large")
         body = json.dumps(error.body()).encode()
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(body)).encode())]
         for event in (h11.Response(status_code=error.status_code, headers=headers),
                       h11.Data(data=body), h11.EndOfMessage()):
             self.transport.write(self.conn.send(event))
