@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections import Counter
 
@@ -29,13 +30,16 @@ from omniinfer.entrypoints.openai.api_server import ServerState, build_app
 from omniinfer.entrypoints.openai.limits import ServerLimits
 
 FUZZ_EXAMPLES = 100  # per test in the default tier (~200 requests and 100 offline runs)
-SLOW_EXAMPLES = 700  # per test in the slow tier (three server tests: 2,100 requests)
+# per test in the slow tier (three server tests: 2,100 requests); OMNIINFER_FUZZ_EXAMPLES=N
+# runs more, and OMNIINFER_FUZZ_RANDOM=1 draws new cases instead of the same ones every run
+SLOW_EXAMPLES = int(os.environ.get("OMNIINFER_FUZZ_EXAMPLES", 700))
+DERANDOMIZE = not os.environ.get("OMNIINFER_FUZZ_RANDOM")
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")
 COUNTS: Counter = Counter()  # status -> requests
 
 
 def fuzz_settings(examples: int):
-    return settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+    return settings(max_examples=examples, deadline=None, database=None, derandomize=DERANDOMIZE,
                     suppress_health_check=list(HealthCheck), print_blob=True)
 
 

@@ -223,7 +223,7 @@ class H11Protocol(_UvicornH11Protocol):
 
     def send_400_response(self, msg: str) -> None:
         buffered, _ = self.conn.trailing_data
-        if len(buffered) < self.conn._max_incomplete_event_size:
+        if len(buffered) < getattr(self.conn, "_max_incomplete_event_size", 16 << 10):
             super().send_400_response(msg)
             return
         if b"\r\n" not in buffered:
