@@ -170,12 +170,17 @@ def test_health_answers_while_big_bodies_are_parsed(served):
                 time.sleep(0.01)
             sender.join()
             elapsed = time.monotonic() - start
+            latencies = latencies or [0.0]
             status, _, error = answer[0]
             assert status == (413 if name == "21 MB" else 400), error
             assert openai_error(error)["param"] in ("prompt", None)
             print(f"{name}: answered {status} in {elapsed:.2f} s; /health max "
-                  f"{max(latencies or [0]) * 1000:.0f} ms over {len(latencies)} polls")
-            assert elapsed < 10 and max(latencies or [0]) < 0.25, (name, latencies)
+                  f"{max(latencies) * 1000:.0f} ms over {len(latencies)} polls")
+            # (the goal is 100 ms; on a shared 2-core machine one poll in a hundred can lose
+            # the CPU for longer, so the bound on the worst one is looser: main took > 10 s)
+            latencies.sort()
+            assert elapsed < 10 and latencies[int(0.9 * (len(latencies) - 1))] < 0.1, latencies
+            assert latencies[-1] < 1.0, (name, latencies)
     assert served.rss_mib() - rss_before < 150  # it was +2.7 GB for a 21 MB prompt
 
 
@@ -292,3 +297,52 @@ def test_sigterm_finishes_what_it_can_then_ends_the_rest(tmp_path):
         assert error["code"] == "server_shutting_down" and "shutdown timeout" in error["message"]
     with pytest.raises(httpx.TransportError):  # nothing listens any more
         httpx.get(f"{served.url}/health", timeout=2)
+
+
+# ---- the last line, over a socket: a 500 keeps the connection --------------------------------------
+def test_an_unhandled_error_is_a_500_on_a_connection_that_stays_usable(checkpoint_dir,
+                                                                      monkeypatch):
+    """uvicorn in a thread of this process, so a handler can be broken on purpose: Starlette
+    re-raises what its 500 handler answered, and uvicorn then dropped the connection."""
+    import uvicorn
+    from test_openai_server import CHAT_TEMPLATE, make_engine
+
+    from omniinfer.entrypoints.openai.api_server import ServerState, build_app
+    from omniinfer.entrypoints.openai.http_guard import H11Protocol
+
+    state = ServerState("tiny", chat_template=CHAT_TEMPLATE, stats_interval_s=0)
+    state.attach(make_engine(checkpoint_dir("llama")))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(build_app(state), host="127.0.0.1", port=port,
+                                           log_level="warning", http=H11Protocol))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug in a handler")
+
+    monkeypatch.setattr(state.ctx, "render_chat", broken)
+    try:
+        deadline = time.monotonic() + 30
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        chat = post_bytes("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}]}')
+        good = post_bytes("/v1/completions", b'{"prompt": "hi", "max_tokens": 2}')
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            for _ in range(2):
+                status, headers, body = read_after(sock, chat)
+                error = openai_error(body)
+                assert status == 500 and "KeyError" in error["message"]
+                assert headers.get("connection") != "close"
+                status, _, body = read_after(sock, good)
+                assert status == 200 and json.loads(body)["usage"]["completion_tokens"] == 2
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        state.shutdown()
+
+
+def read_after(sock: socket.socket, request: bytes) -> tuple[int, dict, bytes]:
+    sock.sendall(request)
+    return read_response(sock)
