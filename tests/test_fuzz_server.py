@@ -18,6 +18,11 @@ import json
 import os
 import time
 from collections import Counter
+from pathlib import Path
+
+# hypothesis keeps a cache of its own: in .pytest_cache, not a new folder in the checkout
+os.environ.setdefault("HYPOTHESIS_STORAGE_DIRECTORY",
+                      str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "hypothesis"))
 
 import httpx
 import pytest
