@@ -5,7 +5,8 @@
   unfinished ends with an OpenAI error (503 `server_shutting_down`; a stream gets an error
   event, then `data: [DONE]`) and the server exits 0.
 * The engine fails (a step raised, a worker died): waiting requests get their 500, `/health`
-  answers 503, and the server shuts down and exits 1, so that a supervisor restarts it;
+  answers 503 (for a second before the port closes), and the server shuts down and exits 1,
+  so that a supervisor restarts it;
   `keep_alive_on_engine_death` keeps it up (answering 503/500) instead.
 * The model fails to load: exit 1.
 """
@@ -25,6 +26,9 @@ logger = init_logger(__name__)
 
 # past the shutdown timeout: time for the ended requests' handlers to send their errors
 END_GRACE_S = 5.0
+# after an engine failure, /health answers 503 this long before the port closes, so that a
+# probe or a load balancer sees why (and drains the instance) rather than a refused connection
+ENGINE_DEATH_EXIT_DELAY_S = 1.0
 
 
 def _server_class():
@@ -83,8 +87,11 @@ def run_server(model: str, engine_kwargs: dict, *, host: str = "127.0.0.1", port
             logger.error("the engine failed; serving errors until stopped "
                          "(--keep-alive-on-engine-death)")
             return
-        logger.error("the engine failed; the server shuts down (exit status 1)")
-        server.should_exit = True
+        logger.error("the engine failed; the server shuts down in %.0f s (exit status 1)",
+                     ENGINE_DEATH_EXIT_DELAY_S)
+        timer = threading.Timer(ENGINE_DEATH_EXIT_DELAY_S, setattr, (server, "should_exit", True))
+        timer.daemon = True
+        timer.start()
 
     state.on_engine_dead = on_engine_dead
 
