@@ -158,14 +158,20 @@ def test_abort_at_any_point_frees_everything(llm):
         assert_no_leak(engine)
 
 
-def test_request_that_can_never_fit_finishes_with_an_error(checkpoint_dir):
+def test_request_that_can_never_fit_is_refused(checkpoint_dir):
+    """More KV blocks than exist: refused when added, naming what to lower (the prompt when it
+    alone is too big, else max_tokens), and nothing starts."""
     llm = LLM(checkpoint_dir("llama"), num_kv_blocks=4, block_size=8)
-    outs = llm.generate([{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": [3, 4]}],
-                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
-    bad, good = outs
-    assert bad.finished and bad.outputs[0].finish_reason == "error"
-    assert "needs up to 6 KV-cache blocks" in bad.error and "only 4 blocks" in bad.error
-    assert bad.outputs[0].error == bad.error
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: prompt has 37 tokens: .*needs up to 5 "
+                       r"KV-cache blocks .*only 4 blocks"):
+        llm.generate([{"prompt_token_ids": list(range(3, 40))}, {"prompt_token_ids": [3, 4]}],
+                     params, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"max_tokens=31: .*needs up to 5 KV-cache blocks"):
+        llm.llm_engine.add_request("x", {"prompt_token_ids": [3, 4]},
+                                   SamplingParams(max_tokens=31))
+    assert not llm.llm_engine.has_unfinished_requests()
+    (good,) = llm.generate({"prompt_token_ids": [3, 4]}, params, use_tqdm=False)
     assert good.outputs[0].finish_reason == "length" and len(good.outputs[0].token_ids) == 4
 
 

@@ -29,9 +29,9 @@ MAX_MODEL_LEN = 128
 
 
 def make_engine(path: str, **kwargs) -> LLMEngine:
-    return LLMEngine.from_engine_args(EngineArgs(
-        model=path, num_kv_blocks=64, block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
-        max_model_len=MAX_MODEL_LEN, **kwargs), progress=False)
+    args = dict(num_kv_blocks=64, block_size=8, max_num_seqs=8, max_num_batched_tokens=64,
+                max_model_len=MAX_MODEL_LEN)
+    return LLMEngine.from_engine_args(EngineArgs(model=path, **{**args, **kwargs}), progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -409,16 +409,19 @@ def test_engine_failure_is_reported_not_hung(checkpoint_dir):
         body = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
         in_flight = await http.post("/v1/completions", json=body)
         later = await http.post("/v1/completions", json={**body, "stream": True})
-        return in_flight, later, await http.get("/health")
+        return in_flight, later, await http.get("/health"), await http.get("/metrics")
 
     try:
-        in_flight, later, health = call(state, run, timeout_s=20)
+        in_flight, later, health, metrics = call(state, run, timeout_s=20)
     finally:
         state.shutdown()
     for response in (in_flight, later):
         error = assert_openai_error(response, 500)
         assert "boom: the device fell off the bus" in error["message"]
-    assert health.status_code == 500 and "boom" in health.json()["error"]
+    assert health.status_code == 503 and "boom" in health.json()["error"]
+    values = metric_values(metrics.text)  # not stale: nothing runs any more
+    assert values[("omniinfer:engine_dead", ())] == 1
+    assert values[("omniinfer:num_requests_running", ())] == 0
 
 
 # ---- health, models, tokenize, auth, metrics ----------------------------------------------------

@@ -60,6 +60,7 @@ class ModelConfig:
     head_size: int
     eos_token_ids: list[int] = field(default_factory=list)  # from generation_config.json / config.json
     generation_config: dict = field(default_factory=dict)
+    max_logprobs: int = 20  # most log-probabilities a request may ask for per token (<= vocab_size)
 
     @property
     def dtype_bytes(self) -> int:
@@ -313,6 +314,7 @@ class EngineArgs:
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
     num_scheduler_steps: int | None = None  # None: 1 (the offline LLM class picks 8)
+    max_logprobs: int = 20  # a request's logprobs / prompt_logprobs at most; -1: the vocabulary
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -321,8 +323,11 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         _check_int("seed", self.seed, minimum=0)
         _check_int("block_size", self.block_size, minimum=1)
+        _check_int("max_logprobs", self.max_logprobs, minimum=-1)
         model = load_model_config(self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                                   max_model_len=self.max_model_len, seed=self.seed)
+        model.max_logprobs = (model.vocab_size if self.max_logprobs == -1
+                              else min(self.max_logprobs, model.vocab_size))
         speculative = self._speculative_config(model)
         steps = 1 if self.num_scheduler_steps is None else self.num_scheduler_steps
         if speculative is not None and steps != 1:

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 
 from omniinfer.attention.selector import select_attention_backend
 from omniinfer.config import EngineArgs, EngineConfig, dtype_name
+from omniinfer.engine import request_checks
 from omniinfer.engine.detokenizer import Detokenizers, find_stop
 from omniinfer.engine.outputs import CompletionOutput, RequestOutput
 from omniinfer.engine.scheduler import Scheduler, SchedulerOutput
@@ -118,39 +119,27 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt: a string or {"prompt_token_ids": [...]}; checked."""
-        vocab = self.config.model.vocab_size
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty; give at least one character or token")
+            request_checks.check_text("prompt", prompt)
             return prompt, list(self.tokenizer(prompt).input_ids)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)):
-                raise TypeError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
-            if not ids:
-                raise ValueError("prompt_token_ids is empty; give at least one token")
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int):
-                    raise TypeError(f"prompt_token_ids must hold ints, got {t!r} ({type(t).__name__})")
-                if not 0 <= t < vocab:
-                    raise ValueError(f"prompt_token_ids holds token id {t}; allowed: 0 <= id < "
-                                     f"vocab size {vocab}")
-            return prompt.get("prompt"), list(ids)
+            return prompt.get("prompt"), request_checks.token_ids(prompt, self.config.model.vocab_size)
         raise TypeError(f"prompt must be a string or a dict with 'prompt_token_ids', got "
                         f"{type(prompt).__name__}")
 
+    def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
+        """Check a request of this many prompt tokens against the engine's limits (max_logprobs,
+        max_num_seqs, the vocabulary, max_model_len, the KV cache); returns its resolved budget
+        of generated tokens. Raises ValueError naming the field to blame."""
+        request_checks.check_params(self.config, params)
+        max_tokens = request_checks.resolve_max_tokens(self.config, num_prompt_tokens, params)
+        request_checks.check_fits(self.scheduler, num_prompt_tokens, max_tokens, params)
+        return max_tokens
+
     def resolve_max_tokens(self, num_prompt_tokens: int, params: SamplingParams) -> int:
-        limit = self.config.model.max_model_len
-        if params.max_tokens is None:
-            if num_prompt_tokens >= limit:
-                raise ValueError(f"prompt has {num_prompt_tokens} tokens; max_model_len={limit} "
-                                 "leaves no room to generate")
-            return limit - num_prompt_tokens
-        if num_prompt_tokens + params.max_tokens > limit:
-            raise ValueError(f"prompt has {num_prompt_tokens} tokens and max_tokens="
-                             f"{params.max_tokens}: {num_prompt_tokens + params.max_tokens} exceeds "
-                             f"max_model_len={limit}")
-        return params.max_tokens
+        return request_checks.resolve_max_tokens(self.config, num_prompt_tokens, params)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, stream: bool = True) -> None:
@@ -166,7 +155,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.tokenize_prompt(prompt)
-        max_tokens = self.resolve_max_tokens(len(ids), params)
+        max_tokens = self.check_request(len(ids), params)
         group = SequenceGroup(request_id, text, ids, params,
                               arrival_time=arrival_time or time.monotonic(),
                               max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
@@ -217,7 +206,14 @@ class LLMEngine:
                 self._process(sched, result, touched)
             if self.proposer is not None:
                 self.proposer.after_step(sched, results[0])
-        outputs = [self._output(g) for g in touched.values() if g.stream or g.is_finished]
+        outputs = []
+        for group in list(touched.values()):
+            if group.stream or group.is_finished:
+                try:
+                    outputs.append(self._output(group))
+                except Exception as e:  # noqa: BLE001 - e.g. detokenising its text failed
+                    self._fail_request(group, e)
+                    outputs.append(self._output(group))
         for group in touched.values():
             if group.is_finished and self.groups.pop(group.request_id, None) is not None:
                 self.num_finished += 1
@@ -231,7 +227,11 @@ class LLMEngine:
 
     def _process(self, sched: SchedulerOutput, result: SamplerOutput,
                  touched: dict[str, SequenceGroup]) -> None:
+        # A failure tied to one request (its sampling, detokenisation, stop handling) ends that
+        # request with an error; the others go on. Try blocks cost nothing unless they catch.
         now = time.monotonic()
+        for request_id, error in result.failed.items():
+            self._fail_request(self.groups[request_id], error)
         for request_id, (first, entries) in result.prompt_logprobs.items():
             group = self.groups[request_id]
             if group.prompt_logprobs is None:
@@ -241,7 +241,10 @@ class LLMEngine:
         if result.greedy is not None:  # one greedy token per sequence, nothing else
             for seq, token in zip(*result.greedy):
                 if seq.status < SequenceStatus.FINISHED_STOPPED:
-                    self._append(seq, token, None, None)
+                    try:
+                        self._append(seq, token, None, None)
+                    except Exception as e:  # noqa: BLE001 - this request's own failure
+                        self._fail_request(seq.group, e)
         samples = result.samples
         if not samples and not self.num_streamed:  # the greedy fast path covered everything
             return
@@ -254,22 +257,29 @@ class LLMEngine:
             sample = samples.get(seq.seq_id)
             if sample is None or seq.status >= SequenceStatus.FINISHED_STOPPED:
                 continue
-            token_ids = sample.token_ids
-            if len(token_ids) == 1 and sample.logprobs is None:  # one token, nothing else
-                self._append(seq, token_ids[0], None, None)
-                continue
-            if s.spec_tokens:  # several tokens for one sequence: accepted drafts + one drawn
-                self._append_speculative(seq, sample)
-                continue
-            targets = [seq]
-            if len(sample.token_ids) > 1 and not group.is_forked:
-                targets += self._fork(seq, len(sample.token_ids))
-            for k, target in enumerate(targets):
-                lp = None if sample.logprobs is None else sample.logprobs[k]
-                top = None if sample.top_logprobs is None else sample.top_logprobs[k]
-                self._append(target, sample.token_ids[k], lp, top)
-            if group.params.n > 1 and not group.is_forked:
-                group.mark_forked()
+            try:
+                self._apply_sample(s, sample)
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                self._fail_request(group, e)
+
+    def _apply_sample(self, s, sample) -> None:
+        seq, group = s.seq, s.seq.group
+        token_ids = sample.token_ids
+        if len(token_ids) == 1 and sample.logprobs is None:  # one token, nothing else
+            self._append(seq, token_ids[0], None, None)
+            return
+        if s.spec_tokens:  # several tokens for one sequence: accepted drafts + one drawn
+            self._append_speculative(seq, sample)
+            return
+        targets = [seq]
+        if len(sample.token_ids) > 1 and not group.is_forked:
+            targets += self._fork(seq, len(sample.token_ids))
+        for k, target in enumerate(targets):
+            lp = None if sample.logprobs is None else sample.logprobs[k]
+            top = None if sample.top_logprobs is None else sample.top_logprobs[k]
+            self._append(target, sample.token_ids[k], lp, top)
+        if group.params.n > 1 and not group.is_forked:
+            group.mark_forked()
 
     def _append_speculative(self, seq: Sequence, sample) -> None:
         for j, token in enumerate(sample.token_ids):
@@ -343,6 +353,18 @@ class LLMEngine:
             metrics.finished_time = metrics.last_token_time = time.monotonic()
             self._touched[group.request_id] = group
 
+    def _fail_request(self, group: SequenceGroup, error: BaseException | str) -> None:
+        """End a request whose own processing failed in a step: it reports the error, its
+        blocks are freed, the rest of the batch goes on."""
+        if group.error is None:
+            cause = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            group.error = f"the request failed inside the engine: {cause}"
+            group.is_internal_error = True
+            if not isinstance(error, str):
+                logger.error("request %s failed in a step", group.request_id, exc_info=error)
+        self._finish_group_with_error(group)
+        self._touched[group.request_id] = group
+
     def _finish_group_with_error(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
             if not seq.is_finished:
@@ -355,7 +377,8 @@ class LLMEngine:
         holdback = max((len(s) for s in group.params.stop), default=1) - 1
         completions = []
         for seq in group.seqs:
-            seq.output_text += seq.detok.take()
+            if group.error is None:  # a failed request's detokenizer is not touched again
+                seq.output_text += seq.detok.take()
             text = seq.output_text
             if holdback and not seq.is_finished:  # might still become a stop string
                 text = text[: max(0, len(text) - holdback)]
@@ -379,6 +402,7 @@ class LLMEngine:
             outputs=completions,
             finished=finished,
             error=group.error,
+            is_internal_error=group.is_internal_error,
             metrics={"arrival_time": m.arrival_time, "first_scheduled_time": m.first_scheduled_time,
                      "first_token_time": m.first_token_time, "last_token_time": m.last_token_time,
                      "finished_time": m.finished_time},

@@ -32,4 +32,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     error: str | None = None
+    # the error is the engine's (processing this request failed inside a step), not a
+    # problem with the request itself (which is refused when it is added)
+    is_internal_error: bool = False
     metrics: dict = field(default_factory=dict)

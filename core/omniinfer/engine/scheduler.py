@@ -242,14 +242,18 @@ class Scheduler:
             budget -= num_new
 
     def _never_fits(self, seq: Sequence) -> str | None:
-        most = seq.num_prompt_tokens + seq.group.max_tokens + self.config.num_lookahead_slots
+        return self.never_fits(seq.num_prompt_tokens, seq.group.max_tokens)
+
+    def never_fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
+        """Why a request of this size could never be scheduled, or None."""
+        most = num_prompt_tokens + max_tokens + self.config.num_lookahead_slots
         need = self.blocks.blocks_for(min(most, self.config.max_model_len + self.config.num_lookahead_slots))
         if need > self.blocks.num_total_blocks:
-            return (f"request needs up to {need} KV-cache blocks ({most} tokens of "
+            return (f"the request needs up to {need} KV-cache blocks ({most} tokens of "
                     f"{self.block_size}) but the cache has only {self.blocks.num_total_blocks} "
                     "blocks; raise num_kv_blocks / kv_cache_memory_bytes or lower max_tokens")
-        if not self.config.enable_chunked_prefill and seq.num_tokens > self.config.max_num_batched_tokens:
-            return (f"prompt of {seq.num_tokens} tokens exceeds max_num_batched_tokens="
+        if not self.config.enable_chunked_prefill and num_prompt_tokens > self.config.max_num_batched_tokens:
+            return (f"a prompt of {num_prompt_tokens} tokens exceeds max_num_batched_tokens="
                     f"{self.config.max_num_batched_tokens} with chunked prefill disabled")
         return None
 

@@ -144,6 +144,7 @@ class SequenceGroup:
     seqs: list[Sequence] = field(default_factory=list)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     error: str | None = None
+    is_internal_error: bool = False  # the error is the engine's (a failed step), not the request's
     is_forked: bool = False
     max_tokens: int = 0  # resolved budget of generated tokens
     eos_token_ids: list[int] = field(default_factory=list)

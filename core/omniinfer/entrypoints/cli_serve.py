@@ -7,7 +7,12 @@ import os
 import sys
 
 from omniinfer.entrypoints.cli_generate import default_model
-from omniinfer.entrypoints.engine_flags import add_engine_args, engine_kwargs, env_default
+from omniinfer.entrypoints.engine_flags import (
+    _parse_bool,
+    add_engine_args,
+    engine_kwargs,
+    env_default,
+)
 
 DEMO_MODEL_NAME = "omniinfer-demo"
 
@@ -32,6 +37,23 @@ def register(sub) -> None:
                    help="seconds between stats log lines while busy; 0 disables (default: %(default)s)")
     p.add_argument("--uvicorn-log-level", default=env_default("uvicorn_log_level", "info"),
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    limits = p.add_argument_group("limits (see docs/serving.md)")
+    limits.add_argument("--max-n", type=int, default=env_default("max_n", 128, int),
+                        help="most choices (n) per prompt (default: %(default)s)")
+    limits.add_argument("--max-prompt-tokens", type=int,
+                        default=env_default("max_prompt_tokens", None, int),
+                        help="most tokens in one prompt (default: max_model_len - 1)")
+    limits.add_argument("--max-body-bytes", type=int,
+                        default=env_default("max_body_bytes", 16 << 20, int),
+                        help="larger request bodies get 413 (default: %(default)s, 16 MiB)")
+    limits.add_argument("--shutdown-timeout", type=float,
+                        default=env_default("shutdown_timeout", 30.0, float),
+                        help="seconds running requests may still finish after SIGTERM; then they "
+                        "end with an error (default: %(default)s)")
+    limits.add_argument("--keep-alive-on-engine-death", nargs="?", const=True, type=_parse_bool,
+                        default=env_default("keep_alive_on_engine_death", False, bool),
+                        help="keep serving (503 on /health, 500 on requests) after the engine "
+                        "failed, instead of exiting with status 1 for a supervisor to restart")
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -44,7 +66,8 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from omniinfer.entrypoints.openai.api_server import run_server
+    from omniinfer.entrypoints.openai.limits import ServerLimits
+    from omniinfer.entrypoints.openai.run import run_server
 
     model, name = args.model, args.served_model_name
     if not model:
@@ -53,7 +76,15 @@ def run(args: argparse.Namespace) -> int:
             print("error: no MODEL given and no demo model is installed", file=sys.stderr)
             return 2
         name = name or DEMO_MODEL_NAME
+    try:
+        limits = ServerLimits(max_n=args.max_n, max_prompt_tokens=args.max_prompt_tokens,
+                              max_body_bytes=args.max_body_bytes,
+                              shutdown_timeout_s=args.shutdown_timeout)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return run_server(model, engine_kwargs(args), host=args.host, port=args.port,
                       model_name=name or model, api_key=args.api_key,
                       chat_template=read_chat_template(args.chat_template),
-                      stats_interval_s=args.stats_interval, uvicorn_log_level=args.uvicorn_log_level)
+                      stats_interval_s=args.stats_interval, uvicorn_log_level=args.uvicorn_log_level,
+                      limits=limits, keep_alive_on_engine_death=args.keep_alive_on_engine_death)

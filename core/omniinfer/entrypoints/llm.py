@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections.abc import Iterable
 
 from omniinfer.config import EngineArgs
 from omniinfer.engine.llm_engine import LLMEngine
@@ -25,7 +26,7 @@ class LLM:
     max_model_len, max_num_seqs, max_num_batched_tokens, enable_chunked_prefill,
     enable_prefix_caching, preemption_mode, attention_backend, tensor_parallel_size,
     pipeline_parallel_size, distributed_executor_backend, worker_cls, speculative_model,
-    num_speculative_tokens, num_scheduler_steps.
+    num_speculative_tokens, num_scheduler_steps, max_logprobs.
 
     `num_scheduler_steps` (multi-step decoding) defaults to 8 here, 1 with a speculative model;
     the engine's default, for serving, is 1. Pass 1 for one schedule per token.
@@ -70,6 +71,9 @@ class LLM:
         is queued, so a bad one raises without starting the others."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        elif isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a string, a dict with 'prompt_token_ids', or a list "
+                            f"of them; got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -85,7 +89,7 @@ class LLM:
                 raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(p).__name__}")
             try:
                 text, ids = engine.tokenize_prompt(prompt)
-                engine.resolve_max_tokens(len(ids), p)
+                engine.check_request(len(ids), p)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None
             checked.append({"prompt": text, "prompt_token_ids": ids})

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 from omniinfer.config import EngineConfig
 from omniinfer.sampling.sampler import SamplerOutput
@@ -32,11 +33,17 @@ class Executor:
 
     num_device_blocks: int
     num_host_blocks: int
+    # called, from whichever thread notices, when a worker fails between or during steps (the
+    # server's engine loop uses it to wake up and report at once, even while idle)
+    on_failure: Callable[[], None] | None = None
 
     def __init__(self, config: EngineConfig, platform: type, attn_backend: type):
         self.config = config
         self.platform = platform
         self.attn_backend = attn_backend
+
+    def check_health(self) -> None:
+        """Raise WorkerFailedError if a worker has failed (cheap; safe from any thread)."""
 
     def execute_model(self, request: ExecuteModelRequest) -> list[SamplerOutput]:
         """The sampled output of each of the request's `num_steps` steps."""

@@ -132,6 +132,12 @@ class DistributedExecutor(Executor):
             self._failure = WorkerFailedError(rank, cause, pid)
         logger.error("%s", self._failure)
         self._kill_workers()
+        if self.on_failure is not None:
+            self.on_failure()
+
+    def check_health(self) -> None:
+        if self._failure is not None:
+            self._raise_failure()
 
     def _raise_failure(self, cause: BaseException | None = None):
         f = self._failure

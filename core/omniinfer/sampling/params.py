@@ -1,26 +1,44 @@
-"""SamplingParams: how one request samples and when it stops (names as vLLM's)."""
+"""SamplingParams: how one request samples and when it stops (names as vLLM's).
+
+Every number here ends up in a tensor or a loop of the engine step, so each has a range,
+checked at construction (numpy scalars are accepted and become Python numbers). What depends
+on the served model (`logprobs` against `max_logprobs`, `n` against `max_num_seqs`, token ids
+against the vocabulary, the length against `max_model_len`) is checked by the engine when the
+request is added.
+"""
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # the default of the engine's max_logprobs
+MAX_TEMPERATURE = 100.0  # far past the point where the distribution is already flat
+MAX_TOP_K = (1 << 31) - 1  # top_k above the vocabulary size keeps every token
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # any signed or unsigned 64-bit seed
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 def _number(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name}={value!r} is not allowed; it must be a finite number")
-    return float(value)
+    return value
 
 
-def _int(name: str, value, *, allow_none: bool = False) -> None:
+def _int(name: str, value, *, allow_none: bool = False) -> int | None:
+    """`value` as a Python int (numpy integers too); bools and non-integers are a TypeError."""
     if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    return int(value)
 
 
 @dataclass
@@ -32,6 +50,11 @@ class SamplingParams:
     one at every step (raw model log-probabilities, before any penalty or temperature);
     `prompt_logprobs=N` does the same for the prompt. `max_tokens=None` generates up to
     the model's context length.
+
+    Ranges: n >= 1; temperature [0, 100]; top_p (0, 1]; top_k -1, 0 or [1, 2**31 - 1]; min_p
+    [0, 1]; seed a 64-bit int; presence/frequency_penalty [-2, 2]; repetition_penalty
+    [0.01, 100]; max_tokens >= 1; 0 <= min_tokens <= max_tokens; logprobs, prompt_logprobs >= 0;
+    at most 64 stop strings of at most 1024 characters; at most 1024 stop_token_ids >= 0.
     """
 
     n: int = 1
@@ -54,60 +77,72 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        _int("n", self.n)
+        self.n = _int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n={self.n} is not allowed; it must be >= 1")
         self.temperature = _number("temperature", self.temperature)
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} is not allowed; it must be >= 0 "
-                             "(0 means greedy)")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature={self.temperature} is not allowed; it must be in "
+                             f"[0, {MAX_TEMPERATURE:g}] (0 means greedy)")
         self.top_p = _number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p={self.top_p} is not allowed; it must be in (0, 1]")
-        _int("top_k", self.top_k)
-        if self.top_k < -1:
+        self.top_k = _int("top_k", self.top_k)
+        if not -1 <= self.top_k <= MAX_TOP_K:
             raise ValueError(f"top_k={self.top_k} is not allowed; it must be -1 (disabled), 0 "
-                             "(disabled) or a positive int")
+                             f"(disabled) or an int in [1, {MAX_TOP_K}]")
         self.min_p = _number("min_p", self.min_p)
         if not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p={self.min_p} is not allowed; it must be in [0, 1]")
-        _int("seed", self.seed, allow_none=True)
+        self.seed = _int("seed", self.seed, allow_none=True)
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed={self.seed} is not allowed; it must be a 64-bit int in "
+                             f"[{SEED_RANGE[0]}, {SEED_RANGE[1]}]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = _number(name, getattr(self, name))
             if not -2 <= value <= 2:
                 raise ValueError(f"{name}={value} is not allowed; it must be in [-2, 2]")
             setattr(self, name, value)
         self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0:
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise ValueError(f"repetition_penalty={self.repetition_penalty} is not allowed; it must "
-                             "be > 0 (1 disables it)")
-        _int("max_tokens", self.max_tokens, allow_none=True)
+                             f"be in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] "
+                             "(1 disables it)")
+        self.max_tokens = _int("max_tokens", self.max_tokens, allow_none=True)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} is not allowed; it must be >= 1")
-        _int("min_tokens", self.min_tokens)
+        self.min_tokens = _int("min_tokens", self.min_tokens)
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens={self.min_tokens} is not allowed; it must be >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens={self.min_tokens} is not allowed; it must be <= "
                              f"max_tokens={self.max_tokens}")
         for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(self, name)
-            _int(name, value, allow_none=True)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"{name}={value} is not allowed; it must be in [0, {MAX_LOGPROBS}]")
+            value = _int(name, getattr(self, name), allow_none=True)
+            if value is not None and value < 0:
+                raise ValueError(f"{name}={value} is not allowed; it must be >= 0 (and at most "
+                                 f"the engine's max_logprobs, {MAX_LOGPROBS} by default)")
+            setattr(self, name, value)
+        self._check_stops()
+        if self.temperature < 1e-5:  # greedy: sampling knobs do not apply
+            self.temperature = 0.0
+
+    def _check_stops(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         if not all(isinstance(s, str) and s for s in self.stop):
-            raise TypeError(f"stop={self.stop!r} is not allowed; it must be a non-empty string or "
-                            "a list of non-empty strings")
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        for t in self.stop_token_ids:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids={self.stop_token_ids!r} is not allowed; it must "
-                                 "be a list of non-negative ints")
-        if self.temperature < 1e-5:  # greedy: sampling knobs do not apply
-            self.temperature = 0.0
+            raise TypeError(f"stop={_short(self.stop)} is not allowed; it must be a non-empty "
+                            "string or a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ValueError(f"stop={_short(self.stop)} is not allowed; at most {MAX_STOP_STRINGS} "
+                             f"strings of at most {MAX_STOP_STRING_CHARS} characters each")
+        ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if len(ids) > MAX_STOP_TOKEN_IDS or not all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids={_short(ids)} is not allowed; it must be a list of "
+                             f"at most {MAX_STOP_TOKEN_IDS} non-negative ints")
+        self.stop_token_ids = [int(t) for t in ids]
 
     @property
     def is_greedy(self) -> bool:
@@ -128,3 +163,8 @@ class SamplingParams:
         import copy
 
         return copy.deepcopy(self)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -107,7 +107,7 @@ def random_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[1]
     params = [row.params for row in rows]
     logits = logits / torch.tensor([p.temperature for p in params], device=device)[:, None]
-    top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params]
     top_p = [p.top_p for p in params]
     if any(k < vocab for k in top_k) or any(tp < 1 for tp in top_p):
         logits = _top_k_top_p(logits, top_k, top_p)

@@ -27,6 +27,9 @@ from omniinfer.sampling.processing import (
 )
 from omniinfer.sampling.rejection import rejection_sample
 
+# errors of the device itself: never blamed on a request
+_DEVICE_ERRORS = (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError))
+
 
 @dataclass(slots=True)
 class SeqSample:
@@ -46,6 +49,7 @@ class SamplerOutput:
     token_ids: torch.Tensor | None = None
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
     # request_id -> (index in the prompt of the first entry, entries)
+    failed: dict[str, str] = field(default_factory=dict)  # request_id -> why its sampling failed
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -81,6 +85,17 @@ class Sampler:
         self.argmax_rows = argmax_rows  # the greedy fast paths' argmax (a platform's LayerOps)
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """Sample every row. If that fails, each request is sampled alone, so that a failure tied
+        to one request's parameters or rows ends only that request (`SamplerOutput.failed`);
+        a device failure (out of memory, an accelerator error) is raised."""
+        try:
+            return self._sample_all(logits, md)
+        except _DEVICE_ERRORS:
+            raise
+        except Exception:  # noqa: BLE001 - sorted out request by request below
+            return self._sample_each(logits, md)
+
+    def _sample_all(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         out = SamplerOutput()
         # (each slicing call costs ~20 us here, right after the LM head: made only when needed)
         if logits.shape[1] != self.vocab_size:
@@ -93,6 +108,52 @@ class Sampler:
         for rows in md.prompt_rows:
             out.prompt_logprobs[rows.group.request_id] = (
                 rows.first_target, self._prompt_logprobs(logits, rows))
+        return out
+
+    def _sample_each(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        # Even when every request fails alone, each is failed rather than the engine: a batch
+        # of nothing but bad requests must not take the engine down either.
+        if logits.shape[1] != self.vocab_size:
+            logits = logits[:, : self.vocab_size]
+        parts: dict[str, SamplingMetadata] = {}
+        rows: dict[str, list[int]] = {}
+        for i, (seq, n) in enumerate(zip(md.seqs, md.num_samples)):
+            part = parts.setdefault(seq.request_id, SamplingMetadata())
+            part.seqs.append(seq)
+            part.num_samples.append(n)
+            rows.setdefault(seq.request_id, []).append(i)
+        for spec in md.spec_rows:
+            parts.setdefault(spec.seq.request_id, SamplingMetadata()).spec_rows.append(spec)
+        for prompt in md.prompt_rows:
+            parts.setdefault(prompt.group.request_id, SamplingMetadata()).prompt_rows.append(prompt)
+        out = SamplerOutput()
+        for request_id, part in parts.items():
+            alone = SamplerOutput()
+            try:
+                if part.seqs:
+                    index = torch.tensor(rows[request_id], device=logits.device)
+                    self._sample(logits[index], part, alone)
+                if part.spec_rows:
+                    self._verify(logits, part.spec_rows, alone)
+                for prompt in part.prompt_rows:
+                    alone.prompt_logprobs[request_id] = (prompt.first_target,
+                                                         self._prompt_logprobs(logits, prompt))
+            except _DEVICE_ERRORS:
+                raise
+            except Exception as e:  # noqa: BLE001 - this request's own failure
+                out.failed[request_id] = f"{type(e).__name__}: {e}"
+                continue
+            if alone.greedy is not None:
+                for seq, token in zip(*alone.greedy):
+                    alone.samples[seq.seq_id] = SeqSample([token])
+            out.samples.update(alone.samples)
+            out.prompt_logprobs.update(alone.prompt_logprobs)
+        if not md.spec_rows and max(md.num_samples, default=1) == 1:
+            # multi-step decoding feeds these to the next step; a failed row's placeholder is
+            # computed but never used (the engine ends its request)
+            out.token_ids = torch.tensor([out.samples[seq.seq_id].token_ids[0]
+                                          if seq.seq_id in out.samples else 0 for seq in md.seqs],
+                                         dtype=torch.long, device=logits.device)
         return out
 
     # ---- sampling ----------------------------------------------------------------------------------

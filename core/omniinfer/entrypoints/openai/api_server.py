@@ -1,23 +1,23 @@
-"""The FastAPI app behind `omniinfer serve`, and `run_server` (uvicorn + a loader thread).
+"""The FastAPI app behind `omniinfer serve` (`run.py` runs it under uvicorn).
 
 Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
-/health (503 while loading, 500 after an engine failure), /metrics (Prometheus), /version.
-Every error is OpenAI's JSON shape. With an API key, everything but /health, /metrics and
-/version needs `Authorization: Bearer <key>`.
+/openapi.json, /health (503 while loading, while shutting down and once the engine or a
+worker has failed; 500 if loading failed), /metrics (Prometheus), /version. Every error is
+OpenAI's JSON shape (http_guard.py makes sure of it). With an API key, everything but
+/health, /metrics and /version needs `Authorization: Bearer <key>`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
-import signal
-import threading
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from omniinfer.entrypoints.openai.http_guard import RequestGuard, parse_body
+from omniinfer.entrypoints.openai.limits import ServerLimits
 from omniinfer.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from omniinfer.entrypoints.openai.protocol import (
     APIError,
@@ -27,7 +27,7 @@ from omniinfer.entrypoints.openai.protocol import (
     TokenizeRequest,
     now,
 )
-from omniinfer.entrypoints.openai.serving_chat import create_chat_completion
+from omniinfer.entrypoints.openai.serving_chat import create_chat_completion, render_messages
 from omniinfer.entrypoints.openai.serving_common import ServingContext
 from omniinfer.entrypoints.openai.serving_completion import create_completion
 from omniinfer.logger import init_logger
@@ -35,20 +35,26 @@ from omniinfer.version import __version__
 
 logger = init_logger(__name__)
 
+REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+
 
 class ServerState:
     """What the app serves: nothing while the model loads, then a `ServingContext`."""
 
     def __init__(self, model_name: str, *, api_key: str | None = None,
-                 chat_template: str | None = None, stats_interval_s: float = 10.0):
+                 chat_template: str | None = None, stats_interval_s: float = 10.0,
+                 limits: ServerLimits | None = None):
         self.model_name = model_name
         self.api_key = api_key or None
         self.chat_template = chat_template
         self.stats_interval_s = stats_interval_s
+        self.limits = limits or ServerLimits()
         self.ctx: ServingContext | None = None
         self.load_error: str | None = None
+        self.is_draining = False  # a graceful shutdown has begun: no new requests
+        self.on_engine_dead = None  # called from the engine thread once the engine has failed
         self.metrics = ServerMetrics(model_name, stats_fn=lambda: self.ctx.engine.stats()
-                                     if self.ctx else {})
+                                     if self.ctx else {}, health_fn=self.health_error)
 
     def attach(self, engine) -> None:
         """Serve a loaded `LLMEngine` (starts its engine thread)."""
@@ -57,9 +63,14 @@ class ServerState:
 
         tokenizer = load_tokenizer(engine.config.model.tokenizer)
         async_engine = AsyncLLMEngine(engine, metrics=self.metrics,
-                                      stats_interval_s=self.stats_interval_s)
+                                      stats_interval_s=self.stats_interval_s,
+                                      on_dead=lambda: self.on_engine_dead and self.on_engine_dead())
         self.ctx = ServingContext(async_engine, tokenizer, model_name=self.model_name,
-                                  chat_template=self.chat_template)
+                                  chat_template=self.chat_template, limits=self.limits)
+
+    def health_error(self) -> str | None:
+        """Why the engine cannot serve (failed, or a worker died), or None."""
+        return self.ctx.engine.check_health() if self.ctx is not None else None
 
     def ready(self) -> ServingContext:
         if self.load_error is not None:
@@ -68,32 +79,27 @@ class ServerState:
         if self.ctx is None:
             raise APIError("the model is still loading; retry when GET /health answers 200", 503,
                            type="ServiceUnavailableError")
-        if self.ctx.engine.is_dead:
-            raise APIError(f"the engine stopped after an error: {self.ctx.engine.dead_error}", 500,
+        if self.is_draining:
+            raise APIError("the server is shutting down", 503, type="ServiceUnavailableError",
+                           code="server_shutting_down")
+        if (error := self.health_error()) is not None:
+            raise APIError(f"the engine stopped after an error: {error}", 500,
                            type="InternalServerError", code="engine_dead")
         return self.ctx
+
+    def end_requests(self, message: str) -> None:
+        """End every unfinished request with an error (`message`); the engine stays up."""
+        if self.ctx is not None:
+            self.ctx.engine.end_all(message)
 
     def shutdown(self) -> None:
         if self.ctx is not None:
             self.ctx.engine.shutdown()
+            self.ctx.close()
 
 
 def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status_code)
-
-
-async def _parse(request: Request, model_cls):
-    try:
-        body = await request.json()
-    except Exception:  # noqa: BLE001 - any decoding problem is the client's
-        raise APIError("the request body is not valid JSON") from None
-    try:
-        return model_cls.model_validate(body)
-    except ValidationError as e:
-        first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise APIError(f"{where}: {first['msg']}", param=str(first["loc"][0]) if first["loc"]
-                       else None) from None
 
 
 async def _until_disconnect(request: Request, work):
@@ -134,15 +140,19 @@ class _SSE(StreamingResponse):
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="omniinfer", version=__version__, docs_url=None, redoc_url=None)
+    # /openapi.json is one of the API routes (behind the key); no docs pages
+    app = FastAPI(title="omniinfer", version=__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)
     app.state.server = state
+    app.add_middleware(RequestGuard, max_body_bytes=lambda: state.limits.max_body_bytes)
     _add_error_handlers(app)
     _add_ops_routes(app, state)
-    app.include_router(_api_routes(state))
+    app.include_router(_api_routes(state, app))
     return app
 
 
 def _add_error_handlers(app: FastAPI) -> None:
+    # (anything else a handler lets out is answered by RequestGuard: a 500 in this shape)
     @app.exception_handler(APIError)
     async def api_error(_request, e: APIError):
         return _error(e)
@@ -151,11 +161,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(_request, e: HTTPException):
         return _error(APIError(str(e.detail), e.status_code, type="NotFoundError"
                                if e.status_code == 404 else "invalid_request_error"))
-
-    @app.exception_handler(Exception)
-    async def internal_error(_request, e: Exception):
-        logger.exception("unhandled error in a request")
-        return _error(APIError(f"{type(e).__name__}: {e}", 500, type="InternalServerError"))
 
 
 def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
@@ -167,9 +172,10 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
             return JSONResponse({"status": "error", "error": state.load_error}, status_code=500)
         if state.ctx is None:
             return JSONResponse({"status": "loading"}, status_code=503)
-        if state.ctx.engine.is_dead:
-            return JSONResponse({"status": "error", "error": state.ctx.engine.dead_error},
-                                status_code=500)
+        if (error := state.health_error()) is not None:  # reads the executor: a dead worker
+            return JSONResponse({"status": "error", "error": error}, status_code=503)
+        if state.is_draining:
+            return JSONResponse({"status": "shutting down"}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/version")
@@ -181,7 +187,27 @@ def _add_ops_routes(app: FastAPI, state: ServerState) -> None:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
 
 
-def _api_routes(state: ServerState) -> APIRouter:
+def _body(model_cls) -> dict:
+    """The OpenAPI description of a JSON request body (the handlers parse it themselves)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model_cls.__name__}"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model_cls in REQUEST_MODELS:
+            model_schema = model_cls.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(model_schema.pop("$defs", {}))
+            components[model_cls.__name__] = model_schema
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _api_routes(state: ServerState, app: FastAPI) -> APIRouter:
     def authorize(request: Request) -> None:
         if state.api_key is None:
             return
@@ -200,90 +226,47 @@ def _api_routes(state: ServerState) -> APIRouter:
             "id": ctx.model_name, "object": "model", "created": now(), "owned_by": "omniinfer",
             "root": ctx.model_path, "parent": None, "max_model_len": ctx.max_model_len}]}
 
-    @api.post("/v1/completions")
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi():
+        return _openapi(app)
+
+    @api.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request):
-        body = await _parse(request, CompletionRequest)
+        body = await parse_body(request, CompletionRequest)
         result = await _until_disconnect(request, create_completion(state.ready(), body))
         return _SSE(result) if body.stream and not isinstance(result, Response) else result
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
-        body = await _parse(request, ChatCompletionRequest)
+        body = await parse_body(request, ChatCompletionRequest)
         result = await _until_disconnect(request, create_chat_completion(state.ready(), body))
         return _SSE(result) if body.stream and not isinstance(result, Response) else result
 
-    @api.post("/tokenize")
+    @api.post("/tokenize", openapi_extra=_body(TokenizeRequest))
     async def tokenize(request: Request):
-        body = await _parse(request, TokenizeRequest)
+        body = await parse_body(request, TokenizeRequest)
         ctx = state.ready()
         ctx.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            text = ctx.render_chat([m.as_template_input() for m in body.messages],
-                                   add_generation_prompt=body.add_generation_prompt,
-                                   continue_final_message=False, kwargs=None)
-            ids = ctx.tokenizer(text, add_special_tokens=False).input_ids
+            text = await render_messages(ctx, body.messages,
+                                         add_generation_prompt=body.add_generation_prompt,
+                                         continue_final_message=False, kwargs=None)
+            ids = await ctx.tokenize(text, add_special_tokens=False, param="messages")
         else:
-            ids = ctx.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
-        return {"tokens": list(ids), "count": len(ids), "max_model_len": ctx.max_model_len}
+            ids = await ctx.tokenize(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": ctx.max_model_len}
 
-    @api.post("/detokenize")
+    @api.post("/detokenize", openapi_extra=_body(DetokenizeRequest))
     async def detokenize(request: Request):
-        body = await _parse(request, DetokenizeRequest)
+        body = await parse_body(request, DetokenizeRequest)
         ctx = state.ready()
         ctx.check_model(body.model)
         bad = [t for t in body.tokens if not 0 <= t < ctx.vocab_size]
         if bad:
             raise APIError(f"tokens holds token id {bad[0]}; allowed: 0 <= id < vocab size "
                            f"{ctx.vocab_size}", param="tokens")
-        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+        return {"prompt": await ctx.detokenize(body.tokens)}
 
     return api
-
-
-def run_server(model: str, engine_kwargs: dict, *, host: str = "127.0.0.1", port: int = 8000,
-               model_name: str | None = None, api_key: str | None = None,
-               chat_template: str | None = None, stats_interval_s: float = 10.0,
-               uvicorn_log_level: str = "info") -> int:
-    """Serve until interrupted; the model loads in a thread while /health answers 503.
-
-    Returns 1 when the model failed to load (the server stops then), else 0."""
-    import uvicorn
-
-    from omniinfer.config import EngineArgs
-    from omniinfer.engine.llm_engine import LLMEngine
-
-    state = ServerState(model_name or model, api_key=api_key, chat_template=chat_template,
-                        stats_interval_s=stats_interval_s)
-    server = uvicorn.Server(uvicorn.Config(build_app(state), host=host, port=port,
-                                           log_level=uvicorn_log_level, timeout_graceful_shutdown=5))
-
-    def load() -> None:
-        try:
-            state.attach(LLMEngine.from_engine_args(EngineArgs(model=model, **engine_kwargs)))
-        except BaseException as e:  # noqa: BLE001 - reported, then the server stops
-            state.load_error = f"{type(e).__name__}: {e}"
-            logger.error("could not load %s: %s", model, state.load_error)
-            server.should_exit = True
-            return
-        logger.info("serving %s as %r at http://%s:%d/v1", model, state.model_name, host, port)
-
-    threading.Thread(target=load, name="omniinfer-load", daemon=True).start()
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: make that
-    # a quiet exit (status 0) instead of a traceback or a kill
-    is_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if is_main else None
-    try:
-        server.run()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        if is_main:
-            signal.signal(signal.SIGTERM, previous)
-        state.shutdown()
-    return 1 if state.load_error else 0
-
-
-def _interrupt(_signum, _frame) -> None:
-    raise KeyboardInterrupt

@@ -8,7 +8,8 @@
 The `LLMEngine` is touched only by the engine thread, so it needs no locks: add and abort
 are commands queued for the thread and run between steps, which is how a new request joins
 the running batch. A request whose consumer goes away (client disconnect, cancellation)
-queues an abort, which frees its blocks at the next step boundary. If a step raises, every
+queues an abort, which frees its blocks at the next step boundary. If a step raises, or a
+worker dies (noticed at once, idle or busy, through the executor's `on_failure`), every
 waiting caller gets `EngineDeadError` instead of hanging, and so does every later call.
 """
 
@@ -32,6 +33,10 @@ logger = init_logger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop stopped after an error; no request can be served any more."""
+
+
+class RequestEndedError(RuntimeError):
+    """The server ended the request before it finished (e.g. at the end of a graceful shutdown)."""
 
 
 @dataclass
@@ -66,12 +71,16 @@ class AsyncLLMEngine:
 
     `metrics` (optional) receives `on_request_output(out, ...)` for every output and
     `log_stats(stats)` every `stats_interval_s` seconds while there is work (0 disables).
+    `on_dead` (optional) is called from the engine thread once the engine has failed.
     """
 
-    def __init__(self, engine: LLMEngine, *, metrics=None, stats_interval_s: float = 10.0):
+    def __init__(self, engine: LLMEngine, *, metrics=None, stats_interval_s: float = 10.0,
+                 on_dead=None):
         self.engine = engine
         self.metrics = metrics
         self.stats_interval_s = stats_interval_s
+        self.on_dead = on_dead
+        engine.executor.on_failure = self._wake
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._requests: dict[str, _Request] = {}
@@ -127,6 +136,24 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    def end_all(self, message: str) -> None:
+        """End every unfinished request now: its caller gets RequestEndedError(message)."""
+        self._send(("end_all", message))
+
+    def check_health(self) -> str | None:
+        """Why the engine cannot serve (its loop failed, or a worker has died and the loop has
+        not noticed yet), or None. Cheap; safe from any thread."""
+        if self.dead_error is not None:
+            return self.dead_error
+        try:
+            self.engine.executor.check_health()
+        except Exception as e:  # noqa: BLE001 - that is the answer
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the loop thread (waiting callers get EngineDeadError); the engine stays usable."""
         self._stop = True
@@ -155,12 +182,13 @@ class AsyncLLMEngine:
         while not self._stop:
             self._wakeup.clear()
             self._drain_commands()
-            if engine.has_unfinished_requests():
-                try:
-                    outputs = engine.step()
-                except BaseException as e:  # noqa: BLE001 - reported to every caller, then stop
-                    self._fail(e)
-                    return
+            try:
+                engine.executor.check_health()  # a dead worker fails the engine even when idle
+                outputs = engine.step() if engine.has_unfinished_requests() else None
+            except BaseException as e:  # noqa: BLE001 - reported to every caller, then stop
+                self._fail(e)
+                return
+            if outputs is not None:
                 self._dispatch(outputs)
             else:
                 self.last_stats = engine.stats()
@@ -187,6 +215,8 @@ class AsyncLLMEngine:
                     continue
                 self._requests[request_id] = request
                 _post(request.loop, _resolve, added, None)
+            elif command[0] == "end_all":
+                self._end_all(RequestEndedError(command[1]))
             elif command[1] in self._requests:  # abort of a request still running
                 self.engine.abort_request(command[1])
                 del self._requests[command[1]]
@@ -209,20 +239,37 @@ class AsyncLLMEngine:
         for loop, batch in batches.items():
             _post(loop, _deliver, batch)
 
+    def _end_all(self, error: RequestEndedError) -> None:
+        self.engine.abort_request(list(self._requests))
+        if self.metrics is not None:
+            for _ in self._requests:
+                self.metrics.on_finished_reason("abort")
+        self._fail_all(error, commands=False)
+        self.last_stats = self.engine.stats()
+
     def _fail(self, error: BaseException) -> None:
         self.dead_error = f"{type(error).__name__}: {error}"
         logger.error("engine step failed; the engine loop stops: %s", self.dead_error,
                      exc_info=error)
         self._fail_all(EngineDeadError(f"the engine stopped after an error: {self.dead_error}"))
+        try:  # nothing runs any more: say so in the stats (and /metrics)
+            self.engine.abort_request(list(self.engine.groups))
+            self.last_stats = dict(self.engine.stats(), num_running=0, num_waiting=0,
+                                   num_swapped=0)
+        except Exception as e:  # noqa: BLE001 - a broken engine may not even manage that
+            logger.debug("could not release the failed engine's requests: %s", e)
+            self.last_stats = dict(self.last_stats, num_running=0, num_waiting=0, num_swapped=0)
+        if self.on_dead is not None:
+            self.on_dead()
 
-    def _fail_all(self, error: EngineDeadError) -> None:
+    def _fail_all(self, error: RuntimeError, commands: bool = True) -> None:
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for request in self._requests.values():
             batches.setdefault(request.loop, []).append((request.queue, error))
         self._requests.clear()
         for loop, batch in batches.items():
             _post(loop, _deliver, batch)
-        while True:  # requests queued but never added
+        while commands:  # requests queued but never added
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:

@@ -46,11 +46,17 @@ _SPEC = {
 
 
 class _StatsCollector:
-    def __init__(self, stats_fn, model_name: str):
+    def __init__(self, stats_fn, model_name: str, health_fn):
         self.stats_fn = stats_fn
         self.model_name = model_name
+        self.health_fn = health_fn
 
     def collect(self):
+        dead = GaugeMetricFamily("omniinfer:engine_dead", "1 once the engine (or one of its "
+                                 "workers) has failed and nothing can be served, else 0.",
+                                 labels=["model_name"])
+        dead.add_metric([self.model_name], float(self.health_fn() is not None))
+        yield dead
         stats = self.stats_fn() or {}
         for key, value in stats.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -74,10 +80,10 @@ class _StatsCollector:
 class ServerMetrics:
     """The registry behind GET /metrics, fed by the engine thread."""
 
-    def __init__(self, model_name: str, stats_fn=lambda: {}):
+    def __init__(self, model_name: str, stats_fn=lambda: {}, health_fn=lambda: None):
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_StatsCollector(stats_fn, model_name))
+        self.registry.register(_StatsCollector(stats_fn, model_name, health_fn))
         labels = ["model_name"]
 
         def hist(name, doc, buckets):

@@ -10,11 +10,18 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from omniinfer.sampling.params import SamplingParams
+from omniinfer.entrypoints.openai.limits import (
+    MAX_CONTENT_PARTS,
+    MAX_DETOKENIZE_TOKENS,
+    MAX_MESSAGES,
+    MAX_PROMPTS,
+    ServerLimits,
+)
+from omniinfer.sampling.params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 # sampling defaults a checkpoint's generation_config.json may set (applied when a request omits them)
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -37,7 +44,7 @@ class APIError(Exception):
     def from_validation(cls, e: Exception) -> APIError:
         """A ValueError/TypeError from the engine; `param` is the argument it names first."""
         text = str(e)
-        match = re.match(r"^(?:prompts\[\d+\]: )?([a-z_]+)(?:=| must| is| has)", text)
+        match = re.match(r"^(?:prompts\[\d+\]: )?([a-z_]+)(?:=| must| is| has| holds|:)", text)
         return cls(text, param=match.group(1) if match else None)
 
 
@@ -51,6 +58,20 @@ def now() -> int:
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+    # list fields whose length is checked before their items are validated: pydantic checks
+    # max_length only afterwards, and validating millions of items holds the GIL for long
+    max_lengths: ClassVar[dict[str, int]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_lengths(cls, data):
+        if isinstance(data, dict):
+            for name, limit in cls.max_lengths.items():
+                value = data.get(name)
+                if isinstance(value, (list, dict)) and len(value) > limit:
+                    raise APIError(f"{name} holds {len(value)} items; at most {limit} are allowed",
+                                   param=name)
+        return data
 
 
 class StreamOptions(OpenAIModel):
@@ -60,6 +81,9 @@ class StreamOptions(OpenAIModel):
 
 class SamplingRequest(OpenAIModel):
     """Fields shared by completions and chat completions."""
+
+    max_lengths: ClassVar[dict[str, int]] = {"stop": MAX_STOP_STRINGS,
+                                             "stop_token_ids": MAX_STOP_TOKEN_IDS}
 
     model: str | None = None
     n: int = 1
@@ -79,7 +103,7 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Any = None  # not supported: refused when given
     user: str | None = None
 
     @property
@@ -96,6 +120,12 @@ class SamplingRequest(OpenAIModel):
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
+
+    def check_limits(self, limits: ServerLimits, max_logprobs: int) -> None:
+        """The operator's limits (`omniinfer serve --max-n ...`)."""
+        if isinstance(self.n, int) and self.n > limits.max_n:
+            raise APIError(f"n={self.n} is not allowed; this server allows at most {limits.max_n} "
+                           "choices per prompt (--max-n)", param="n")
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
                         defaults: dict) -> SamplingParams:
@@ -133,20 +163,36 @@ class CompletionRequest(SamplingRequest):
             raise APIError(f"best_of={self.best_of} is not supported; leave it unset or equal to "
                            f"n={self.n}", param="best_of")
 
-    def prompts(self) -> list[str | list[int]]:
-        """One entry per prompt: a string or a list of token ids."""
+    def prompts(self, max_prompt_tokens: int) -> list[str | list[int]]:
+        """One entry per prompt: a string or a list of token ids. Lengths are checked before
+        items, so that a list of millions is refused without being walked."""
         p = self.prompt
         if isinstance(p, str):
             return [p]
         if isinstance(p, list) and p:
-            if all(_is_token_id(t) for t in p):
-                return [list(p)]
-            if all(isinstance(t, str) or (isinstance(t, list) and t and all(map(_is_token_id, t)))
-                   for t in p):
-                return list(p)
+            if _is_token_id(p[0]):
+                _check_num_tokens(p, max_prompt_tokens, "prompt")
+                if all(map(_is_token_id, p)):
+                    return [list(p)]
+            elif len(p) > MAX_PROMPTS:
+                raise APIError(f"prompt holds {len(p)} prompts; at most {MAX_PROMPTS} are allowed "
+                               "in one request", param="prompt")
+            else:
+                for i, t in enumerate(p):
+                    if isinstance(t, list):
+                        _check_num_tokens(t, max_prompt_tokens, f"prompt[{i}]")
+                if all(isinstance(t, str) or (isinstance(t, list) and t and all(map(_is_token_id, t)))
+                       for t in p):
+                    return list(p)
         raise APIError(f"prompt={_short(p)} is not allowed; give a string, a list of strings, a "
                        "list of token ids or a list of lists of token ids (none empty)",
                        param="prompt")
+
+
+def _check_num_tokens(ids: list, limit: int, where: str) -> None:
+    if len(ids) > limit:
+        raise APIError(f"{where} has {len(ids)} tokens; this server allows at most {limit} "
+                       "prompt tokens", param="prompt")
 
 
 def _is_token_id(t) -> bool:
@@ -164,7 +210,7 @@ class ContentPart(OpenAIModel):
 
 
 class ChatMessage(OpenAIModel):
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
@@ -189,6 +235,21 @@ class ResponseFormat(OpenAIModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    max_lengths: ClassVar[dict[str, int]] = {**SamplingRequest.max_lengths,
+                                             "messages": MAX_MESSAGES}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_parts(cls, data):
+        messages = data.get("messages") if isinstance(data, dict) else None
+        if isinstance(messages, list):
+            num = sum(len(m["content"]) for m in messages
+                      if isinstance(m, dict) and isinstance(m.get("content"), list))
+            if num > MAX_CONTENT_PARTS:
+                raise APIError(f"messages hold {num} content parts; at most {MAX_CONTENT_PARTS} "
+                               "are allowed", param="messages")
+        return data
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -198,12 +259,25 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
     response_format: ResponseFormat | None = None
-    tools: list | None = None
+    tools: Any = None  # not supported: refused when given
+    tool_choice: Any = None
+    functions: Any = None  # the deprecated spelling of tools
+    function_call: Any = None  # ... and of tool_choice
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
         if self.tools:
             raise APIError("tools are not supported", param="tools")
+        # "none" asks for what happens anyway; anything else asks for a tool call this server
+        # cannot make, and silently answering in plain text would mislead the client
+        if self.tool_choice is not None and self.tool_choice != "none":
+            raise APIError(f"tool_choice={_short(self.tool_choice)} is not supported (this server "
+                           "has no tool calling); leave it unset or 'none'", param="tool_choice")
+        if self.functions:
+            raise APIError("functions are not supported", param="functions")
+        if self.function_call is not None and self.function_call != "none":
+            raise APIError(f"function_call={_short(self.function_call)} is not supported; leave it "
+                           "unset or 'none'", param="function_call")
         if self.response_format is not None and self.response_format.type != "text":
             raise APIError(f"response_format type {self.response_format.type!r} is not "
                            "supported; only 'text' is", param="response_format")
@@ -212,6 +286,12 @@ class ChatCompletionRequest(SamplingRequest):
         if self.continue_final_message and self.add_generation_prompt:
             raise APIError("continue_final_message and add_generation_prompt cannot both be true",
                            param="continue_final_message")
+
+    def check_limits(self, limits: ServerLimits, max_logprobs: int) -> None:
+        super().check_limits(limits, max_logprobs)
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= max_logprobs:
+            raise APIError(f"top_logprobs={self.top_logprobs} is not allowed; it must be in "
+                           f"[0, {max_logprobs}] (max_logprobs)", param="top_logprobs")
 
     @property
     def num_logprobs(self) -> int | None:
@@ -223,6 +303,8 @@ class ChatCompletionRequest(SamplingRequest):
 
 
 class TokenizeRequest(OpenAIModel):
+    max_lengths: ClassVar[dict[str, int]] = {"messages": MAX_MESSAGES}
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -231,6 +313,8 @@ class TokenizeRequest(OpenAIModel):
 
 
 class DetokenizeRequest(OpenAIModel):
+    max_lengths: ClassVar[dict[str, int]] = {"tokens": MAX_DETOKENIZE_TOKENS}
+
     model: str | None = None
     tokens: list[int]
 

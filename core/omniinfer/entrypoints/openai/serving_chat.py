@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
@@ -12,6 +13,7 @@ from omniinfer.entrypoints.openai.protocol import (
     usage,
 )
 from omniinfer.entrypoints.openai.serving_common import (
+    SMALL_TEXT_CHARS,
     ServingContext,
     StreamProgress,
     chat_logprobs,
@@ -25,23 +27,30 @@ from omniinfer.entrypoints.openai.serving_common import (
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
                                  ) -> dict | AsyncIterator[str]:
     """The response body, or (stream=true) an iterator of SSE events ending with [DONE]."""
-    req.check_unsupported()
-    ctx.check_model(req.model)
-    messages = [m.as_template_input() for m in req.messages]
-    text = ctx.render_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                           continue_final_message=req.continue_final_message,
-                           kwargs=req.chat_template_kwargs)
-    # the template writes the special tokens it wants (a BOS, role markers): add none
-    prompt_input = ctx.prompt_input(text, add_special_tokens=False)
+    ctx.check_request(req)
     params = req.sampling_params(max_tokens=req.token_limit, logprobs=req.num_logprobs,
                                  defaults=ctx.generation_defaults)
-    ctx.check_length(prompt_input, params)
+    text = await render_messages(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
+                                 continue_final_message=req.continue_final_message,
+                                 kwargs=req.chat_template_kwargs)
+    # the template writes the special tokens it wants (a BOS, role markers): add none
+    prompt_input = await ctx.prompt_input(text, add_special_tokens=False, param="messages")
+    ctx.check_length(prompt_input, params, prompt_param="messages")
     request_id = random_id("chatcmpl")
     stream = ctx.generate(request_id, prompt_input, params)
     num_prompt = len(prompt_input["prompt_token_ids"])
     if req.stream:
         return _stream(ctx, req, request_id, num_prompt, stream)
     return await _full(ctx, req, request_id, num_prompt, stream)
+
+
+async def render_messages(ctx: ServingContext, messages, **kwargs) -> str:
+    """The chat template applied to `messages` (off the event loop when they are long)."""
+    inputs = [m.as_template_input() for m in messages]
+    size = sum(len(m["content"]) for m in inputs)
+    if size <= SMALL_TEXT_CHARS:
+        return ctx.render_chat(inputs, **kwargs)
+    return await ctx.off_loop(functools.partial(ctx.render_chat, inputs, **kwargs))
 
 
 async def _full(ctx, req, request_id, num_prompt, stream) -> dict:

@@ -3,23 +3,42 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from omniinfer.engine.outputs import RequestOutput
-from omniinfer.entrypoints.openai.async_engine import AsyncLLMEngine, EngineDeadError
+from omniinfer.engine.request_checks import check_text
+from omniinfer.entrypoints.openai.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    RequestEndedError,
+)
+from omniinfer.entrypoints.openai.limits import ServerLimits
 from omniinfer.entrypoints.openai.protocol import GENERATION_DEFAULTS, APIError, usage
 from omniinfer.sampling.params import SamplingParams
+
+# Texts up to this many characters are tokenized on the event loop (well under a millisecond);
+# longer ones on the context's tokenizing thread, so that /health and the other requests never
+# wait for them.
+SMALL_TEXT_CHARS = 8192
+# A longer text is first tokenized in its first PREFIX_CHARS_PER_TOKEN * (limit + margin)
+# characters: when those alone are over the limit, the request is refused without tokenizing
+# (and holding in memory) the rest, which for a 16 MiB body would take seconds and gigabytes.
+PREFIX_CHARS_PER_TOKEN = 16
+PREFIX_MARGIN_TOKENS = 8  # a cut mid-word can change the count by a token or two
 
 
 class ServingContext:
     """The served model as the handlers see it.
 
-    `tokenizer` is the server's own copy (the engine thread uses the engine's), so that
-    tokenizing on the event loop never races detokenizing on the engine thread."""
+    `tokenizer` is the server's own copy (the engine thread uses the engine's), used on the
+    event loop; long texts go to one tokenizing thread with a copy of its own, so no tokenizer
+    is ever used by two threads at once."""
 
     def __init__(self, engine: AsyncLLMEngine, tokenizer, *, model_name: str,
-                 chat_template: str | None = None):
+                 chat_template: str | None = None, limits: ServerLimits | None = None):
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -27,9 +46,18 @@ class ServingContext:
         self.model_path = config.model
         self.max_model_len = config.max_model_len
         self.vocab_size = config.vocab_size
+        self.max_logprobs = config.max_logprobs
         self.chat_template = chat_template
+        self.limits = limits or ServerLimits()
+        limit = self.limits.max_prompt_tokens
+        self.max_prompt_tokens = min(limit or self.max_model_len, self.max_model_len - 1)
         gen = config.generation_config or {}
         self.generation_defaults = {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
+        self._bulk_tokenizer = None
+        self._bulk = ThreadPoolExecutor(1, thread_name_prefix="omniinfer-tokenize")
+
+    def close(self) -> None:
+        self._bulk.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -37,27 +65,91 @@ class ServingContext:
                            f"`{self.model_name}`", 404, type="NotFoundError", param="model",
                            code="model_not_found")
 
-    def prompt_input(self, prompt: str | list[int], *, add_special_tokens: bool = True) -> dict:
+    def check_request(self, req) -> None:
+        """What every generation request is checked for before anything is tokenized."""
+        req.check_unsupported()
+        self.check_model(req.model)
+        req.check_limits(self.limits, self.max_logprobs)
+
+    async def off_loop(self, fn, *args):
+        """Run `fn(*args)` on the tokenizing thread (for work that grows with the request)."""
+        return await asyncio.get_running_loop().run_in_executor(self._bulk, fn, *args)
+
+    async def tokenize(self, text: str, *, add_special_tokens: bool, param: str = "prompt",
+                       ) -> list[int]:
+        """Token ids of a text, checked against max_prompt_tokens; long texts off the loop."""
+        try:
+            check_text(param, text)
+        except ValueError as e:
+            raise APIError(str(e), param=param) from None
+        if len(text) <= SMALL_TEXT_CHARS:
+            ids = list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+        else:
+            ids = await self.off_loop(self._tokenize_long, text, add_special_tokens, param)
+        self._check_prompt_tokens(len(ids), param)
+        return ids
+
+    def _tokenize_long(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        if self._bulk_tokenizer is None:
+            self._bulk_tokenizer = copy.deepcopy(self.tokenizer)
+        tokenizer, limit = self._bulk_tokenizer, self.max_prompt_tokens
+        window = PREFIX_CHARS_PER_TOKEN * (limit + PREFIX_MARGIN_TOKENS)
+        if len(text) > window:
+            cut = text.rfind(" ", window // 2, window)  # at a word boundary where there is one
+            head = text[: cut if cut > 0 else window]
+            num = len(tokenizer(head, add_special_tokens=add_special_tokens).input_ids)
+            if num > limit + PREFIX_MARGIN_TOKENS:
+                raise APIError(f"{param} has more than {limit} tokens (its first {len(head)} "
+                               f"characters alone make {num}); this server allows at most "
+                               f"{limit} prompt tokens", param=param)
+        return list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        if len(token_ids) <= SMALL_TEXT_CHARS // 4:
+            return self.tokenizer.decode(token_ids)
+        return await self.off_loop(self._detokenize_long, token_ids)
+
+    def _detokenize_long(self, token_ids: list[int]) -> str:
+        if self._bulk_tokenizer is None:
+            self._bulk_tokenizer = copy.deepcopy(self.tokenizer)
+        return self._bulk_tokenizer.decode(token_ids)
+
+    def _check_prompt_tokens(self, num: int, param: str) -> None:
+        limit = self.max_prompt_tokens
+        if num > limit:
+            why = ("max_model_len - 1" if limit == self.max_model_len - 1
+                   else "--max-prompt-tokens")
+            raise APIError(f"{param} has {num} tokens; this server allows at most {limit} prompt "
+                           f"tokens ({why}={limit})", param=param)
+
+    async def prompt_input(self, prompt: str | list[int], *, add_special_tokens: bool = True,
+                           param: str = "prompt") -> dict:
         """{"prompt", "prompt_token_ids"} of a text or token-id prompt, checked like the engine does."""
         if isinstance(prompt, str):
             if not prompt:
-                raise APIError("prompt is empty; give at least one character or token", param="prompt")
-            ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
-            prompt_input = {"prompt": prompt, "prompt_token_ids": list(ids)}
+                raise APIError(f"{param} is empty; give at least one character or token", param=param)
+            ids = await self.tokenize(prompt, add_special_tokens=add_special_tokens, param=param)
+            prompt_input = {"prompt": prompt, "prompt_token_ids": ids}
         else:
+            self._check_prompt_tokens(len(prompt), param)
             prompt_input = {"prompt": None, "prompt_token_ids": list(prompt)}
         try:  # reads only the config: safe off the engine thread
-            self.engine.engine.tokenize_prompt(prompt_input)
+            self.engine.engine.tokenize_prompt({"prompt_token_ids": prompt_input["prompt_token_ids"]})
         except (ValueError, TypeError) as e:
-            raise APIError(str(e), param="prompt") from None
+            raise APIError(str(e), param=param) from None
         return prompt_input
 
-    def check_length(self, prompt_input: dict, params: SamplingParams) -> None:
-        try:
-            self.engine.engine.resolve_max_tokens(len(prompt_input["prompt_token_ids"]), params)
-        except ValueError as e:
-            param = "max_tokens" if params.max_tokens is not None else "prompt"
-            raise APIError(str(e), param=param) from None
+    def check_length(self, prompt_input: dict, params: SamplingParams, *,
+                     prompt_param: str = "prompt") -> None:
+        """The engine's limits for this request (max_model_len, the KV cache, max_logprobs, n):
+        a 400 naming the field to blame."""
+        try:  # reads the config and the block count only: safe off the engine thread
+            self.engine.engine.check_request(len(prompt_input["prompt_token_ids"]), params)
+        except (ValueError, TypeError) as e:
+            error = APIError.from_validation(e)
+            if error.param == "prompt":
+                error.param = prompt_param
+            raise error from None
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool,
                     continue_final_message: bool, kwargs: dict | None) -> str:
@@ -80,8 +172,11 @@ class ServingContext:
 
 
 def output_error(out: RequestOutput) -> APIError | None:
-    """The request failed inside the engine (e.g. more KV blocks than exist): a 400."""
+    """The request ended with an error: a 500 when processing it failed inside a step (the
+    engine and the other requests go on), else a 400 (a request the scheduler refused)."""
     if out.error:
+        if out.is_internal_error:
+            return APIError(out.error, 500, type="InternalServerError", code="request_failed")
         return APIError(out.error)
     for c in out.outputs:
         if c.finish_reason == "error":
@@ -96,6 +191,8 @@ def engine_error(e: BaseException) -> APIError:
         return APIError.from_validation(e)
     if isinstance(e, EngineDeadError):
         return APIError(str(e), 500, type="InternalServerError", code="engine_dead")
+    if isinstance(e, RequestEndedError):
+        return APIError(str(e), 503, type="ServiceUnavailableError", code="server_shutting_down")
     return APIError(f"{type(e).__name__}: {e}", 500, type="InternalServerError")
 
 

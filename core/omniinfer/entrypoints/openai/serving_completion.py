@@ -22,11 +22,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> dict
 
     Everything that can be checked is checked before any prompt is queued, so a bad request
     is a 400 that never reaches the engine."""
-    req.check_unsupported()
-    ctx.check_model(req.model)
+    ctx.check_request(req)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
                                  defaults=ctx.generation_defaults)
-    inputs = [ctx.prompt_input(p) for p in req.prompts()]
+    inputs = [await ctx.prompt_input(p) for p in req.prompts(ctx.max_prompt_tokens)]
     for prompt_input in inputs:
         ctx.check_length(prompt_input, params)
     request_id = random_id("cmpl")
