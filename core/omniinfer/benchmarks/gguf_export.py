@@ -49,7 +49,7 @@ def _permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
 def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
     """Write `model_dir` (config.json, safetensors, tokenizer) to `out_path` as GGUF."""
     import gguf
-    from safetensors.numpy import load_file
+    from safetensors.torch import load_file  # (numpy has no bfloat16)
 
     if file_type not in FILE_TYPES:
         raise ValueError(f"file_type={file_type!r}: expected one of {', '.join(FILE_TYPES)}")
@@ -81,7 +81,7 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
     if cfg.get("tie_word_embeddings"):
         tensors.pop("lm_head.weight", None)
     for hf_name, value in tensors.items():
-        w = value.astype(np.float32) if value.dtype != np.float32 else value
+        w = value.float().numpy()
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _permute_rotary(w, heads if "q_proj" in hf_name else kv_heads)
         name = gguf_name(hf_name)

@@ -53,6 +53,9 @@ def machine() -> dict:
     out = {"cpu": info["model"] or info["machine"], "usable_cpus": info["usable_cpus"]}
     if "cpu_family" in info:
         out["cpu_family_model"] = f"{info['cpu_family']}/{info.get('model_number', '?')}"
+    # torch's own ISA (ATEN_CPU_CAPABILITY caps it, as ONEDNN_MAX_CPU_ISA caps oneDNN's bf16)
+    out["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    out["onednn_bf16"] = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     try:
         platform = get_registry().select_platform(None)
         out["platform"] = platform.name
@@ -65,7 +68,8 @@ def machine() -> dict:
 def machine_line(m: dict | None = None) -> str:
     m = m or machine()
     family = f" (family/model {m['cpu_family_model']})" if "cpu_family_model" in m else ""
-    facts = [f"{k.replace('_', ' ')} {m[k]}" for k in ("platform", "cpu_kernels") if k in m]
+    facts = [f"{k.replace('_', ' ')} {m[k]}" for k in ("platform", "cpu_kernels", "torch_cpu_capability",
+                                                       "onednn_bf16") if k in m]
     return f"machine: {m['cpu']}{family}, {m['usable_cpus']} CPUs; " + "; ".join(facts)
 
 
