@@ -61,6 +61,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)  # from generation_config.json / config.json
     generation_config: dict = field(default_factory=dict)
     max_logprobs: int = 20  # most log-probabilities a request may ask for per token (<= vocab_size)
+    quantization: str | None = None  # "gguf" (a .gguf file), "int8" (made at load), or None
 
     @property
     def dtype_bytes(self) -> int:
@@ -230,21 +231,53 @@ def _eos_ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
+QUANTIZATIONS = ("int8", "gguf")  # what `quantization=` takes (a .gguf file implies "gguf")
+
+
+def _quantization(model: str, cfg: dict, asked: str | None, is_gguf: bool) -> str | None:
+    if asked is not None and asked not in QUANTIZATIONS:
+        raise ValueError(f"quantization={asked!r} is not supported; allowed: None, "
+                         f"{', '.join(map(repr, QUANTIZATIONS))}")
+    if is_gguf:
+        if asked not in (None, "gguf"):
+            raise ValueError(f"quantization={asked!r} with model={model!r}: a GGUF file is loaded as it "
+                             "is quantised (quantization=None or 'gguf')")
+        return "gguf"
+    if asked == "gguf":
+        raise ValueError(f"quantization='gguf' needs a .gguf file; model={model!r} is a directory")
+    method = (cfg.get("quantization_config") or {}).get("quant_method")
+    if method:
+        raise ValueError(f"model={model!r} is quantised with {method!r} (config.json quantization_config), "
+                         "which this omniinfer does not load yet; it loads GGUF files and float "
+                         "checkpoints (quantization='int8' quantises one at load)")
+    return asked
+
+
 def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.dtype,
-                      max_model_len: int | None, seed: int) -> ModelConfig:
-    if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
-        raise ValueError(f"model={model!r} is not a checkpoint directory (omniinfer loads local "
-                         "Hugging Face checkpoint directories: config.json + safetensors)")
+                      max_model_len: int | None, seed: int, quantization: str | None = None) -> ModelConfig:
+    from omniinfer.quantization.gguf_file import GGUFFile, is_gguf
+
+    gguf = is_gguf(model)
+    if not gguf and (not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model)):
+        raise ValueError(f"model={model!r} is not a checkpoint directory or a .gguf file (omniinfer "
+                         "loads local Hugging Face checkpoint directories, config.json + safetensors, "
+                         "and GGUF files)")
     model = os.fspath(model)
-    config_path = os.path.join(model, "config.json")
-    if not os.path.isfile(config_path):
-        raise ValueError(f"model={model!r} has no config.json")
-    cfg = _read_json(config_path)
+    if gguf:
+        config_path = model
+        cfg = GGUFFile(model).hf_config()
+        gen = {}
+    else:
+        config_path = os.path.join(model, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"model={model!r} has no config.json")
+        cfg = _read_json(config_path)
+        gen_path = os.path.join(model, "generation_config.json")
+        gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
     archs = cfg.get("architectures") or []
     if not archs:
         raise ValueError(f"{config_path} names no architecture ('architectures' is empty)")
-    gen_path = os.path.join(model, "generation_config.json")
-    gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+    quantization = _quantization(model, cfg, quantization, gguf)
 
     if isinstance(dtype, torch.dtype):
         resolved = dtype
@@ -283,6 +316,7 @@ def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.d
         head_size=int(cfg.get("head_dim") or hidden // num_heads),
         eos_token_ids=_eos_ids(gen.get("eos_token_id", cfg.get("eos_token_id"))),
         generation_config=gen,
+        quantization=quantization,
     )
 
 
@@ -315,6 +349,7 @@ class EngineArgs:
     num_speculative_tokens: int | None = None
     num_scheduler_steps: int | None = None  # None: 1 (the offline LLM class picks 8)
     max_logprobs: int = 20  # a request's logprobs / prompt_logprobs at most; -1: the vocabulary
+    quantization: str | None = None  # "int8": quantise a float checkpoint at load; a .gguf is "gguf"
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -325,7 +360,8 @@ class EngineArgs:
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("max_logprobs", self.max_logprobs, minimum=-1)
         model = load_model_config(self.model, tokenizer=self.tokenizer, dtype=self.dtype,
-                                  max_model_len=self.max_model_len, seed=self.seed)
+                                  max_model_len=self.max_model_len, seed=self.seed,
+                                  quantization=self.quantization)
         model.max_logprobs = (model.vocab_size if self.max_logprobs == -1
                               else min(self.max_logprobs, model.vocab_size))
         speculative = self._speculative_config(model)

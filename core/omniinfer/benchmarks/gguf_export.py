@@ -4,7 +4,8 @@ llama.cpp reads the very weights omniinfer runs (`--compare llama.cpp` in the be
 Names, shapes and metadata follow llama.cpp's own converter (convert_hf_to_gguf.py): tensors as
 ``blk.N.attn_q.weight`` and so on, Llama's q/k rows permuted from Hugging Face's rotate-half
 order to GGML's interleaved rotary (Qwen2 uses the NeoX order and keeps them), norms and
-biases in float32, the other 2-D weights in the file type asked for. The vocabulary is the
+biases in float32, the other 2-D weights in the file type asked for (the K-quants through
+omniinfer.testing.kquant's round-to-nearest quantisers, as the gguf package has none). The vocabulary is the
 checkpoint's tokenizer, padded with unused tokens up to the model's vocabulary size (random
 checkpoints have a small tokenizer and a large embedding).
 """
@@ -16,7 +17,26 @@ import os
 
 import numpy as np
 
-FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+from omniinfer.testing import kquant
+
+FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k",
+              "q4_k_m")
+# the GGUF file type code each writes (llama_ftype), for general.file_type
+_FTYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9,
+          "q4_k": 14, "q5_k": 16, "q6_k": 18, "q4_k_m": 15}
+
+
+def tensor_type(gguf_tensor: str, file_type: str, cols: int) -> str:
+    """The type a 2-D tensor gets in a `file_type` file: Q4_K_M's mix (llama.cpp's rule of thumb:
+    attn_v, ffn_down and the output in Q6_K, the rest Q4_K); a K-quant where the row is not a
+    multiple of 256 falls back to Q8_0 (then F16), as llama.cpp's quantiser does."""
+    kind = file_type.upper()
+    if file_type == "q4_k_m":
+        kind = "Q6_K" if gguf_tensor.endswith(("attn_v.weight", "ffn_down.weight", "output.weight")) else "Q4_K"
+    block = 256 if kind.endswith("_K") else 32 if kind.startswith("Q") else 1
+    if cols % block:
+        kind = "Q8_0" if cols % 32 == 0 else "F16"
+    return kind
 _LAYER = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -70,10 +90,8 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
     writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
-    writer.add_file_type({"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8,
-                          "q5_1": 9}[file_type])
+    writer.add_file_type(_FTYPE[file_type])
     _add_vocab(writer, model_dir, cfg["vocab_size"], arch)
-    qtype = getattr(gguf.GGMLQuantizationType, file_type.upper())
     tensors = {}
     for name in sorted(os.listdir(model_dir)):
         if name.endswith(".safetensors"):
@@ -85,11 +103,16 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _permute_rotary(w, heads if "q_proj" in hf_name else kv_heads)
         name = gguf_name(hf_name)
-        if w.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+        kind = "F32" if w.ndim == 1 else tensor_type(name, file_type, w.shape[-1])
+        if kind == "F32":
             writer.add_tensor(name, np.ascontiguousarray(w))  # norms and biases stay float32
+            continue
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        if kind in kquant.QUANTIZERS:
+            data = kquant.QUANTIZERS[kind](np.ascontiguousarray(w))
         else:
             data = gguf.quants.quantize(np.ascontiguousarray(w), qtype)
-            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

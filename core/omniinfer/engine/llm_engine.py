@@ -38,8 +38,11 @@ logger = init_logger(__name__)
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
+    from omniinfer.quantization.gguf_file import is_gguf
+    from omniinfer.quantization.gguf_file import load_tokenizer as gguf_tokenizer
+
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return gguf_tokenizer(path) if is_gguf(path) else AutoTokenizer.from_pretrained(path)
     except Exception as e:
         raise ValueError(f"tokenizer={path!r} could not be loaded: {type(e).__name__}: {e}") from e
 

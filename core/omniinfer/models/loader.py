@@ -63,17 +63,40 @@ def _default_dtype(dtype: torch.dtype):
         torch.set_default_dtype(old)
 
 
-def load_model(config: ModelConfig, attn_backend, device: torch.device, progress: bool = True):
-    """This rank's part of the model, on `device`, in `config.dtype`, weights loaded."""
-    cls = model_class(config.architecture, os.path.join(config.model, "config.json"))
-    with _default_dtype(config.dtype), torch.device(device):
+def _checkpoint(config: ModelConfig, progress: bool):
+    """(name, tensor) of the checkpoint, and the names quantised in it."""
+    if config.quantization == "gguf":
+        from omniinfer.quantization.gguf_file import GGUFFile
+
+        tensors = list(GGUFFile(config.model).named_tensors())
+        quantized = {name for name, t in tensors if t.is_quantized}
+        return iter(tensors), quantized
+    return iterate_checkpoint(safetensors_files(config.model), progress), set()
+
+
+def load_model(config: ModelConfig, attn_backend, device: torch.device, progress: bool = True,
+               quant_kernels: list | None = None):
+    """This rank's part of the model, on `device`, in `config.dtype`, weights loaded; quantised
+    layers (a GGUF file's, or all linear layers with quantization="int8") get their formats'
+    methods, which run `quant_kernels` (the platform's) where they can."""
+    from omniinfer.models.layers.weights import deferred_weights
+    from omniinfer.quantization import int8, loading
+
+    config_file = config.model if config.quantization == "gguf" else os.path.join(config.model, "config.json")
+    cls = model_class(config.architecture, config_file)
+    deferred = config.quantization == "gguf"
+    with _default_dtype(config.dtype), torch.device(device), \
+            (deferred_weights() if deferred else contextlib.nullcontext()):
         model = cls(config, attn_backend)
-    files = safetensors_files(config.model)
+    checkpoint, quantized = _checkpoint(config, progress)
+    if deferred:
+        targets = {t[0] for t in map(model.checkpoint_target, quantized) if t is not None}
+        loading.prepare(model, targets, device)
     where = {}
 
     def tracked():
-        for name, tensor in iterate_checkpoint(files, progress):
-            where[name] = tensor.path
+        for name, tensor in checkpoint:
+            where[name] = getattr(tensor, "path", config.model)
             yield name, tensor
 
     try:
@@ -90,4 +113,8 @@ def load_model(config: ModelConfig, attn_backend, device: torch.device, progress
         wanted = model.expected_checkpoint_names(missing[0])
         raise CheckpointError(f"tensor(s) {', '.join(map(repr, wanted))} missing from the checkpoint "
                               f"in {config.model} ({len(missing)} parameter(s) not loaded)")
+    if config.quantization == "int8":
+        int8.quantize_model(model)
+    if deferred or config.quantization == "int8":
+        loading.finish(model, device.type, quant_kernels or [])
     return model.eval()

@@ -49,3 +49,16 @@ def omniinfer_attention_backends() -> list[type]:
     (``attention_backend=`` / ``OMNIINFER_ATTENTION_BACKEND``). This is how a third-party
     plugin adds a kernel library to an existing platform. ``None`` means none.
     """
+
+
+@hookspec
+def omniinfer_quantization_kernels() -> list[type]:
+    """The :class:`~omniinfer.quantization.base.QuantKernel` subclasses this plugin provides: a
+    platform's native products for quantised weights (GGUF block types, int8, ...).
+
+    Called once when the registry is built; every plugin's result is collected, in plugin order.
+    A quantised layer uses, per weight segment, the first kernel whose ``device_types`` holds
+    the selected device's type and whose ``kinds`` holds the segment's format, and whose
+    ``unavailable()`` is None; otherwise the core's reference (dequantise, then torch). ``None``
+    means none.
+    """

@@ -61,6 +61,7 @@ class PluginRegistry:
         self.records: list[PluginRecord] = []
         self.platforms: dict[str, type[Platform]] = {}
         self.backends: dict[str, type] = {}
+        self.quant_kernels: list[type] = []  # (omniinfer.quantization.base.QuantKernel)
         eps = list(md.entry_points(group=hookspec.ENTRY_POINT_GROUP)) if entry_points is None else entry_points
         self._load(eps, os.environ.get(ENV_PLUGINS, "") if only is None else only)
         self._collect()
@@ -137,8 +138,10 @@ class PluginRegistry:
                 continue
             platforms = self._call(record, "omniinfer_platforms")
             backends = self._call(record, "omniinfer_attention_backends") if record.is_loaded else []
+            quant = self._call(record, "omniinfer_quantization_kernels") if record.is_loaded else []
             if not record.is_loaded:  # a hook raised: none of what this plugin offered is used
                 continue
+            self.quant_kernels.extend(quant)
             for cls in platforms:
                 if cls.name in self.platforms:
                     other = self.platforms[cls.name].plugin_name

@@ -35,7 +35,10 @@ class ModelRunner:
 
     # ---- set-up ----------------------------------------------------------------------------------
     def load_model(self, progress: bool = True) -> None:
-        self.model = load_model(self.model_config, self.attn_backend, self.device, progress)
+        from omniinfer.platforms.registry import get_registry
+
+        self.model = load_model(self.model_config, self.attn_backend, self.device, progress,
+                                quant_kernels=get_registry().quant_kernels)
         install_linear_methods(self.model, self.linear_method)
         ops = self.layer_ops()
         if ops is not None:
@@ -65,7 +68,10 @@ class ModelRunner:
         return None
 
     def model_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        from omniinfer.quantization.loading import quantized_bytes
+
+        real = sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.is_meta)
+        return real + quantized_bytes(self.model)
 
     @property
     def num_local_layers(self) -> int:

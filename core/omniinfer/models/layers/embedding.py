@@ -8,7 +8,13 @@ from torch import nn
 
 from omniinfer.distributed import parallel_state as ps
 from omniinfer.models.layers.linear import DEFAULT_LINEAR_METHOD
-from omniinfer.models.layers.weights import WeightShapeError, copy_checked, narrow, shape_of
+from omniinfer.models.layers.weights import (
+    WeightShapeError,
+    copy_checked,
+    narrow,
+    shape_of,
+    weight_device,
+)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -19,8 +25,11 @@ class VocabParallelEmbedding(nn.Module):
         self.per_rank = -(-vocab_size // self.tp_size)  # padded: last rank may hold fewer real rows
         self.start = self.tp_rank * self.per_rank
         self.num_real = max(0, min(self.per_rank, vocab_size - self.start))
-        self.weight = nn.Parameter(torch.zeros(self.per_rank, hidden_size), requires_grad=False)
+        device = weight_device()
+        self.weight = nn.Parameter((torch.empty if device else torch.zeros)(self.per_rank, hidden_size, device=device),
+                                   requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.qweight = None  # a quantised table (omniinfer.quantization) instead of `weight`
 
     def weight_loader(self, param, loaded, shard_id=None) -> None:
         shape = shape_of(loaded)
@@ -29,12 +38,17 @@ class VocabParallelEmbedding(nn.Module):
                                    f"checkpoint has {shape}")
         copy_checked(param.data[: self.num_real], narrow(loaded, 0, self.start, self.num_real), "weight")
 
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.qweight is not None:  # only the rows asked for are dequantised
+            return self.qweight.rows_of(ids.reshape(-1), self.weight.dtype).reshape(*ids.shape, -1)
+        return F.embedding(ids, self.weight)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.num_real)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside[:, None], 0)
         return ps.tp_all_reduce(out)
 

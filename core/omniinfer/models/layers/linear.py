@@ -16,7 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from omniinfer.distributed import parallel_state as ps
-from omniinfer.models.layers.weights import WeightShapeError, copy_checked, narrow, shape_of
+from omniinfer.models.layers.weights import (
+    WeightShapeError,
+    copy_checked,
+    narrow,
+    shape_of,
+    weight_device,
+)
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -65,6 +71,8 @@ def install_linear_methods(model: nn.Module, choose) -> int:
     layer's own), then let it process the loaded weights. Returns how many layers changed."""
     changed = 0
     for module in model.modules():
+        if getattr(module, "qweight", None) is not None:
+            continue  # a quantised layer: its method is its format's (omniinfer.quantization)
         if isinstance(getattr(module, "linear_method", None), LinearMethod):
             method = choose(module)
             if method is not None:
@@ -78,7 +86,8 @@ class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
         self.linear_method = DEFAULT_LINEAR_METHOD
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=weight_device()),
+                                   requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)

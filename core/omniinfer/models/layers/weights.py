@@ -2,7 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
+
+_DEFERRED = contextvars.ContextVar("omniinfer_deferred_weights", default=False)
+
+
+@contextlib.contextmanager
+def deferred_weights():
+    """Build a model whose linear and embedding weights are on the meta device (no memory): the
+    loader of a quantised checkpoint then gives each layer its quantised weight, or a float one
+    where the file holds it in float (omniinfer.quantization)."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def weight_device() -> str | None:
+    """Where a linear or embedding layer puts its weight as it is built: "meta" while deferred."""
+    return "meta" if _DEFERRED.get() else None
 
 
 class CheckpointTensor:
@@ -25,7 +47,8 @@ class CheckpointTensor:
 
 
 def tensor_of(loaded) -> torch.Tensor:
-    return loaded.full() if isinstance(loaded, CheckpointTensor) else loaded
+    """A lazily read checkpoint tensor (safetensors, GGUF) in full, or the tensor given."""
+    return loaded.full() if hasattr(loaded, "full") else loaded
 
 
 def narrow(loaded, dim: int, start: int, length: int) -> torch.Tensor:

@@ -1,0 +1,224 @@
+"""GGUF files (llama.cpp's format) read with the `gguf` package: the model's config from the
+file's metadata, its tensors under Hugging Face names (quantised ones as QuantPieces, read lazily
+and only as far as a rank needs), and the tokenizer transformers builds from the file.
+
+Families: llama (Llama 1-3, Mistral) and qwen2. The file is checked before anything large is
+allocated: every tensor's bytes must lie inside the file and match its type and shape.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from omniinfer.models.layers.weights import WeightShapeError
+from omniinfer.quantization import gguf_blocks
+from omniinfer.quantization.base import QuantPiece, register_format
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_LAYER = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+class GGUFError(ValueError):
+    """A GGUF file omniinfer cannot load: names the file, the tensor or key, and why."""
+
+
+def is_gguf(path) -> bool:
+    return isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(".gguf") and os.path.isfile(path)
+
+
+def hf_name(name: str) -> str:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _TOP:
+        return f"{_TOP[parts[0]]}.{parts[1]}"
+    raise GGUFError(f"tensor {name!r} is not one omniinfer knows in a llama/qwen2 GGUF file")
+
+
+class GGUFFile:
+    """An open GGUF file (memory-mapped): metadata, tensors, checked."""
+
+    def __init__(self, path: str):
+        import gguf
+
+        self.path = os.fspath(path)
+        size = os.path.getsize(self.path)
+        try:
+            self.reader = gguf.GGUFReader(self.path, "r")
+        except Exception as e:  # the package's own parse errors: truncated, not GGUF, bad counts
+            raise GGUFError(f"{self.path} is not a readable GGUF file: truncated or corrupt "
+                            f"({size} bytes; the gguf package says {type(e).__name__}: {e})") from None
+        self.tensors = {}
+        for t in self.reader.tensors:
+            kind = gguf_blocks.type_of(int(t.tensor_type), t.name)
+            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the fastest dim first
+            cols = shape[-1]
+            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+            if cols % kind.block:
+                raise GGUFError(f"{self.path}: tensor {t.name!r} ({kind.name}) has {cols} columns, not a "
+                                f"multiple of its block of {kind.block}")
+            expected = rows * kind.row_bytes(cols)
+            if int(t.n_bytes) != expected or int(t.data_offset) + expected > size:
+                raise GGUFError(f"{self.path}: tensor {t.name!r} ({kind.name}, shape {shape}) needs "
+                                f"{expected} bytes at offset {int(t.data_offset)}, but the file has "
+                                f"{size} bytes: truncated or corrupt")
+            self.tensors[t.name] = (t, kind, shape)
+        self.arch = self.field("general.architecture")
+        if self.arch not in ARCHITECTURES:
+            raise GGUFError(f"{self.path}: architecture {self.arch!r} is not supported; supported: "
+                            f"{', '.join(ARCHITECTURES)}")
+
+    def field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        if f is None:
+            return default
+        value = f.contents()
+        return value
+
+    def hf_config(self) -> dict:
+        """The config.json a Hugging Face checkpoint of this model would have."""
+        a = self.arch
+        need = {"hidden_size": f"{a}.embedding_length", "num_hidden_layers": f"{a}.block_count",
+                "intermediate_size": f"{a}.feed_forward_length", "num_attention_heads": f"{a}.attention.head_count"}
+        cfg = {"architectures": [ARCHITECTURES[a]], "model_type": a}
+        for name, key in need.items():
+            value = self.field(key)
+            if value is None:
+                raise GGUFError(f"{self.path}: metadata key {key!r} is missing")
+            cfg[name] = int(value)
+        cfg["num_key_value_heads"] = int(self.field(f"{a}.attention.head_count_kv", cfg["num_attention_heads"]))
+        key_length = self.field(f"{a}.attention.key_length")
+        if key_length is not None:
+            cfg["head_dim"] = int(key_length)
+        cfg["rms_norm_eps"] = float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6))
+        cfg["rope_theta"] = float(self.field(f"{a}.rope.freq_base", 10000.0))
+        cfg["max_position_embeddings"] = int(self.field(f"{a}.context_length", 2048))
+        scaling = self.field(f"{a}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            factor = float(self.field(f"{a}.rope.scaling.factor", 1.0))
+            if scaling != "linear":
+                raise GGUFError(f"{self.path}: rope scaling {scaling!r} is not supported for GGUF files yet "
+                                "(linear is)")
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
+        if "rope_freqs.weight" in self.tensors:
+            raise GGUFError(f"{self.path}: tensor 'rope_freqs.weight' (Llama 3.1 rope scaling) is not "
+                            "supported for GGUF files yet")
+        embd = self.tensors.get("token_embd.weight")
+        if embd is None:
+            raise GGUFError(f"{self.path}: tensor 'token_embd.weight' is missing")
+        cfg["vocab_size"] = embd[2][0]
+        cfg["tie_word_embeddings"] = "output.weight" not in self.tensors
+        for ours, key in (("bos_token_id", "tokenizer.ggml.bos_token_id"),
+                          ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+            value = self.field(key)
+            if value is not None:
+                cfg[ours] = int(value)
+        cfg["attention_bias"] = False  # (qwen2's q/k/v biases are its model_type's)
+        return cfg
+
+    def named_tensors(self):
+        """(Hugging Face name, GGUFTensor) for every tensor, in the file's order."""
+        heads = self.hf_config()
+        for name, (t, kind, shape) in self.tensors.items():
+            perm_heads = None
+            if self.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+                perm_heads = heads["num_attention_heads"] if "attn_q" in name else heads["num_key_value_heads"]
+            yield hf_name(name), GGUFTensor(self.path, name, t.data, kind, shape, perm_heads)
+
+
+def _rope_order(rows: int, heads: int) -> torch.Tensor:
+    """For llama files: the file's row of each Hugging Face row of q / k (llama.cpp's converter
+    interleaves each head's two rotary halves; this model rotates halves)."""
+    d = rows // heads
+    h, half, i = torch.meshgrid(torch.arange(heads), torch.arange(2), torch.arange(d // 2), indexing="ij")
+    return (h * d + 2 * i + half).reshape(-1)
+
+
+class GGUFTensor:
+    """One tensor of a GGUF file, read as far as a rank needs: `narrow` along rows or (block
+    aligned) columns gives a QuantPiece of those bytes, or, for float types, a float tensor."""
+
+    def __init__(self, path: str, name: str, data: np.ndarray, kind: gguf_blocks.BlockType,
+                 shape: tuple[int, ...], perm_heads: int | None = None):
+        self.path, self.name, self.kind, self.shape = path, name, kind, shape
+        self._data = data  # numpy memmap: [rows, row bytes] (or the float values)
+        self._rows = None if perm_heads is None else _rope_order(shape[0], perm_heads)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.kind.block > 1
+
+    def _bytes(self, rows) -> torch.Tensor:
+        raw = self._data.view(np.uint8).reshape(self.shape[0] if len(self.shape) > 1 else 1, -1)
+        return torch.from_numpy(np.array(raw[rows], copy=True))  # (owned: the map closes after loading)
+
+    def _row_index(self, start: int, length: int):
+        if self._rows is None:
+            return slice(start, start + length)
+        return self._rows[start:start + length].numpy()
+
+    def full(self):
+        return self.narrow(0, 0, self.shape[0]) if len(self.shape) > 1 else self._float(self._bytes(slice(None)))
+
+    def _float(self, raw: torch.Tensor) -> torch.Tensor:
+        cols = self.shape[-1]
+        out = gguf_blocks.dequantize(raw, self.kind, cols)
+        return out.reshape(-1) if len(self.shape) == 1 else out
+
+    def narrow(self, dim: int, start: int, length: int):
+        if len(self.shape) == 1:
+            return self.full().narrow(0, start, length)
+        rows, cols = self.shape
+        if dim == 0:
+            raw = self._bytes(self._row_index(start, length))
+            return QuantPiece(f"gguf:{self.kind.name}", (length, cols), {"blocks": raw}) if self.is_quantized \
+                else self._float(raw)
+        whole = self.narrow(0, 0, rows)
+        if not self.is_quantized:
+            return whole.narrow(1, start, length)
+        return narrow_gguf(whole, 1, start, length, self.name)
+
+
+def narrow_gguf(piece: QuantPiece, dim: int, start, length: int | None = None, name: str = "") -> QuantPiece:
+    kind = gguf_blocks.BY_NAME[piece.kind.split(":", 1)[1]]
+    blocks = piece.tensors["blocks"]
+    rows, cols = piece.shape
+    if dim == 0:
+        if isinstance(start, torch.Tensor):
+            return QuantPiece(piece.kind, (start.numel(), cols), {"blocks": blocks[start]})
+        return QuantPiece(piece.kind, (length, cols), {"blocks": blocks.narrow(0, start, length)})
+    if start % kind.block or length % kind.block:
+        raise WeightShapeError(f"{name or 'a ' + kind.name + ' tensor'}: columns {start}..{start + length} do "
+                               f"not fall on its {kind.name} blocks of {kind.block} (tensor parallelism "
+                               f"splits the columns of a row-parallel layer); use fewer ranks")
+    b0, nb = start // kind.block * kind.block_bytes, length // kind.block * kind.block_bytes
+    return QuantPiece(piece.kind, (rows, length), {"blocks": blocks.narrow(1, b0, nb).contiguous()})
+
+
+def _dequantize_gguf(piece: QuantPiece) -> torch.Tensor:
+    kind = gguf_blocks.BY_NAME[piece.kind.split(":", 1)[1]]
+    return gguf_blocks.dequantize(piece.tensors["blocks"], kind, piece.shape[1])
+
+
+register_format("gguf", _dequantize_gguf, narrow_gguf)
+
+
+def load_tokenizer(path: str):
+    """The tokenizer transformers builds from a GGUF file's vocabulary (and its chat template)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                              gguf_file=os.path.basename(path))
+    template = GGUFFile(path).field("tokenizer.chat_template")
+    if template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = template
+    return tokenizer

@@ -1,0 +1,82 @@
+"""Putting quantised weights into a model built with deferred weights (see base.py): before
+loading, a QuantSlot or a real float weight for each linear / embedding layer, as the checkpoint
+holds it; after loading, each slot's QuantizedWeight and its layer's QuantLinearMethod."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from omniinfer.logger import init_logger
+from omniinfer.quantization.base import QuantLinearMethod, QuantSlot
+
+logger = init_logger(__name__)
+
+
+def prepare(model: nn.Module, quantized: set[str], device: torch.device) -> None:
+    """`quantized`: our parameter names (`model.layers.0.mlp.down_proj.weight`) whose checkpoint
+    tensors are quantised. Their layers get a QuantSlot; every other deferred weight gets memory."""
+    decided: dict[int, tuple[str, object]] = {}  # a shared (tied) parameter: decided once
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, nn.Parameter) or not weight.is_meta:
+            continue
+        key = id(weight)
+        if key not in decided:
+            pname = f"{name}.weight" if name else "weight"
+            if pname in quantized:
+                slot = QuantSlot(tuple(weight.shape), pname)
+                layer_loader = weight.weight_loader
+
+                def loader(param, loaded, shard_id=None, slot=slot, layer_loader=layer_loader):
+                    layer_loader(slot, loaded, shard_id)
+
+                weight.weight_loader = loader
+                decided[key] = ("slot", slot)
+            else:
+                real = nn.Parameter(torch.zeros(weight.shape, dtype=weight.dtype, device=device),
+                                    requires_grad=False)
+                real.weight_loader = weight.weight_loader
+                decided[key] = ("float", real)
+        how, value = decided[key]
+        if how == "slot":
+            module.qslot = value
+        else:
+            module.weight = value
+
+
+def finish(model: nn.Module, device_type: str, kernels: list) -> Counter:
+    """Each slot's weight into its layer, with the method that applies it; returns how many
+    layers each (format, kernel) pair serves, and logs it."""
+    method = QuantLinearMethod(device_type, kernels)
+    weights: dict[int, object] = {}
+    served: Counter = Counter()
+    reasons: dict[tuple[str, str], str] = {}
+    for module in model.modules():
+        slot = getattr(module, "qslot", None)
+        if slot is None:
+            continue
+        if id(slot) not in weights:
+            rows = getattr(module, "num_real", None)  # an embedding's padding rows stay empty
+            weights[id(slot)] = slot.finish(rows)
+        module.qweight = weights[id(slot)]
+        del module.qslot
+        if hasattr(module, "linear_method"):  # a linear layer or the LM head (an embedding looks up)
+            module.linear_method = method
+            method.process_weights_after_loading(module)
+            for kind, kernel, why in module.quant_choices:
+                served[(kind, kernel)] += 1
+                if why:
+                    reasons[(kind, kernel)] = why
+    for (kind, kernel), count in sorted(served.items()):
+        why = reasons.get((kind, kernel))
+        logger.info("quantised layers: %d x %s -> %s%s", count, kind, kernel, f" ({why})" if why else "")
+    return served
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """The bytes the model's quantised weights hold (each shared weight once)."""
+    seen = {id(m.qweight): m.qweight for m in model.modules() if getattr(m, "qweight", None) is not None}
+    return sum(w.nbytes for w in seen.values())

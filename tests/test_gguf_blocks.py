@@ -1,0 +1,57 @@
+"""Every GGUF tensor type dequantises bit for bit like the gguf package's own
+`gguf.quants.dequantize`, on random blocks (any bytes are a valid block once its float16 scales
+are finite) and on blocks `gguf.quants.quantize` makes from random weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from omniinfer.quantization import gguf_blocks  # noqa: E402
+
+# where each type keeps its float16 scales (byte offsets in a block)
+SCALE_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
+                 "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(kind: gguf_blocks.BlockType, rows: int, cols: int, rng) -> np.ndarray:
+    data = rng.integers(0, 256, size=(rows, kind.row_bytes(cols)), dtype=np.uint8)
+    blocks = data.reshape(-1, kind.block_bytes)
+    for at in SCALE_OFFSETS.get(kind.name, []):
+        scales = (rng.standard_normal(blocks.shape[0]) * 0.05).astype(np.float16)
+        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return data
+
+
+@pytest.mark.parametrize("name", sorted(SCALE_OFFSETS))
+def test_random_blocks_bit_for_bit(name):
+    kind = gguf_blocks.BY_NAME[name]
+    rng = np.random.default_rng(kind.code)
+    rows, cols = 7, 3 * 256
+    data = random_blocks(kind, rows, cols, rng)
+    want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[name]).reshape(rows, cols)
+    got = gguf_blocks.dequantize(torch.from_numpy(data), kind, cols)
+    assert got.dtype == torch.float32 and got.shape == (rows, cols)
+    assert np.array_equal(got.numpy().view(np.int32), want.astype(np.float32).view(np.int32))
+
+
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_quantized_weights_bit_for_bit(name):
+    kind = gguf_blocks.BY_NAME[name]
+    qtype = gguf.GGMLQuantizationType[name]
+    weights = np.random.default_rng(3).standard_normal((5, 256)).astype(np.float32) * 0.1
+    data = gguf.quants.quantize(weights, qtype)
+    raw = data.view(np.uint8).reshape(5, -1)
+    assert raw.shape[1] == kind.row_bytes(256)
+    want = gguf.quants.dequantize(data, qtype).reshape(5, 256)
+    got = gguf_blocks.dequantize(torch.from_numpy(raw.copy()), kind, 256)
+    assert np.array_equal(got.numpy().view(np.int32), want.astype(np.float32).view(np.int32))
+
+
+def test_an_unsupported_type_is_named():
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_up.weight' has GGUF tensor type 10 \(Q2_K\), "
+                                         r"which omniinfer does not load; supported: F32, F16"):
+        gguf_blocks.type_of(10, "blk.0.ffn_up.weight")

@@ -1,0 +1,185 @@
+"""Quantised models: GGUF files of every supported tensor type and int8 made at load, against
+transformers on the same weights (it loads the GGUF itself and dequantises it), with chunked
+prefill and tensor parallelism; no float copy of a quantised weight is held; bad files are clear
+errors before anything large is allocated."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from omniinfer import LLM, SamplingParams  # noqa: E402
+from omniinfer.benchmarks.gguf_export import export  # noqa: E402
+from omniinfer.quantization.gguf_file import GGUFError, GGUFFile  # noqa: E402
+from omniinfer.testing.tiny_models import build_tiny_checkpoint  # noqa: E402
+
+PROMPTS = [[1, 5, 9, 33, 7, 20], list(range(40, 75))]
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """arch -> a tiny checkpoint wide enough for the K-quants' 256-weight blocks."""
+    root = tmp_path_factory.mktemp("quant")
+    return {arch: build_tiny_checkpoint(str(root / arch), arch, hidden_size=256, intermediate_size=512,
+                                        vocab_size=1000, seed=3) for arch in ("llama", "qwen2")}
+
+
+def gguf_of(models, arch: str, file_type: str) -> str:
+    path = os.path.join(os.path.dirname(models[arch]), f"{arch}-{file_type}.gguf")
+    return path if os.path.isfile(path) else export(models[arch], path, file_type)
+
+
+def hf_greedy_gguf(path: str, prompt: list[int], n: int) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                 dtype=torch.float32)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def run(llm, prompts=PROMPTS):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch,file_type", [
+    ("llama", "q8_0"), ("llama", "q4_0"), ("llama", "q4_k_m"), ("llama", "q5_k"), ("llama", "f16"),
+    ("qwen2", "q4_1"), ("qwen2", "q5_0"), ("qwen2", "q5_1"), ("qwen2", "q6_k"), ("qwen2", "q4_k"),
+    ("qwen2", "bf16"),
+])
+def test_gguf_greedy_tokens_equal_transformers(models, arch, file_type):
+    """transformers reads the same file (and dequantises it); the second prompt's 35 tokens go in
+    chunks of 16 (chunked prefill) and the two decode together."""
+    path = gguf_of(models, arch, file_type)
+    llm = LLM(path, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        assert llm.llm_engine.config.model.quantization == "gguf"
+        got = run(llm)
+    finally:
+        llm.shutdown()
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == hf_greedy_gguf(path, prompt, PARAMS.max_tokens), (arch, file_type)
+
+
+def test_a_gguf_model_holds_no_float_copy(models):
+    path = gguf_of(models, "qwen2", "q4_k_m")
+    llm = LLM(path, num_kv_blocks=64)
+    try:
+        runner = llm.llm_engine.executor.worker.model_runner
+        model = runner.model
+        quantised = [m for m in model.modules() if getattr(m, "qweight", None) is not None]
+        assert {type(m).__name__ for m in quantised} >= {"QKVParallelLinear", "RowParallelLinear",
+                                                       "MergedColumnParallelLinear", "VocabParallelEmbedding"}
+        assert all(m.weight.is_meta for m in quantised)
+        kinds = {k for m in quantised for k in m.qweight.kinds}
+        assert kinds == {"gguf:Q4_K", "gguf:Q6_K"}
+        file_bytes = sum(int(t.n_bytes) for t in GGUFFile(path).reader.tensors)
+        assert runner.model_bytes() <= file_bytes  # (tied: the embedding's table once)
+        assert llm.get_tokenizer().decode([5, 9]) is not None
+    finally:
+        llm.shutdown()
+
+
+def test_gguf_under_tensor_parallelism(models):
+    """Column-parallel layers split rows, row-parallel ones split columns on block boundaries
+    (Q8_0's 32 weights; 256 / 2 = 128 columns a rank)."""
+    path = gguf_of(models, "llama", "q8_0")
+    single = LLM(path, num_kv_blocks=64)
+    try:
+        want = run(single)
+    finally:
+        single.shutdown()
+    llm = LLM(path, num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        assert run(llm) == want
+    finally:
+        llm.shutdown()
+
+
+def test_a_split_off_a_block_boundary_is_named(models):
+    """Q4_K's blocks of 256 columns cannot be split across 2 ranks of a 256-wide row-parallel layer."""
+    path = gguf_of(models, "llama", "q4_k")
+    with pytest.raises(Exception, match=r"do not fall on its Q4_K blocks of 256.*use fewer ranks"):
+        LLM(path, num_kv_blocks=64, tensor_parallel_size=2)
+
+
+def test_int8_at_load(models):
+    """Every linear layer in int8 (per output channel), the embedding and LM head float: the tokens
+    of transformers running the same dequantised weights."""
+    from transformers import AutoModelForCausalLM
+
+    from omniinfer.quantization import int8
+
+    path = models["llama"]
+    llm = LLM(path, num_kv_blocks=64, quantization="int8")
+    try:
+        model = llm.llm_engine.executor.worker.model_runner.model
+        down = model.model.layers["0"].mlp.down_proj
+        assert down.weight.is_meta and down.qweight.kinds == ["int8"]
+        assert model.lm_head.qweight is None and not model.lm_head.weight.is_meta
+        got = run(llm)
+    finally:
+        llm.shutdown()
+    ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in ref.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                piece = int8.quantize(module.weight)
+                module.weight.copy_(piece.tensors["q"].float() * piece.tensors["scale"][:, None])
+        for prompt, tokens in zip(PROMPTS, got):
+            out = ref.generate(torch.tensor([prompt]), max_new_tokens=PARAMS.max_tokens, do_sample=False)
+            assert tokens == out[0, len(prompt):].tolist()
+
+
+def _header_only(path: str, out: str, keep: int) -> str:
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(out, "wb") as f:
+        f.write(data[:keep])
+    return out
+
+
+def test_a_truncated_or_corrupt_file_is_a_clear_error(models, tmp_path):
+    path = gguf_of(models, "qwen2", "q8_0")
+    size = os.path.getsize(path)
+    cut = _header_only(path, str(tmp_path / "cut.gguf"), size - 1000)
+    with pytest.raises(GGUFError, match=r"cut.gguf is not a readable GGUF file: truncated or corrupt"):
+        LLM(cut)
+    header = _header_only(path, str(tmp_path / "head.gguf"), 100)
+    with pytest.raises(GGUFError, match=r"head.gguf is not a readable GGUF file"):
+        LLM(header)
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    data[8:16] = struct.pack("<Q", 1 << 40)  # an absurd tensor count
+    bad = tmp_path / "count.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match="is not a readable GGUF file"):
+        LLM(str(bad))
+
+
+def test_unsupported_types_and_configs_are_named(models, tmp_path):
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(tmp_path / "q2k.gguf"), "llama")
+    writer.add_block_count(1)
+    blocks = np.zeros((4, 84), dtype=np.uint8)  # Q2_K: 84 bytes a block of 256
+    writer.add_tensor("token_embd.weight", blocks, raw_shape=(4, 84), raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=r"tensor 'token_embd.weight' has GGUF tensor type 10 \(Q2_K\), which "
+                                         r"omniinfer does not load; supported: F32, F16, BF16, Q4_0"):
+        LLM(str(tmp_path / "q2k.gguf"))
+    with pytest.raises(ValueError, match=r"quantization='int4' is not supported; allowed: None, 'int8', 'gguf'"):
+        LLM(models["llama"], quantization="int4")
+    with pytest.raises(ValueError, match="a GGUF file is loaded as it is quantised"):
+        LLM(gguf_of(models, "llama", "q8_0"), quantization="int8")
