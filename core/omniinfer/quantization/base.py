@@ -100,8 +100,19 @@ def register_format(prefix: str, dequantize: Callable, narrow: Callable) -> None
     _NARROWERS[prefix] = narrow
 
 
+# the module that registers each family (imported on first use)
+FORMAT_MODULES = {"gguf": "omniinfer.quantization.gguf_file", "int8": "omniinfer.quantization.int8"}
+
+
 def _family(kind: str) -> str:
-    return kind.split(":", 1)[0]
+    family = kind.split(":", 1)[0]
+    if family not in _DEQUANTIZERS and family in FORMAT_MODULES:
+        import importlib
+
+        importlib.import_module(FORMAT_MODULES[family])
+    if family not in _DEQUANTIZERS:
+        raise ValueError(f"quantised format {kind!r} is unknown; known: {', '.join(sorted(FORMAT_MODULES))}")
+    return family
 
 
 def dequantize_piece(piece: QuantPiece) -> torch.Tensor:

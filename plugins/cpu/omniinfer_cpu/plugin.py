@@ -18,3 +18,10 @@ def omniinfer_attention_backends():
     from omniinfer_cpu.attention.paged import CpuPagedBackend
 
     return [IpexCpuBackend, CpuPagedBackend]
+
+
+@hookimpl
+def omniinfer_quantization_kernels():
+    from omniinfer_cpu.quant import CpuQuantKernel
+
+    return [CpuQuantKernel]

@@ -172,6 +172,38 @@ def product_cases(gen):
     return out
 
 
+def quant_cases(gen):
+    """omni_qlinear on each native format against the reference's dequantised weight."""
+    import numpy as np
+
+    from omniinfer.quantization.base import dequantize_piece
+    from omniinfer.quantization.int8 import quantize
+
+    gguf = pytest.importorskip("gguf")
+    from omniinfer.testing import kquant
+
+    out = []
+    for code, kind in enumerate(("Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8")):
+        w = torch.randn(19, 512, generator=gen) * 0.05
+        if kind == "int8":
+            piece = quantize(w)
+            blocks, scale = piece.tensors["q"], piece.tensors["scale"]
+            ref = dequantize_piece(piece)
+        else:
+            q = kquant.QUANTIZERS[kind](w.numpy()) if kind in kquant.QUANTIZERS else \
+                gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind])
+            blocks = torch.from_numpy(np.ascontiguousarray(q.view(np.uint8).reshape(19, -1)))
+            scale = None
+            ref = torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType[kind]).reshape(19, 512))
+        for dt in (F32, BF16):
+            x = rand(gen, 3, 512, dt=dt)
+            want = F.linear(x.double(), ref.double())
+            out.append((("qlinear", [3, 19, 512, code, dt, 2], [], [x, blocks, scale,
+                                                                     torch.zeros(3, 19, dtype=TORCH_DTYPE[dt])]),
+                        lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
+    return out
+
+
 def layer_op_cases(gen):
     from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS as ops
 
@@ -253,7 +285,7 @@ def test_kernels_without_python(target, drivers, tmp_path):
     cmd = drivers(target)
     assert subprocess.run([*cmd, "--isa"], capture_output=True, text=True, timeout=60).stdout.strip() == target
     gen = torch.Generator().manual_seed(7)
-    checks = product_cases(gen) + layer_op_cases(gen)
+    checks = product_cases(gen) + layer_op_cases(gen) + quant_cases(gen)
     outs = run_driver(cmd, tmp_path, [c for c, _ in checks])
     for (case, check), arrays in zip(checks, outs):
         try:

@@ -77,6 +77,10 @@ SIGNATURES = {
     "omni_gemm": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
     # x, ldx, packed, bias, out (int64), M, N, K, dtype, nthreads
     "omni_gemm_argmax": ([_P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32], _I32),
+    # kind (0 Q8_0, 1 Q4_0, 2 Q4_K, 3 Q6_K, 4 int8)
+    "omni_quant_supported": ([_I32], _I32),
+    # x, ldx, w (blocks, or int8 q), scale (int8's, else NULL), y, ldy, M, N, K, kind, dtype, nthreads
+    "omni_qlinear": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
     # w, N, K, dtype, q (int8 [N, K]), scale [N], coef [2N], nthreads
     "omni_q8_pack": ([_P, _I32, _I32, _I32, _P, _P, _P, _I32], None),
     # x, ldx, w, q, scale, coef, out (int64), M, N, K, dtype, max_candidates, nthreads

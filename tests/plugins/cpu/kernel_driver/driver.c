@@ -37,6 +37,8 @@ int omni_paged_attention(const void *q, int64_t q_stride, const void *key, int64
                          int nthreads);
 void omni_q8_pack(const void *w, int N, int K, int dt, int8_t *q, float *scale, float *coef,
                   int nthreads);
+int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy,
+                 int M, int N, int K, int kind, int dt, int nthreads);
 int omni_linear_argmax_q8(const void *x, int64_t ldx, const void *w, const int8_t *q,
                           const float *scale, const float *coef, int64_t *out, int M, int N, int K,
                           int dt, int max_candidates, int nthreads);
@@ -133,6 +135,9 @@ static int run(Case *c) {
         return omni_paged_attention(A(0), (int64_t)H * D, A(1), (int64_t)KVH * D, A(2), (int64_t)KVH * D,
                                     A(3), I(0), A(4), A(5), A(6), I(9), A(7), A(8), I(1), A(9),
                                     (int64_t)H * D, H, KVH, D, I(5), c->floats[0], I(6), I(7), I(8));
+    }
+    if (!strcmp(k, "qlinear")) {  /* M N K kind dt threads; x w scale y */
+        return omni_qlinear(A(0), I(2), A(1), OPT(2), A(3), I(1), I(0), I(1), I(2), I(3), I(4), I(5));
     }
     if (!strcmp(k, "linear_argmax_q8")) {  /* M N K dt threads; x w out */
         int M = I(0), N = I(1), K = I(2), dt = I(3), nt = I(4);

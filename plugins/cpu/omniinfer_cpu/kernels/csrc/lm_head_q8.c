@@ -67,21 +67,6 @@ INLINE float q8_stored(float v, int dt, int64_t r, int64_t N, int T) {
     return r < n0 + (n1 - n0) / VL * VL ? round_vec(v) : round_to(BF16, v);
 }
 
-INLINE vf q8_load(const int8_t *p) {  /* VL int8 as floats */
-#if defined(__AVX512F__)
-    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-#elif defined(__AVX2__)
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-#elif defined(__aarch64__) && defined(__ARM_NEON)
-    int32_t four;
-    memcpy(&four, p, 4);
-    int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four)));
-    return (vf)vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
-#else
-    typedef int8_t vqc __attribute__((vector_size(VL), aligned(1)));
-    return __builtin_convertvector(*(const vqc *)p, vf);
-#endif
-}
 
 /* out[m] = the greedy token of row m of x [M, K] (M = 1 or 2) against w [N, K] (no bias), as
  * argmax of omni_linear(x, w) with `nthreads` threads would give it. q, scale, coef: omni_q8_pack's.
@@ -137,12 +122,12 @@ int omni_linear_argmax_q8(const void *x, int64_t ldx, const void *w, const int8_
                 vf a0 = (vf){0}, a1 = a0, a2 = a0, a3 = a0;
                 int k = 0;
                 for (; k + 4 * VL <= K; k += 4 * VL) {  /* four chains: the FMA latency hidden */
-                    a0 += q8_load(qr + k) * *(const vfu *)(xm + k);
-                    a1 += q8_load(qr + k + VL) * *(const vfu *)(xm + k + VL);
-                    a2 += q8_load(qr + k + 2 * VL) * *(const vfu *)(xm + k + 2 * VL);
-                    a3 += q8_load(qr + k + 3 * VL) * *(const vfu *)(xm + k + 3 * VL);
+                    a0 += s8_load(qr + k) * *(const vfu *)(xm + k);
+                    a1 += s8_load(qr + k + VL) * *(const vfu *)(xm + k + VL);
+                    a2 += s8_load(qr + k + 2 * VL) * *(const vfu *)(xm + k + 2 * VL);
+                    a3 += s8_load(qr + k + 3 * VL) * *(const vfu *)(xm + k + 3 * VL);
                 }
-                for (; k + VL <= K; k += VL) a0 += q8_load(qr + k) * *(const vfu *)(xm + k);
+                for (; k + VL <= K; k += VL) a0 += s8_load(qr + k) * *(const vfu *)(xm + k);
                 float sum = hsum((a0 + a1) + (a2 + a3));
                 for (; k < K; k++) sum += (float)qr[k] * xm[k];
                 float a = sum * scale[r];

@@ -295,6 +295,72 @@ INLINE vf reduce_lanes(const vf *s) {
 }
 #endif
 
+INLINE vf s8_load(const int8_t *p) {  /* VL int8 as floats */
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    int32_t four;
+    memcpy(&four, p, 4);
+    int16x8_t h = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(four)));
+    return (vf)vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
+#else
+    typedef int8_t vqc __attribute__((vector_size(VL), aligned(1)));
+    return __builtin_convertvector(*(const vqc *)p, vf);
+#endif
+}
+
+INLINE vf u8_load(const uint8_t *p) {  /* VL uint8 as floats */
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    uint32_t four;
+    memcpy(&four, p, 4);
+    uint16x8_t h = vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(four)));
+    return (vf)vcvtq_f32_u32(vmovl_u16(vget_low_u16(h)));
+#else
+    typedef uint8_t vqu __attribute__((vector_size(VL), aligned(1)));
+    return __builtin_convertvector(*(const vqu *)p, vf);
+#endif
+}
+
+/* VL uint8 as uint32 lanes (for bit fields before converting) */
+INLINE vu u8_widen(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vu)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    return (vu)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    uint32_t four;
+    memcpy(&four, p, 4);
+    return (vu)vmovl_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(four)))));
+#else
+    typedef uint8_t vqu __attribute__((vector_size(VL), aligned(1)));
+    return __builtin_convertvector(*(const vqu *)p, vu);
+#endif
+}
+
+typedef int32_t vi __attribute__((vector_size(VBYTES)));
+INLINE vf u32_to_f(vu v) { return __builtin_convertvector((vi)v, vf); }
+
+/* a float16's value (the GGUF blocks' scales) */
+INLINE float f16_to_f32(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#elif defined(__aarch64__)
+    __fp16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+#else
+    _Float16 f;  /* (GCC's own conversion, where no instruction is known to be there) */
+    memcpy(&f, &h, 2);
+    return (float)f;
+#endif
+}
+
 /* this thread's even share [lo, hi) of n items (inside a parallel region) */
 INLINE void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
 #ifdef _OPENMP
@@ -365,6 +431,9 @@ int omni_gemm(const void *x, int64_t ldx, const void *packed, const void *bias, 
               int M, int N, int K, int gated, int dt, int nthreads);
 int omni_gemm_argmax(const void *x, int64_t ldx, const void *packed, const void *bias, int64_t *out,
                      int M, int N, int K, int dt, int nthreads);
+int omni_quant_supported(int kind);
+int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy,
+                 int M, int N, int K, int kind, int dt, int nthreads);
 void omni_q8_pack(const void *w, int N, int K, int dt, int8_t *q, float *scale, float *coef,
                   int nthreads);
 int omni_linear_argmax_q8(const void *x, int64_t ldx, const void *w, const int8_t *q,

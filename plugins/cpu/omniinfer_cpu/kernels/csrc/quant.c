@@ -1,0 +1,217 @@
+/* omni_qlinear: y = x @ W^T with W quantised, as a GGUF file stores it (rows of blocks: Q8_0,
+ * Q4_0, Q4_K, Q6_K) or as omniinfer's int8 (q [N, K] int8 and a float32 scale a row). The weights
+ * are decoded in registers and multiplied in float32 (x as the caller gives it, widened from
+ * bfloat16 once): no float copy of W exists. A block's offset term is taken out of the sum as
+ * llama.cpp does, Sum d * (q - o) * x = d * Sum q * x - d * o * Sum x, with the sums of x over
+ * each 16 weights computed once per call; so a result differs from dequantise-then-multiply by
+ * float32 rounding only. Each thread takes a contiguous range of W's rows and reads each once per
+ * group of up to 4 x rows. */
+#include "omni.h"
+
+enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4 };
+#define QMB 4  /* x rows a weight row meets while its block is in registers */
+
+int omni_quant_supported(int kind) { return kind >= Q8_0 && kind <= I8; }
+
+INLINE int qblock(int kind) { return kind == Q4_K || kind == Q6_K ? 256 : kind == I8 ? 1 : 32; }
+
+INLINE size_t qrow_bytes(int kind, int K) {
+    static const int bytes[] = {34, 18, 144, 210};
+    return kind == I8 ? (size_t)K : (size_t)(K / qblock(kind)) * bytes[kind];
+}
+
+INLINE uint16_t u16_at(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* Sum over [e, e + VL * n) of q * x for n chunks of VL decoded weights, one x row */
+#define CHUNKS(n, decode, xrow, e) ({                                          \
+    vf s_ = (vf){0};                                                           \
+    _Pragma("GCC unroll 8") for (int c_ = 0; c_ < (n); c_++) {                 \
+        vf q_ = decode(c_);                                                    \
+        s_ += q_ * *(const vfu *)((xrow) + (e) + c_ * VL);                     \
+    }                                                                          \
+    s_; })
+
+static void dot_q8_0(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K,
+                     int MB, float *out) {
+    (void)xs, (void)ldxs;
+    vf acc[QMB] = {{0}};
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *blk = w + (size_t)b * 34;
+        float d = f16_to_f32(u16_at(blk));
+        const int8_t *q = (const int8_t *)(blk + 2);
+        vf qv[32 / VL];
+#pragma GCC unroll 8
+        for (int c = 0; c < 32 / VL; c++) qv[c] = s8_load(q + c * VL);
+        for (int m = 0; m < MB; m++) {
+#define Q8D(c) qv[c]
+            acc[m] += d * CHUNKS(32 / VL, Q8D, x + m * ldx, b * 32);
+#undef Q8D
+        }
+    }
+    for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]);
+}
+
+static void dot_q4_0(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K,
+                     int MB, float *out) {
+    vf acc[QMB] = {{0}};
+    float corr[QMB] = {0};
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *blk = w + (size_t)b * 18, *qs = blk + 2;
+        float d = f16_to_f32(u16_at(blk));
+        vf qv[32 / VL];  /* elements 0-15: the low nibbles of bytes 0-15; 16-31: their high ones */
+#pragma GCC unroll 8
+        for (int c = 0; c < 32 / VL; c++) {
+            int e = c * VL;
+            qv[c] = u32_to_f((u8_widen(qs + e % 16) >> (e >= 16 ? 4 : 0)) & 15u);
+        }
+        for (int m = 0; m < MB; m++) {
+#define Q4D(c) qv[c]
+            acc[m] += d * CHUNKS(32 / VL, Q4D, x + m * ldx, b * 32);
+#undef Q4D
+            corr[m] += d * (xs[m * ldxs + 2 * b] + xs[m * ldxs + 2 * b + 1]);
+        }
+    }
+    for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]) - 8.0f * corr[m];
+}
+
+/* Q4_K's 8 six-bit (scale, min) pairs */
+INLINE void k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+static void dot_q4_k(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K,
+                     int MB, float *out) {
+    vf acc[QMB] = {{0}};
+    float corr[QMB] = {0};
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * 144, *qs = blk + 16;
+        float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
+        uint8_t sc[8], mn[8];
+        k_scales(blk + 4, sc, mn);
+        for (int s = 0; s < 8; s++) {  /* sub-block s: run s / 2's low (even s) or high nibbles */
+            const uint8_t *run = qs + 32 * (s / 2);
+            int shift = (s & 1) * 4, e0 = b * 256 + s * 32;
+            vf qv[32 / VL];
+#pragma GCC unroll 8
+            for (int c = 0; c < 32 / VL; c++) qv[c] = u32_to_f((u8_widen(run + c * VL) >> shift) & 15u);
+            float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
+            for (int m = 0; m < MB; m++) {
+#define QKD(c) qv[c]
+                acc[m] += ds * CHUNKS(32 / VL, QKD, x + m * ldx, e0);
+#undef QKD
+                corr[m] += dm * (xs[m * ldxs + e0 / 16] + xs[m * ldxs + e0 / 16 + 1]);
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]) - corr[m];
+}
+
+static void dot_q6_k(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K,
+                     int MB, float *out) {
+    vf acc[QMB] = {{0}};
+    float corr[QMB] = {0};
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * 210, *ql = blk, *qh = blk + 128;
+        const int8_t *scales = (const int8_t *)(blk + 192);
+        float d = f16_to_f32(u16_at(blk + 208));
+        for (int h = 0; h < 2; h++)
+            for (int part = 0; part < 4; part++) {  /* weights 128 h + 32 part + l, l < 32 */
+                const uint8_t *lo = ql + 64 * h + 32 * (part & 1), *hi = qh + 32 * h;
+                int lshift = part >= 2 ? 4 : 0, hshift = 2 * part, e0 = b * 256 + 128 * h + 32 * part;
+                for (int sub = 0; sub < 2; sub++) {  /* its two scales' 16 weights each */
+                    vf qv[16 / VL];
+#pragma GCC unroll 4
+                    for (int c = 0; c < 16 / VL; c++) {
+                        int l = sub * 16 + c * VL;
+                        vu q = ((u8_widen(lo + l) >> lshift) & 15u) | (((u8_widen(hi + l) >> hshift) & 3u) << 4);
+                        qv[c] = u32_to_f(q);
+                    }
+                    int e = e0 + sub * 16;
+                    float ds = d * (float)scales[(e - b * 256) / 16];
+                    for (int m = 0; m < MB; m++) {
+#define Q6D(c) qv[c]
+                        acc[m] += ds * CHUNKS(16 / VL, Q6D, x + m * ldx, e);
+#undef Q6D
+                        corr[m] += ds * xs[m * ldxs + e / 16];
+                    }
+                }
+            }
+    }
+    for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]) - 32.0f * corr[m];
+}
+
+static void dot_i8(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K,
+                   int MB, float *out) {
+    (void)xs, (void)ldxs;
+    const int8_t *q = (const int8_t *)w;
+    vf a0[QMB] = {{0}}, a1[QMB] = {{0}};
+    int k = 0;
+    for (; k + 2 * VL <= K; k += 2 * VL) {
+        vf q0 = s8_load(q + k), q1 = s8_load(q + k + VL);
+        for (int m = 0; m < MB; m++) {
+            a0[m] += q0 * *(const vfu *)(x + m * ldx + k);
+            a1[m] += q1 * *(const vfu *)(x + m * ldx + k + VL);
+        }
+    }
+    for (int m = 0; m < MB; m++) {
+        float s = hsum(a0[m] + a1[m]);
+        for (int kk = k; kk < K; kk++) s += (float)q[kk] * x[m * ldx + kk];
+        out[m] = s;
+    }
+}
+
+typedef void (*qdot_fn)(const uint8_t *, const float *, size_t, const float *, size_t, int, int, float *);
+static const qdot_fn QDOT[] = {dot_q8_0, dot_q4_0, dot_q4_k, dot_q6_k, dot_i8};
+
+/* y [M, ldy] (dtype dt) = x [M, ldx] (dt) @ W^T, W [N, K] of `kind` (int8: w is q, scale [N]).
+ * Returns 0; -1 for a kind not built, a K that is not whole blocks, or no memory. */
+int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy,
+                 int M, int N, int K, int kind, int dt, int nthreads) {
+    if (!omni_quant_supported(kind) || M <= 0 || N <= 0 || K <= 0 || K % qblock(kind) ||
+        (kind != I8 && K % 16))
+        return -1;
+    if (kind == I8 && !scale) return -1;
+    int ldxs = K / 16;
+    float *xf = malloc(sizeof(float) * ((size_t)M * K + (size_t)M * (ldxs > 0 ? ldxs : 1)));
+    if (!xf) return -1;
+    float *xs = xf + (size_t)M * K;
+    for (int m = 0; m < M; m++) {  /* x as float32 rows of K, and its sums of 16 */
+        for (int k = 0; k < K; k++) xf[(size_t)m * K + k] = ld1(x, dt, (size_t)m * ldx + k);
+        for (int i = 0; i < ldxs; i++) {
+            vf s = (vf){0};
+            float t = 0.f;
+            int k = 16 * i, j = 0;
+            for (; j + VL <= 16; j += VL) s += *(const vfu *)(xf + (size_t)m * K + k + j);
+            for (; j < 16; j++) t += xf[(size_t)m * K + k + j];
+            xs[(size_t)m * ldxs + i] = hsum(s) + t;
+        }
+    }
+    size_t rb = qrow_bytes(kind, K);
+    qdot_fn dot = QDOT[kind];
+    if (nthreads < 1) nthreads = 1;
+    if ((int64_t)N * K < 32768) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t n0, n1;
+        thread_share(N, &n0, &n1);
+        float out[QMB];
+        for (int64_t n = n0; n < n1; n++)
+            for (int m0 = 0; m0 < M; m0 += QMB) {
+                int mb = M - m0 < QMB ? M - m0 : QMB;
+                dot(w + (size_t)n * rb, xf + (size_t)m0 * K, (size_t)K, xs + (size_t)m0 * ldxs, (size_t)ldxs,
+                    K, mb, out);
+                for (int m = 0; m < mb; m++)
+                    st1(y, dt, (size_t)(m0 + m) * ldy + n, kind == I8 ? out[m] * scale[n] : out[m]);
+            }
+    }
+    free(xf);
+    return 0;
+}
