@@ -91,8 +91,8 @@ def test_prefix_caching_skips_cached_tokens(checkpoint_dir):
     llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     engine.add_request("again", {"prompt_token_ids": prompt}, params)
     sched = engine.scheduler.schedule()
-    assert [s.num_new_tokens for s in sched.scheduled] == [50 - 48]
-    assert sched.scheduled[0].seq.num_computed_tokens == 48
+    assert sched.num_scheduled_tokens == [50 - 48] and sched.num_computed_tokens == [48]
+    assert sched.token_ids == prompt[48:]
     engine.abort_request("again")
 
 

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from omniinfer.attention.backend import AttentionSpec
+from omniinfer.attention.common import common_for
 from omniinfer.attention.reference import ReferenceBackend
 from omniinfer.attention.selector import ENV_BACKEND, candidate_names, select_attention_backend
 from omniinfer.platforms.hookspec import ENTRY_POINT_GROUP, hookimpl
@@ -140,9 +141,7 @@ def test_acme_backend_computes_like_the_reference(third_party):
     backend = PluginRegistry().backends["ACME_ATTN"]
     outputs = []
     for cls in (backend, ReferenceBackend):
-        builder = cls.get_builder_cls()(block_size=4)
-        builder.add_seq(context_len=0, query_len=5, block_table=[1, 0], is_prefill=True)
-        metadata = builder.build()
+        metadata = cls.get_builder_cls()(block_size=4).build(common_for([(0, 5, [1, 0])], 4))
         impl = cls.get_impl_cls()(num_heads=2, head_size=8, scale=8 ** -0.5, num_kv_heads=1)
         kv_cache = torch.zeros(cls.get_kv_cache_shape(2, 4, 1, 8))
         gen = torch.Generator().manual_seed(0)

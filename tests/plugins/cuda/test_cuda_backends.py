@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omniinfer.attention.backend import AttentionSpec
-from omniinfer.attention.common import PrefillKeySlotsMetadataBuilder
+from omniinfer.attention.backend import AttentionSpec, PrefillKeySlotsMetadataBuilder
+from omniinfer.attention.common import common_for
 from omniinfer.attention.selector import select_attention_backend
 from omniinfer.platforms.registry import PluginRegistry
 from omniinfer.testing.conformance.cases import Case, assert_matches_reference, run_case
@@ -162,10 +162,9 @@ BATCH = [(0, 3, [5], True), (16, 2, [2, 7], True), (20, 1, [1, 3], False)]
 
 
 def _build(builder_cls):
-    builder = builder_cls(16)
-    for ctx, q, table, is_prefill in BATCH:
-        builder.add_seq(context_len=ctx, query_len=q, block_table=table, is_prefill=is_prefill)
-    return builder.build()
+    common = common_for([(ctx, q, table) for ctx, q, table, _ in BATCH], 16,
+                        builder_cls.needs_prefill_key_slots)
+    return builder_cls(16).build(common)
 
 
 def test_flash_attn_builder_matches_the_varlen_contract():
@@ -252,7 +251,8 @@ def test_contract_xformers(fake_xformers, case):
 @pytest.mark.parametrize("check", ["test_common_fields", "test_prefill_and_decode_parts",
                                    "test_single_stage_batches_are_their_own_part",
                                    "test_moves_and_round_trips", "test_multi_step_decode_metadata",
-                                   "test_advance_built_decode_metadata"])
+                                   "test_advance_built_decode_metadata",
+                                   "test_builds_from_the_common_description"])
 def test_builder_invariants_of_the_conformance_kit(backend, check):
     """The kit's builder checks, run here on builders whose backends need a GPU to be runnable."""
     from omniinfer.testing.conformance import test_metadata

@@ -80,7 +80,8 @@ def test_triton_prefill_without_ck(no_flash_attn, case):
 @pytest.mark.parametrize("check", ["test_common_fields", "test_prefill_and_decode_parts",
                                    "test_single_stage_batches_are_their_own_part",
                                    "test_moves_and_round_trips", "test_multi_step_decode_metadata",
-                                   "test_advance_built_decode_metadata"])
+                                   "test_advance_built_decode_metadata",
+                                   "test_builds_from_the_common_description"])
 def test_builder_invariants_of_the_conformance_kit(check):
     from omniinfer.testing.conformance import test_metadata
 
