@@ -15,10 +15,9 @@ from omniinfer.attention.common import common_for
 from omniinfer.attention.selector import select_attention_backend
 from omniinfer.platforms.registry import PluginRegistry
 from omniinfer.testing.conformance.cases import Case, assert_matches_reference, run_case
-from omniinfer.worker.graph_runner import GraphRunnerMixin
+from omniinfer.worker.model_runner import ModelRunner
 from omniinfer_cuda.attention.flash_attn import FlashAttentionBackend, FlashAttentionMetadataBuilder
 from omniinfer_cuda.attention.xformers import XFormersBackend, prefill_bias
-from omniinfer_cuda.model_runner import CudaModelRunner
 from omniinfer_cuda.platform import CudaPlatform
 
 MIXED = ((0, 9), (13, 6), (32, 1), (5, 1), (17, 1))
@@ -74,8 +73,8 @@ def select(registry, spec, platform="cuda"):
 def test_the_plugin_provides_its_backends_and_runner(registry):
     assert registry.backends["FLASH_ATTN"] is FlashAttentionBackend
     assert registry.backends["XFORMERS"] is XFormersBackend
-    assert CudaPlatform.model_runner_cls() is CudaModelRunner
-    assert issubclass(CudaModelRunner, GraphRunnerMixin)
+    assert CudaPlatform.model_runner_cls() is ModelRunner  # the core's, replaying graphs:
+    assert CudaPlatform.supports_graph_capture
     assert CudaPlatform.attention_backend_preferences[:4] == ("FLASH_ATTN", "XFORMERS", "TRITON",
                                                               "TORCH_SDPA")
 
