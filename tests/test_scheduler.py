@@ -175,3 +175,30 @@ def test_random_workloads_obey_the_rules(seed, chunked):
         if s.num_unfinished:
             step(s)
     run_all(s)
+
+
+def test_the_plain_data_tells_the_workers_what_they_hold():
+    """A sequence is described in full once (new_seqs), again after a preemption (what the
+    workers held for it is stale), and forgotten when it finishes; the tokens it generated go
+    along every step only if its sampling reads them (penalties, min_tokens)."""
+    s = make_scheduler(budget=64)
+    add(s, 0, 3, max_tokens=12)
+    group = SequenceGroup("r1", None, [4, 5, 6], SamplingParams(repetition_penalty=1.2), max_tokens=2)
+    reads = s.add_request(group)
+    first = step(s).plain
+    assert [n.seq_id for n in first.new_seqs] == [0, 1] and first.new_seqs[1].params is group.params
+    assert first.token_history == {1: reads.token_ids}
+    second = step(s).plain  # both decode
+    assert second.new_seqs == [] and second.token_history == {1: reads.token_ids}
+    assert reads.is_finished and step(s).plain.finished_seq_ids == [1]
+    run_all(s)
+
+    s = make_scheduler(budget=64, blocks=6, block_size=4)  # b is preempted (see above)
+    a, b = add(s, 0, 8, max_tokens=12), add(s, 1, 8, max_tokens=12)
+    sent, was_preempted = [], False
+    while s.num_unfinished:
+        out = step(s)
+        was_preempted = was_preempted or b.num_preemptions > 0
+        sent += [(n.seq_id, was_preempted) for n in out.plain.new_seqs]
+    assert (1, False) in sent and (1, True) in sent  # b: once new, once back after preemption
+    assert a.num_preemptions == 0 and [x for x in sent if x[0] == 0] == [(0, False)]

@@ -35,13 +35,14 @@ class ScheduleOutputs:
     # ---- the schedule, as plain data -----------------------------------------------------------
     def describe(self, scheduled: Iterable[ScheduledSeq], out: SchedulerOutput) -> None:
         """Fill `out` for these sequences, in batch order: prefills, other decodes, then plain
-        decodes (one token, sampling, nothing else to do), each part in scheduling order."""
+        decodes (one token, sampling, no history to send, nothing else to do), each part in
+        scheduling order."""
         prefills, decodes, plain = [], [], []
         for s in scheduled:
             seq = s.seq
             if s.num_new_tokens != 1 or seq.num_computed_tokens == 0:
                 prefills.append(s)
-            elif s.is_sampling and seq.group.decodes_plainly:
+            elif s.is_sampling and seq.group.decodes_plainly and not seq.group.reads_history:
                 plain.append(s)
             else:
                 decodes.append(s)
@@ -79,7 +80,7 @@ class ScheduleOutputs:
         out.num_samples.append(0 if not s.is_sampling else group.params.n if forks else 1)
         if group.wants_prompt_logprobs and not group.is_forked:
             out.prompt_logprobs[seq.seq_id] = len(group.prompt_logprobs or [None])
-        if group.params.has_penalties or group.params.min_tokens:
+        if group.reads_history:
             out.token_history[seq.seq_id] = seq.token_ids
         self._send(seq, out)
 

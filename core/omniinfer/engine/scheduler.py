@@ -109,7 +109,7 @@ class Scheduler(ScheduleOutputs):
             self._reported[seq.group.request_id] = seq.group
 
     def end(self, seq: Sequence, status: SequenceStatus) -> None:
-        """A sequence its own tokens ended (a stop, its length): finished, and timed."""
+        """Finish a sequence that its own tokens ended (a stop, its length), with the time."""
         self.finish(seq, status)
         metrics = seq.group.metrics
         metrics.finished_time = metrics.last_token_time = time.monotonic()
@@ -132,7 +132,8 @@ class Scheduler(ScheduleOutputs):
         logger.warning("request %s finished with an error: %s", group.request_id, group.error)
 
     def take_reported(self) -> list[SequenceGroup]:
-        """The requests to report since the last call: finished ones, and streamed ones that ran."""
+        """The requests that finished (or failed) since the last call, each once; the output
+        processor adds the streamed ones that ran."""
         reported, self._reported = list(self._reported.values()), {}
         return reported
 

@@ -152,12 +152,15 @@ class SequenceGroup:
     # the output processor looks at each new token (stop strings, log-probs); else at the text
     # only when it is read
     watches_tokens: bool = field(init=False, default=False)
+    # its sampling reads the tokens generated so far (penalties, min_tokens): sent each step
+    reads_history: bool = field(init=False, default=False)
     metrics: RequestMetrics | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(self.arrival_time)
         self.decodes_plainly = self.params.n == 1 and self.params.prompt_logprobs is None
         self.watches_tokens = bool(self.params.stop) or self.params.logprobs is not None
+        self.reads_history = self.params.has_penalties or self.params.min_tokens > 0
 
     def mark_forked(self) -> None:
         self.is_forked = True
