@@ -44,6 +44,7 @@ class ModelRunner:
         self.sampler: Sampler | None = None
         self.transform: ModelTransform | None = None
         self.graphs: graph_runner.DecodeGraphs | None = None
+        self._graph_pool = None  # the memory pool every captured graph shares
         self.states = SeqStates()  # driver: the running sequences, as sampling sees them
 
     # ---- set-up ----------------------------------------------------------------------------------
@@ -84,8 +85,6 @@ class ModelRunner:
             logger.info("decode steps run eagerly: %s", reason)
             return
         self.graphs = graph_runner.DecodeGraphs(self)
-
-    _graph_pool = None
 
     def capture_graph(self, fn):
         """Capture `fn` (a forward pass over static buffers) in a device graph through the CUDA
