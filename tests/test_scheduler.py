@@ -202,3 +202,15 @@ def test_the_plain_data_tells_the_workers_what_they_hold():
         sent += [(n.seq_id, was_preempted) for n in out.plain.new_seqs]
     assert (1, False) in sent and (1, True) in sent  # b: once new, once back after preemption
     assert a.num_preemptions == 0 and [x for x in sent if x[0] == 0] == [(0, False)]
+
+
+def test_finished_ids_wait_for_a_schedule_the_workers_see():
+    """Sequences aborted while nothing else runs: the empty schedules that follow never reach the
+    workers, so the ids wait for the next one that does."""
+    s = make_scheduler()
+    seq = add(s, 0, 3)
+    step(s)
+    s.finish(seq, SequenceStatus.FINISHED_ABORTED)
+    assert s.schedule().is_empty and s.schedule().finished_seq_ids == []
+    add(s, 1, 3)
+    assert s.schedule().finished_seq_ids == [0]

@@ -66,7 +66,8 @@ class ScheduleOutputs:
             out.spec_seq_ids = frozenset(s.seq.seq_id for s in self.scheduled if self._may_draft(s, k))
             for seq_id in out.spec_seq_ids:
                 out.token_history[seq_id] = self.seqs[seq_id].token_ids
-        out.finished_seq_ids, self._finished_ids = self._finished_ids, []
+        if not out.is_empty:  # (an empty schedule never reaches the workers: keep them for later)
+            out.finished_seq_ids, self._finished_ids = self._finished_ids, []
 
     def _describe_one(self, s: ScheduledSeq, out: SchedulerOutput, tables) -> None:
         seq, num_new = s.seq, s.num_new_tokens
