@@ -107,15 +107,14 @@ class _Batch:
         b.tables = [self.tables[i] for i in order]
         b.num_samples = [self.num_samples[i] for i in range(n)] + [0] * len(drafted) + [
             self.num_samples[i] for i in rest]
-        b.token_ids = self.token_ids[:first_decode_token]
-        b.q = self.q[:n]
-        b.spec = []
+        b.token_ids, b.q, b.spec = self.token_ids[:first_decode_token], self.q[:n], []
         for j, i in enumerate(drafted):
             tokens, probs = drafts[self.seq_ids[i]]
-            b.token_ids = b.token_ids + [self.token_ids[first_decode_token + i - n]] + tokens
-            b.q = b.q + [1 + len(tokens)]
+            b.token_ids.append(self.token_ids[first_decode_token + i - n])
+            b.token_ids += tokens
+            b.q.append(1 + len(tokens))
             b.spec.append((n + j, self.seq_ids[i], tokens, probs))
-        b.token_ids = b.token_ids + [self.token_ids[first_decode_token + i - n] for i in rest]
-        b.q = b.q + [1] * len(rest)
+        b.token_ids += [self.token_ids[first_decode_token + i - n] for i in rest]
+        b.q += [1] * len(rest)
         b.num_prefills = n + len(drafted)
         return b
