@@ -113,14 +113,16 @@ def instrument(llm, timers: Timers) -> None:
     if hasattr(runner, "sample_tokens"):  # the output of a step whose tokens the LM head gave
         timers.wrap(runner, "sample_tokens", "sampling")
     timers.wrap(runner.sampler, "argmax_rows", "argmax")
-    timers.wrap(engine, "_process", "output processing")
+    timers.wrap(engine.scheduler, "update_from_output", "output processing")
+    timers.wrap(engine.output_processor, "process", "output processing")
+    timers.wrap(engine.output_processor, "outputs", "output processing")
 
     schedule = engine.scheduler.schedule
 
     def classify():  # the phase is known once the scheduler has chosen the batch
         t0 = time.perf_counter()
         sched = schedule()
-        decode = sched.scheduled and sched.num_batched_tokens == len(sched.scheduled)
+        decode = sched.seq_ids and sum(sched.num_scheduled_tokens) == len(sched.seq_ids)
         timers.phase = "decode" if decode else "prefill"
         timers.steps[timers.phase] += sched.num_steps if decode else 1
         timers.seconds[(timers.phase, "scheduling")] += time.perf_counter() - t0

@@ -270,3 +270,91 @@ def test_importing_a_plugin_is_free(import_probes, package):
         violations.append(f"importing {package} and {package}.plugin imports torch "
                           "(import it inside the hooks and platform methods)")
     _fail_on(violations, f"importing {package} must be free")
+
+
+# ---- the step as plain data, short code at the contract (issue 19) -------------------------
+BELOW_THE_ENGINE = ("worker", "sampling", "attention", "spec_decode", "models")
+MAX_FILE_LINES = 400  # "about 400": a file a few lines over passes, 2% over fails
+MAX_CONTRACT_LINES = 15  # LLMEngine.step(), a metadata builder's build()
+
+
+def engine_imports(source: str) -> list[tuple[int, str]]:
+    """(line, module) of every import of omniinfer.engine (at any depth, lazy ones too)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "omniinfer":
+            found += [(node.lineno, f"omniinfer.{a.name}") for a in node.names if a.name == "engine"]
+    found += [(line, module) for line, module in _imported_modules(ast.parse(source))]
+    return sorted({(line, m) for line, m in found if m == "omniinfer.engine"
+                   or m.startswith("omniinfer.engine.")})
+
+
+def test_the_engine_checker_catches_violations():
+    source = textwrap.dedent("""\
+        from omniinfer.engine.sequence import Sequence
+        from omniinfer import engine
+        def lazy():
+            import omniinfer.engine.scheduler
+        from omniinfer.step import SchedulerOutput
+        """)
+    assert engine_imports(source) == [(1, "omniinfer.engine.sequence"), (2, "omniinfer.engine"),
+                                      (4, "omniinfer.engine.scheduler")]
+
+
+def test_nothing_below_the_engine_imports_it():
+    """The step crosses as plain data (omniinfer/step.py): the worker, sampling, attention,
+    speculative decoding and the models never see the engine's objects."""
+    violations = [f"{_where(path, line)}: imports {module!r}"
+                  for sub in BELOW_THE_ENGINE for path in _python_files(CORE / sub)
+                  for line, module in engine_imports(path.read_text(encoding="utf-8"))]
+    _fail_on(violations, "worker/, sampling/, attention/, spec_decode/ and models/ must not import engine/")
+
+
+def _definition(path: Path, qualname: str) -> ast.AST:
+    node = ast.parse(path.read_text(encoding="utf-8"))
+    for part in qualname.split("."):
+        node = next(n for n in ast.iter_child_nodes(node)
+                    if isinstance(n, (ast.ClassDef, ast.FunctionDef)) and n.name == part)
+    return node
+
+
+def _lines(node: ast.AST) -> int:
+    """Lines of a definition, from its `def` to its last line (docstring included)."""
+    return node.end_lineno - node.lineno + 1
+
+
+def builders() -> list[tuple[Path, str]]:
+    """Every metadata builder's `build` in core and the plugins: (file, Class.build)."""
+    found = []
+    for path in _python_files(CORE) + [p for package in PLUGIN_PACKAGES for p in _python_files(package)]:
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and node.name.endswith("MetadataBuilder") and any(
+                    isinstance(n, ast.FunctionDef) and n.name == "build" for n in node.body):
+                found.append((path, f"{node.name}.build"))
+    return found
+
+
+def test_the_step_and_the_builders_are_short():
+    """LLMEngine.step() reads as schedule -> execute -> update -> outputs; FLASH_ATTN's builder,
+    the kit's example backend's and every other build their metadata in one short call."""
+    step = _definition(CORE / "engine" / "llm_engine.py", "LLMEngine.step")
+    assert _lines(step) <= MAX_CONTRACT_LINES, f"LLMEngine.step() is {_lines(step)} lines"
+    found = builders()
+    names = {name for _, name in found}
+    assert {"FlashAttentionMetadataBuilder.build", "ExampleMetadataBuilder.build",
+            "AttentionMetadataBuilder.build"} <= names
+    long = [f"{_where(path, _definition(path, name).lineno)}: {name} is "
+            f"{_lines(_definition(path, name))} lines" for path, name in found
+            if _lines(_definition(path, name)) > MAX_CONTRACT_LINES]
+    _fail_on(long, f"a metadata builder builds in at most {MAX_CONTRACT_LINES} lines")
+
+
+def test_no_file_is_over_about_400_lines():
+    """Small modules, one job each: Python and the CPU kernels' C alike."""
+    files = [p for root in (ROOT / "core", ROOT / "plugins") for ext in ("*.py", "*.c", "*.h")
+             for p in root.rglob(ext) if "build" not in p.relative_to(ROOT).parts]
+    assert any(p.suffix == ".c" for p in files)
+    limit = MAX_FILE_LINES * 102 // 100
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in files
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > limit]
+    _fail_on(long, f"files stay under about {MAX_FILE_LINES} lines")

@@ -116,7 +116,7 @@ def test_other_decoders_get_the_token_by_token_detokenizers():
 def test_engine_text_streamed_or_not_and_with_stop_strings(checkpoint_dir):
     llm = LLM(checkpoint_dir("llama"), num_kv_blocks=96, block_size=8, max_num_seqs=8,
               max_num_batched_tokens=64)
-    assert isinstance(llm.llm_engine.make_detokenizer([], True), ByteLevelDetokenizer)
+    assert isinstance(llm.llm_engine.output_processor.make_detokenizer([], True), ByteLevelDetokenizer)
     tok = llm.get_tokenizer()
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

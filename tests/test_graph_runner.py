@@ -1,6 +1,7 @@
-"""Decode graphs (worker/graph_runner.py) without a GPU: "capture" here runs the forward pass
-again on replay, so everything but the device graph itself is exercised: padded batch sizes,
-static buffers refreshed per step, padding rows writing nowhere, the eager fallbacks."""
+"""Decode graphs (worker/graph_runner.py) without a GPU: the CPU platform declares graph capture
+here and "capture" runs the forward pass again on replay, so everything but the device graph
+itself is exercised: padded batch sizes, static buffers refreshed per step, padding rows writing
+nowhere, the eager fallbacks."""
 
 from __future__ import annotations
 
@@ -13,23 +14,24 @@ import torch
 
 from omniinfer import LLM, SamplingParams
 from omniinfer.engine.scheduler import Scheduler
-from omniinfer.worker.graph_runner import GraphRunnerMixin, capture_with, graph_batch_sizes
-from omniinfer_cpu.model_runner import CpuModelRunner
+from omniinfer.worker.graph_runner import capture_with, graph_batch_sizes
+from omniinfer.worker.model_runner import ModelRunner
 from omniinfer_cpu.platform import CpuPlatform
 
 
-class ReplayingRunner(GraphRunnerMixin, CpuModelRunner):
-    """A CPU runner whose "graph" re-runs the captured function (same buffers, same effects)."""
+class Replaying:
+    """A "graph" that re-runs the captured function (same buffers, same effects)."""
 
     captured: list[int] = []
     replays = 0
 
-    def capture_graph(self, fn):
+    @staticmethod
+    def capture_graph(runner, fn):
         out = fn()
-        type(self).captured.append(out.shape[0])
+        Replaying.captured.append(out.shape[0])
 
         def replay():
-            type(self).replays += 1
+            Replaying.replays += 1
             out.copy_(fn())
 
         return replay, out
@@ -37,10 +39,12 @@ class ReplayingRunner(GraphRunnerMixin, CpuModelRunner):
 
 @pytest.fixture
 def replaying_runner(monkeypatch):
-    monkeypatch.setattr(CpuPlatform, "model_runner_cls", classmethod(lambda cls: ReplayingRunner))
-    monkeypatch.setattr(ReplayingRunner, "captured", [])
-    monkeypatch.setattr(ReplayingRunner, "replays", 0)
-    return ReplayingRunner
+    """The CPU platform declares graph capture, and the core runner captures with `Replaying`."""
+    monkeypatch.setattr(CpuPlatform, "supports_graph_capture", True)
+    monkeypatch.setattr(ModelRunner, "capture_graph", Replaying.capture_graph)
+    monkeypatch.setattr(Replaying, "captured", [])
+    monkeypatch.setattr(Replaying, "replays", 0)
+    return Replaying
 
 
 def test_graph_batch_sizes():
@@ -67,7 +71,7 @@ def test_replayed_decodes_match_transformers(checkpoint_dir, hf_greedy, replayin
     for prompt, got in zip(prompts, tokens):
         assert got == hf_greedy(path, prompt, 6)
     runner = llm.llm_engine.executor.worker.model_runner
-    assert sorted(replaying_runner.captured) == [1, 2, 4, 6] == runner._graph_sizes
+    assert sorted(replaying_runner.captured) == [1, 2, 4, 6] == runner.graphs.sizes
     assert replaying_runner.replays >= 5  # 3 running sequences replay the size-4 graph
 
 
@@ -108,8 +112,8 @@ def test_enforce_eager_and_unsupported_backends_run_eagerly(checkpoint_dir, repl
 
 
 def test_capture_with_follows_the_cuda_graph_protocol():
-    """The sequence the CUDA and ROCm runners rely on: warm up on a side stream, capture into
-    the shared pool, hand back replay and the pool."""
+    """The sequence the core runner relies on for CUDA and ROCm: warm up on a side stream,
+    capture into the shared pool, hand back replay and the pool."""
     events = []
 
     class Stream:

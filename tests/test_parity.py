@@ -91,8 +91,8 @@ def test_prefix_caching_skips_cached_tokens(checkpoint_dir):
     llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
     engine.add_request("again", {"prompt_token_ids": prompt}, params)
     sched = engine.scheduler.schedule()
-    assert [s.num_new_tokens for s in sched.scheduled] == [50 - 48]
-    assert sched.scheduled[0].seq.num_computed_tokens == 48
+    assert sched.num_scheduled_tokens == [50 - 48] and sched.num_computed_tokens == [48]
+    assert sched.token_ids == prompt[48:]
     engine.abort_request("again")
 
 
@@ -159,3 +159,29 @@ def test_half_dtypes_track_float32(dtype, checkpoint_dir, hf_greedy):
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=3,
                                                                      ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids[:1] == hf_greedy(path, prompt, MAX_TOKENS)[:1]
+
+
+@pytest.mark.parametrize("num_scheduler_steps", [1, 4])
+def test_penalties_and_min_tokens_see_the_generated_tokens(checkpoint_dir, num_scheduler_steps):
+    """The sampler runs in the worker, which learns a sequence's generated tokens only from the
+    scheduler (SchedulerOutput.token_history): a repetition penalty over prompt and output, and
+    min_tokens, give transformers' greedy tokens with the same processors, one step or four per
+    schedule (what reaches the worker each step: test_scheduler.py)."""
+    from transformers import AutoModelForCausalLM
+
+    path = checkpoint_dir("llama")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = make_prompts(300, [5, 12, 3, 7])
+    llm = LLM(path, num_kv_blocks=64, num_scheduler_steps=num_scheduler_steps)
+    eos = llm.llm_engine.eos_token_ids
+    cases = ((dict(repetition_penalty=1.8, ignore_eos=True), dict(repetition_penalty=1.8), None),
+             (dict(min_tokens=10), dict(min_new_tokens=10), eos))
+    for kwargs, hf_kwargs, eos_ids in cases:
+        params = SamplingParams(temperature=0, max_tokens=16, **kwargs)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs):
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                want = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
+                                   do_sample=False, pad_token_id=0, eos_token_id=eos_ids, **hf_kwargs)
+            assert out.outputs[0].token_ids == want[0, len(prompt):].tolist(), kwargs

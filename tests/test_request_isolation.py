@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from omniinfer import LLM, SamplingParams
-from omniinfer.engine import llm_engine
+from omniinfer.engine import output_processor
 from omniinfer.sampling import processing
 
 MARK = 1.25  # presence_penalty that marks the poisoned request
@@ -66,14 +66,14 @@ def test_a_sampling_failure_ends_only_its_request(llm, monkeypatch):
 def test_a_detokenizer_or_stop_failure_ends_only_its_request(llm, monkeypatch):
     expected = texts(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False))
     engine = llm.llm_engine
-    real_find_stop = llm_engine.find_stop
+    real_find_stop = output_processor.find_stop
 
     def find_stop(text, num_new, stops):
         if "BOOM" in stops:
             raise IndexError("stop handling went wrong")
         return real_find_stop(text, num_new, stops)
 
-    monkeypatch.setattr(llm_engine, "find_stop", find_stop)
+    monkeypatch.setattr(output_processor, "find_stop", find_stop)
     engine.add_request("a", PROMPTS[0], GREEDY, stream=False)
     engine.add_request("b", PROMPTS[1], GREEDY, stream=True)
     engine.add_request("stop", PROMPTS[2], SamplingParams(temperature=0, max_tokens=6,

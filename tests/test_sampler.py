@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omniinfer.engine.sequence import Sequence, SequenceGroup
-from omniinfer.sampling.metadata import SamplingMetadata
+from omniinfer.sampling.metadata import SamplingMetadata, SeqState
 from omniinfer.sampling.params import SamplingParams
 from omniinfer.sampling.processing import SampleRow, apply_penalties
 from omniinfer.sampling.sampler import Sampler
+from omniinfer.step import NewSeq
 
 VOCAB = 8
 # chi-square critical value for 7 degrees of freedom at p = 0.001
@@ -19,12 +19,18 @@ CHI2_CRITICAL_DF7 = 24.32
 def rows(params: SamplingParams, n: int, outputs=None, first_id: int = 0) -> SamplingMetadata:
     md = SamplingMetadata()
     for i in range(first_id, first_id + n):
-        group = SequenceGroup(f"r{i}", None, [1, 2], params)
-        seq = Sequence(i, group, 0, [1, 2] + list(outputs or []), 2, 16)
-        group.seqs.append(seq)
+        seq = SeqState(NewSeq(i, f"r{i}", 0, params, [1, 2], []), {})
+        seq.token_ids = [1, 2] + list(outputs or [])  # the step's token history
         md.seqs.append(seq)
+        md.seq_ids.append(i)
         md.num_samples.append(1)
     return md
+
+
+def sample(sampler, logits, md) -> tuple[dict[int, list[int]], object]:
+    """seq_id -> its new tokens, and the whole ModelRunnerOutput."""
+    out, _ = sampler(logits, md)
+    return dict(zip(out.seq_ids, out.token_ids)), out
 
 
 def chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
@@ -40,8 +46,8 @@ LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 def empirical(params: SamplingParams, n: int = 20000, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     sampler = Sampler(VOCAB, g)
-    out = sampler(LOGITS.repeat(n, 1), rows(params, n))
-    tokens = torch.tensor([out.samples[i].token_ids[0] for i in range(n)])
+    new, _ = sample(sampler, LOGITS.repeat(n, 1), rows(params, n))
+    tokens = torch.tensor([new[i][0] for i in range(n)])
     return torch.bincount(tokens, minlength=VOCAB).float()
 
 
@@ -78,13 +84,14 @@ def test_greedy_and_seeded_rows_in_one_batch():
     md = rows(SamplingParams(temperature=0), 2)
     seeded = rows(SamplingParams(temperature=1.0, seed=7), 1, first_id=2)
     md.seqs += seeded.seqs
+    md.seq_ids += seeded.seq_ids
     md.num_samples += [1]
-    out = sampler(LOGITS.repeat(3, 1), md)
-    assert out.samples[0].token_ids == [0] and out.samples[1].token_ids == [0]
+    new, _ = sample(sampler, LOGITS.repeat(3, 1), md)
+    assert new[0] == [0] and new[1] == [0]
     # the seeded row gives the same token whatever sits next to it
-    alone = Sampler(VOCAB, torch.Generator().manual_seed(99))(LOGITS[None], rows(SamplingParams(
-        temperature=1.0, seed=7), 1))
-    assert alone.samples[0].token_ids == out.samples[seeded.seqs[0].seq_id].token_ids
+    alone, _ = sample(Sampler(VOCAB, torch.Generator().manual_seed(99)), LOGITS[None],
+                      rows(SamplingParams(temperature=1.0, seed=7), 1))
+    assert alone[0] == new[seeded.seqs[0].seq_id]
 
 
 def test_penalties():
@@ -102,21 +109,21 @@ def test_penalties():
 def test_min_tokens_bans_eos_until_reached():
     sampler = Sampler(VOCAB)
     md = rows(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1]), 1)
-    md.seqs[0].group.eos_token_ids = [0]
+    md.seqs[0].eos_token_ids = [0]
     logits = LOGITS[None].clone()
-    out = sampler(logits, md)
-    assert out.samples[0].token_ids == [2]  # 0 (EOS) and 1 (stop id) are banned
+    new, _ = sample(sampler, logits, md)
+    assert new[0] == [2]  # 0 (EOS) and 1 (stop id) are banned
     assert torch.equal(logits, LOGITS[None])  # the caller's logits are left alone
 
 
 def test_logprobs_are_raw_and_ranked():
     sampler = Sampler(VOCAB)
-    out = sampler(LOGITS[None], rows(SamplingParams(temperature=0, logprobs=2, repetition_penalty=1.5), 1))
+    new, out = sample(sampler, LOGITS[None],
+                      rows(SamplingParams(temperature=0, logprobs=2, repetition_penalty=1.5), 1))
     ref = torch.log_softmax(LOGITS, 0)
-    sample = out.samples[0]
-    assert sample.token_ids == [0]
-    assert abs(sample.logprobs[0] - ref[0].item()) < 1e-6
-    entry = sample.top_logprobs[0]
+    assert new[0] == [0]
+    assert abs(out.logprobs[0][0] - ref[0].item()) < 1e-6
+    entry = out.top_logprobs[0][0]
     assert set(entry) == {0, 1} and entry[1].rank == 2
     assert abs(entry[1].logprob - ref[1].item()) < 1e-6
 
@@ -125,8 +132,8 @@ def test_fork_row_draws_n_independent_samples():
     sampler = Sampler(VOCAB, torch.Generator().manual_seed(0))
     md = rows(SamplingParams(temperature=1.0, n=4, seed=3), 1)
     md.num_samples = [4]
-    out = sampler(LOGITS[None], md)
-    assert len(out.samples[0].token_ids) == 4
-    again = Sampler(VOCAB)(LOGITS[None], (lambda m: (setattr(m, "num_samples", [4]), m)[1])(
-        rows(SamplingParams(temperature=1.0, n=4, seed=3), 1)))
-    assert again.samples[0].token_ids == out.samples[0].token_ids  # seeded: reproducible
+    new, _ = sample(sampler, LOGITS[None], md)
+    assert len(new[0]) == 4
+    again = rows(SamplingParams(temperature=1.0, n=4, seed=3), 1)
+    again.num_samples = [4]
+    assert sample(Sampler(VOCAB), LOGITS[None], again)[0][0] == new[0]  # seeded: reproducible

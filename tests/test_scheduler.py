@@ -1,8 +1,10 @@
-"""The scheduler's budget rules, checked every step of simulated workloads (no model)."""
+"""The scheduler's budget rules, checked every step of simulated workloads (no model): each step
+goes out as plain data and comes back as a ModelRunnerOutput of made-up tokens."""
 
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 
@@ -10,6 +12,7 @@ from omniinfer.config import CacheConfig, SchedulerConfig
 from omniinfer.engine.scheduler import Scheduler
 from omniinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from omniinfer.sampling.params import SamplingParams
+from omniinfer.step import ModelRunnerOutput
 
 
 def make_scheduler(budget=32, max_seqs=8, blocks=64, chunked=True, block_size=4, host=0,
@@ -23,17 +26,20 @@ def make_scheduler(budget=32, max_seqs=8, blocks=64, chunked=True, block_size=4,
 def add(s: Scheduler, seq_id: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
     group = SequenceGroup(f"r{seq_id}", None, list(range(prompt_len)), SamplingParams(),
                           max_tokens=max_tokens)
-    seq = Sequence(seq_id, group, 0, list(range(prompt_len)), prompt_len, s.block_size)
-    group.seqs.append(seq)
-    s.add(seq)
+    seq = s.add_request(group)
+    assert seq.seq_id == seq_id  # the scheduler numbers sequences in order
     return seq
 
 
 def step(s: Scheduler, check=None):
     """Schedule, check the rules, pretend the model ran (each sampling seq gets token 1)."""
-    out = s.schedule()
+    plain = s.schedule()
+    out = SimpleNamespace(scheduled=list(s.scheduled), plain=plain,
+                          num_preempted=s._num_preempted, blocks_to_swap_in=plain.blocks_to_swap_in,
+                          blocks_to_swap_out=plain.blocks_to_swap_out)
     budget = s.config.max_num_batched_tokens
-    assert out.num_batched_tokens <= budget
+    assert sum(plain.num_scheduled_tokens) <= budget
+    assert plain.seq_ids == [x.seq.seq_id for x in out.scheduled]
     assert len(s.running) <= s.config.max_num_seqs
     scheduled = {x.seq.seq_id: x for x in out.scheduled}
     # decodes first: a running decode left out while a prefill chunk got budget is a violation
@@ -50,12 +56,8 @@ def step(s: Scheduler, check=None):
         assert len(table) * s.block_size >= x.seq.num_computed_tokens + x.num_new_tokens
     if check:
         check(out)
-    sampled = [x.seq for x in out.scheduled if x.is_sampling]
-    s.update_after_step(out)
-    for seq in sampled:
-        seq.append_token(1)
-        if seq.num_output_tokens >= seq.group.max_tokens:
-            s.finish(seq, SequenceStatus.FINISHED_LENGTH)
+    sampled = [x.seq.seq_id for x in out.scheduled if x.is_sampling]
+    s.update_from_output(plain, ModelRunnerOutput(seq_ids=sampled, token_ids=[[1]] * len(sampled)))
     return out
 
 
@@ -87,10 +89,9 @@ def test_decodes_first_then_prefill_chunks_share_the_budget():
     step(s)  # a's prompt
     b = add(s, 1, 30)
 
-    def check(out):
-        ids = [x.seq.seq_id for x in out.scheduled]
-        if b.seq_id in ids and a.seq_id in ids:
-            assert ids.index(a.seq_id) < ids.index(b.seq_id)
+    def check(out):  # (the budget went to the decode first: `step` checks no decode starves)
+        if b.seq_id in out.plain.seq_ids and a.seq_id in out.plain.seq_ids:  # batch order:
+            assert out.plain.seq_ids == [b.seq_id, a.seq_id] and out.plain.num_prefills == 1
 
     out = step(s, check)
     by_id = {x.seq.seq_id: x.num_new_tokens for x in out.scheduled}
@@ -152,7 +153,7 @@ def test_request_that_can_never_fit_is_rejected_not_queued_forever():
     too_big = add(s, 0, 10, max_tokens=20)  # needs 8 blocks
     ok = add(s, 1, 4, max_tokens=4)
     out = step(s)
-    assert out.rejected == [too_big]
+    assert too_big.status == SequenceStatus.FINISHED_ERROR and s.take_reported() == [too_big.group]
     assert "needs up to 8 KV-cache blocks" in too_big.group.error
     assert [x.seq for x in out.scheduled] == [ok]
     run_all(s)
@@ -174,3 +175,42 @@ def test_random_workloads_obey_the_rules(seed, chunked):
         if s.num_unfinished:
             step(s)
     run_all(s)
+
+
+def test_the_plain_data_tells_the_workers_what_they_hold():
+    """A sequence is described in full once (new_seqs), again after a preemption (what the
+    workers held for it is stale), and forgotten when it finishes; the tokens it generated go
+    along every step only if its sampling reads them (penalties, min_tokens)."""
+    s = make_scheduler(budget=64)
+    add(s, 0, 3, max_tokens=12)
+    group = SequenceGroup("r1", None, [4, 5, 6], SamplingParams(repetition_penalty=1.2), max_tokens=2)
+    reads = s.add_request(group)
+    first = step(s).plain
+    assert [n.seq_id for n in first.new_seqs] == [0, 1] and first.new_seqs[1].params is group.params
+    assert first.token_history == {1: reads.token_ids}
+    second = step(s).plain  # both decode
+    assert second.new_seqs == [] and second.token_history == {1: reads.token_ids}
+    assert reads.is_finished and step(s).plain.finished_seq_ids == [1]
+    run_all(s)
+
+    s = make_scheduler(budget=64, blocks=6, block_size=4)  # b is preempted (see above)
+    a, b = add(s, 0, 8, max_tokens=12), add(s, 1, 8, max_tokens=12)
+    sent, was_preempted = [], False
+    while s.num_unfinished:
+        out = step(s)
+        was_preempted = was_preempted or b.num_preemptions > 0
+        sent += [(n.seq_id, was_preempted) for n in out.plain.new_seqs]
+    assert (1, False) in sent and (1, True) in sent  # b: once new, once back after preemption
+    assert a.num_preemptions == 0 and [x for x in sent if x[0] == 0] == [(0, False)]
+
+
+def test_finished_ids_wait_for_a_schedule_the_workers_see():
+    """Sequences aborted while nothing else runs: the empty schedules that follow never reach the
+    workers, so the ids wait for the next one that does."""
+    s = make_scheduler()
+    seq = add(s, 0, 3)
+    step(s)
+    s.finish(seq, SequenceStatus.FINISHED_ABORTED)
+    assert s.schedule().is_empty and s.schedule().finished_seq_ids == []
+    add(s, 1, 3)
+    assert s.schedule().finished_seq_ids == [0]

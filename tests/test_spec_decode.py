@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from omniinfer import LLM, SamplingParams
-from omniinfer.engine.sequence import Sequence, SequenceGroup
+from omniinfer.sampling.metadata import SeqState
 from omniinfer.sampling.processing import SampleRow
 from omniinfer.sampling.rejection import rejection_sample
+from omniinfer.step import NewSeq
 from omniinfer.testing.tiny_models import build_tiny_checkpoint
 
 # chi-square critical value at p = 0.001 for 5 degrees of freedom (6 categories)
@@ -73,7 +74,7 @@ def test_with_chunked_prefill_and_preemption(batch, checkpoint_dir, draft_dir, b
 def test_draft_equal_to_target_accepts_everything(checkpoint_dir, baseline):
     path = checkpoint_dir("llama")
     llm = LLM(path, num_kv_blocks=128, block_size=8, speculative_model=path, num_speculative_tokens=4)
-    draft, drafted = llm.llm_engine.proposer.runner.model, []
+    draft, drafted = llm.llm_engine.executor.worker.proposer.runner.model, []
     compute = draft.compute_greedy_tokens
     draft.compute_greedy_tokens = lambda hidden, argmax: drafted.append(len(hidden)) or compute(hidden, argmax)
     assert greedy_tokens(llm, prompts_of([6, 14])) == baseline([6, 14])
@@ -105,14 +106,13 @@ def test_multi_step_draft_equals_single_steps_across_a_block_boundary(checkpoint
     """k passes advanced in place give the tokens of k separately built single steps."""
     path = checkpoint_dir("llama")
     llm = LLM(path, num_kv_blocks=64, block_size=8, speculative_model=path, num_speculative_tokens=5)
-    proposer = llm.llm_engine.proposer
+    proposer = llm.llm_engine.executor.worker.proposer
     runner, caches = proposer.runner, proposer.cache.device_cache
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]]
     tables = [[1, 2], [3, 4, 5]]  # positions 6..10 and 13..17 cross into the next block
     rows = []
     for i, p in enumerate(prompts):
-        group = SequenceGroup(f"r{i}", None, p, SamplingParams(temperature=0))
-        rows.append(SampleRow(Sequence(i, group, 0, list(p), len(p), 8), 0))
+        rows.append(SampleRow(_state(i, p, SamplingParams(temperature=0)), 0))
     first = runner.first_pass_input(prompts, [0, 0], tables)
     multi, _ = runner.propose(first, rows, 5, caches, None)
     for cache in caches:
@@ -128,12 +128,13 @@ def test_multi_step_draft_equals_single_steps_across_a_block_boundary(checkpoint
     assert torch.equal(multi, torch.stack(single, dim=1))
 
 
+def _state(seq_id, prompt, params) -> SeqState:
+    """A sequence as the driver worker's sampling sees it."""
+    return SeqState(NewSeq(seq_id, f"r{seq_id}", 0, params, list(prompt), []), {})
+
+
 def _rows(n):
-    rows = []
-    for i in range(n):
-        group = SequenceGroup(f"r{i}", None, [1], SamplingParams(temperature=1.0))
-        rows.append(SampleRow(Sequence(i, group, 0, [1], 1, 16), 0))
-    return rows
+    return [SampleRow(_state(i, [1], SamplingParams(temperature=1.0)), 0) for i in range(n)]
 
 
 def chi_square(counts, probs):

@@ -21,20 +21,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from omniinfer.attention.backend import AttentionSpec
-from omniinfer.attention.reference import ReferenceBackend
+from omniinfer.attention.backend import AttentionMetadata, AttentionSpec
+from omniinfer.attention.common import common_for
+from omniinfer.attention.reference import ReferenceBackend, ReferenceImpl
 from omniinfer.attention.selector import ENV_BACKEND, candidate_names, select_attention_backend
 from omniinfer.platforms.hookspec import ENTRY_POINT_GROUP, hookimpl
 from omniinfer.platforms.interface import Availability, Platform
+from omniinfer.platforms.legacy import LegacyBuilderAdapter
 from omniinfer.platforms.registry import (
     ENV_DEVICE,
     ENV_PLUGINS,
     PluginError,
     PluginRegistry,
+    api_verdict,
     reset_registry,
 )
+from omniinfer.testing.conformance.cases import Case, assert_matches_reference, run_case
 from omniinfer.version import PLUGIN_API_VERSION, __version__
 
+# acme is a plugin API 1.0 plugin: its deprecation warning is checked once, below
+pytestmark = pytest.mark.filterwarnings("ignore:plugin acme .* plugin API 1.0:DeprecationWarning")
 FIXTURES = Path(__file__).parent / "fixtures"
 DISTRIBUTIONS = ("acme_plugin", "broken_plugin", "future_plugin")
 PACKAGES = ("omniinfer_acme", "omniinfer_broken", "omniinfer_future")
@@ -140,15 +146,85 @@ def test_acme_backend_computes_like_the_reference(third_party):
     backend = PluginRegistry().backends["ACME_ATTN"]
     outputs = []
     for cls in (backend, ReferenceBackend):
-        builder = cls.get_builder_cls()(block_size=4)
-        builder.add_seq(context_len=0, query_len=5, block_table=[1, 0], is_prefill=True)
-        metadata = builder.build()
+        metadata = cls.get_builder_cls()(block_size=4).build(common_for([(0, 5, [1, 0])], 4))
         impl = cls.get_impl_cls()(num_heads=2, head_size=8, scale=8 ** -0.5, num_kv_heads=1)
         kv_cache = torch.zeros(cls.get_kv_cache_shape(2, 4, 1, 8))
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(5, n, generator=gen) for n in (16, 8, 8))
         outputs.append(impl.forward(q, k, v, kv_cache, metadata))
     torch.testing.assert_close(outputs[0], outputs[1])
+
+
+# ---- plugin API 1.x: adapted for one minor version -------------------------------------------
+def test_a_plugin_api_1_plugin_loads_with_a_deprecation_warning(third_party):
+    """acme declares plugin API 1.0: it loads (its backend's builder is the core's, which speaks
+    2.0 already), and the warning says what to change."""
+    with pytest.warns(DeprecationWarning) as caught:
+        registry = PluginRegistry()
+    acme = _record(registry, "acme")
+    assert acme.is_loaded and acme.is_adapted and not _record(registry, "cpu").is_adapted
+    message = str(next(w.message for w in caught if "omniinfer-acme" in str(w.message)))
+    assert message == acme.warning
+    assert message.startswith(f"plugin acme (omniinfer-acme 0.3.0) is written for plugin API 1.0; "
+                              f"omniinfer {__version__} speaks plugin API 2.0 and runs it through an "
+                              "adapter, which plugin API 2.1 removes. To move to 2.0: declare "
+                              'PLUGIN_API_VERSION = "2.0"')
+    for change in ("build(common: CommonAttentionMetadata)", "supported_platforms",
+                   "Platform.model_transform()", "Platform.supports_graph_capture"):
+        assert change in message
+    assert registry.backends["ACME_ATTN"].__module__ == "omniinfer_acme.attention"
+
+
+def test_which_plugin_api_versions_load():
+    assert [api_verdict(v) for v in ("2.0", "2.7", "1.0", "1.3", "0.9", "3.0", "x")] == [
+        "native", "native", "adapted", "adapted", None, None, None]
+
+
+class _V1Builder:
+    """A plugin API 1.x builder, self-contained as FLASH_ATTN's was: sees one sequence at a time."""
+
+    metadata_cls = AttentionMetadata
+
+    def __init__(self, block_size, sliding_window=None):
+        self.block_size, self.seqs = block_size, []
+
+    def add_seq(self, *, context_len, query_len, block_table, is_prefill):
+        self.seqs.append((context_len, query_len, list(block_table), is_prefill))
+
+    def build(self):
+        from omniinfer.attention.backend import common_fields
+
+        assert [s[3] for s in self.seqs] == sorted((s[3] for s in self.seqs), reverse=True)
+        return AttentionMetadata(**common_fields(common_for([s[:3] for s in self.seqs], self.block_size)))
+
+
+class _V1Backend(ReferenceBackend):
+    name = "V1_ATTN"
+
+    @classmethod
+    def get_builder_cls(cls):
+        return _V1Builder
+
+    @classmethod
+    def get_impl_cls(cls):
+        return ReferenceImpl
+
+
+def test_a_plugin_api_1_builder_runs_through_the_adapter(monkeypatch):
+    ep = _module_plugin(monkeypatch, "fake_v1", PLUGIN_API_VERSION="1.2",
+                        omniinfer_attention_backends=hookimpl(lambda: [_V1Backend]))
+    with pytest.warns(DeprecationWarning, match="fake_v1.*plugin API 1.2"):
+        registry = PluginRegistry(entry_points=[ep], only="")
+    backend = registry.backends["V1_ATTN"]
+    assert backend is not _V1Backend and issubclass(backend.get_builder_cls(), LegacyBuilderAdapter)
+    assert backend.get_builder_cls().metadata_cls is AttentionMetadata
+    case = Case("mixed", ((0, 9), (13, 6), (32, 1), (5, 1)), block_size=8)
+    assert_matches_reference(run_case(backend, case, "cpu", torch.float32), torch.float32)
+    common = common_for([(0, 9, [7, 2]), (13, 6, [0, 5, 9]), (32, 1, [3, 4, 6, 8, 12]), (5, 1, [1])], 8)
+    native = ReferenceBackend.get_builder_cls()(8).build(common)
+    adapted = backend.get_builder_cls()(8).build(common)
+    assert adapted.slot_mapping.tolist() == native.slot_mapping.tolist()
+    assert adapted.seq_lens == native.seq_lens and adapted.num_prefills == native.num_prefills == 2
 
 
 # ---- failures are reported, the rest still loads ---------------------------------------------
@@ -262,7 +338,7 @@ def test_a_raising_hook_sets_the_whole_plugin_aside(monkeypatch):
     def omniinfer_attention_backends():
         raise RuntimeError("kernel library missing")
 
-    ep = _module_plugin(monkeypatch, "fake_raises", PLUGIN_API_VERSION="1.0",
+    ep = _module_plugin(monkeypatch, "fake_raises", PLUGIN_API_VERSION=PLUGIN_API_VERSION,
                         omniinfer_platforms=hookimpl(lambda: [_DuplicateCpu]),
                         omniinfer_attention_backends=hookimpl(omniinfer_attention_backends))
     registry = PluginRegistry(entry_points=[ep], only="")
@@ -274,7 +350,7 @@ def test_a_raising_hook_sets_the_whole_plugin_aside(monkeypatch):
 
 
 def test_two_plugins_providing_one_platform_is_an_error(monkeypatch):
-    ep = _module_plugin(monkeypatch, "fake_dup", PLUGIN_API_VERSION="1.0",
+    ep = _module_plugin(monkeypatch, "fake_dup", PLUGIN_API_VERSION=PLUGIN_API_VERSION,
                         omniinfer_platforms=hookimpl(lambda: [_DuplicateCpu]))
     with pytest.raises(PluginError, match=r"^platform 'cpu' is provided by two plugins: "
                                           r"'omniinfer-cpu' and '\?'; uninstall one$"):

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from omniinfer.attention.backend import AttentionMetadataBuilder
+from omniinfer.attention.common import common_for
 from omniinfer.attention.ops import write_to_kv_cache
 from omniinfer.attention.reference import reference_paged_attention
 from omniinfer.kernels import triton as triton_kernels
@@ -43,17 +44,17 @@ def make_batch(seqs, block_size, num_kv_heads, group, head_size, dtype, window=N
     pool = list(range(sum(need) + 2))
     rng.shuffle(pool)
     builder = AttentionMetadataBuilder(block_size, window)
-    context = AttentionMetadataBuilder(block_size, window)
+    step, context = [], []
     for (ctx, q), n in zip(seqs, need):
         table, pool = pool[:n], pool[n:]
-        builder.add_seq(context_len=ctx, query_len=q, block_table=table, is_prefill=not (ctx and q == 1))
+        step.append((ctx, q, table))
         if ctx:
-            context.add_seq(context_len=0, query_len=ctx, block_table=table, is_prefill=True)
+            context.append((0, ctx, table))
     cache = torch.zeros(2, sum(need) + 2, block_size, num_kv_heads, head_size, dtype=dtype)
-    ctx_md = context.build()
+    ctx_md = builder.build(common_for(context, block_size))
     kv = torch.randn(2, ctx_md.slot_mapping.numel(), num_kv_heads, head_size, generator=gen).to(dtype)
     write_to_kv_cache(kv[0], kv[1], cache, ctx_md.slot_mapping)
-    md = builder.build().to(DEVICE)
+    md = builder.build(common_for(step, block_size)).to(DEVICE)
     cache = cache.to(DEVICE)
     num_tokens, heads = md.slot_mapping.numel(), num_kv_heads * group
     qkv = torch.randn(num_tokens, (heads + 2 * num_kv_heads) * head_size, generator=gen).to(dtype)

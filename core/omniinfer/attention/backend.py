@@ -2,9 +2,9 @@
 
 * :class:`AttentionBackend` (descriptor): a name, what it supports, the KV-cache layout,
   and ``validate(spec)`` returning the reasons it cannot serve a configuration.
-* :class:`AttentionMetadataBuilder`: sees the batch one sequence at a time (plain data:
-  token counts and block tables, never the runner) and builds the backend's
-  :class:`AttentionMetadata` with every tensor on the CPU.
+* :class:`AttentionMetadataBuilder`: one call, ``build(common)``, from the step's
+  vendor-neutral :class:`~omniinfer.attention.common.CommonAttentionMetadata` (plain data:
+  lengths, slots and block tables, never the runner) to the backend's :class:`AttentionMetadata`.
 * :class:`AttentionImpl`: ``forward(query, key, value, kv_cache, metadata)`` for one layer.
 
 Batch layout every backend shares: prefill sequences first, decode sequences after; a
@@ -19,6 +19,8 @@ from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
+
+from omniinfer.attention.common import CommonAttentionMetadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +45,9 @@ class AttentionBackend:
 
     name: ClassVar[str] = ""
     supported_device_types: ClassVar[tuple[str, ...]] = ()
+    # platforms it serves by name (None: every platform of its device types). ROCm's torch
+    # answers to the "cuda" device type too, so a CUDA-only library says ("cuda",) here.
+    supported_platforms: ClassVar[tuple[str, ...] | None] = None
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     supports_sliding_window: ClassVar[bool] = True
@@ -65,6 +70,9 @@ class AttentionBackend:
                            f"(supports {', '.join(map(str, cls.supported_head_sizes))})")
         if spec.sliding_window and not cls.supports_sliding_window:
             reasons.append("sliding-window attention not supported")
+        if cls.supported_platforms is not None and spec.platform_name not in cls.supported_platforms:
+            reasons.append(f"serves the {'/'.join(cls.supported_platforms)} platform only, not "
+                           f"{spec.platform_name}")
         return reasons + cls.extra_reasons(spec)
 
     @classmethod
@@ -196,58 +204,6 @@ class AttentionMetadata:
         values.update(self.slice_fields(s0, s1, t0, t1))
         return type(self)(**values)
 
-    # ---- multi-step decoding (speculative drafts) ---------------------------------------------
-    def next_decode_step(self, block_size: int) -> AttentionMetadata:
-        """Decode-only metadata for one token after each sequence's last query token.
-
-        Built from device tensors and host lists this object already holds, so no
-        device-to-host copy is needed; block tables must already cover the new positions.
-        Backends whose metadata has more per-step fields override `decode_step_fields` and
-        `advance_step`."""
-        num_seqs = self.num_seqs
-        device = self.seq_lens_tensor.device
-        positions = self.seq_lens_tensor.long()  # the next position of each sequence
-        values = dict(
-            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=num_seqs,
-            slot_mapping=self._slots(positions, block_size),
-            seq_lens=[n + 1 for n in self.seq_lens],
-            seq_lens_tensor=self.seq_lens_tensor + 1,
-            query_lens=[1] * num_seqs,
-            context_lens_tensor=self.seq_lens_tensor.clone(),
-            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
-            block_tables=self.block_tables,
-            max_query_len=1,
-            max_seq_len=self.max_seq_len + 1,
-        )
-        return type(self)(**values, **self.decode_step_fields(values))
-
-    def decode_step_fields(self, values: dict[str, Any]) -> dict[str, Any]:
-        """Subclass fields of the metadata `next_decode_step` builds from the common `values`."""
-        return {}
-
-    def advance_step(self, positions: torch.Tensor, block_size: int) -> None:
-        """Decode-only metadata: move every sequence one token ahead, in place.
-        `positions` are the new tokens' positions (already advanced by the caller)."""
-        self.slot_mapping.copy_(self._slots(positions, block_size))
-        self.seq_lens_tensor += 1
-        self.context_lens_tensor += 1
-        self.seq_lens = [n + 1 for n in self.seq_lens]
-        self.max_seq_len += 1
-        self.__dict__.pop("prefill_metadata", None)
-        self.__dict__.pop("decode_metadata", None)
-
-    def _slots(self, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-        blocks = self.block_tables.gather(1, (positions // block_size)[:, None])[:, 0].long()
-        return blocks * block_size + positions % block_size
-
-    def clone(self) -> AttentionMetadata:
-        """A copy with its own tensors (which `advance_step` may change in place)."""
-        values = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            values[f.name] = v.clone() if isinstance(v, torch.Tensor) else v
-        return type(self)(**values)
-
     # ---- moving and broadcasting ------------------------------------------------------------
     def to(self, device: torch.device | str) -> AttentionMetadata:
         values = {}
@@ -266,41 +222,59 @@ class AttentionMetadata:
 
 
 class AttentionMetadataBuilder:
-    """Builds one step's metadata from plain per-sequence data.
+    """Turns the step's :class:`~omniinfer.attention.common.CommonAttentionMetadata` into this
+    backend's metadata, in one call: the whole contract of a builder (plugin API 2).
 
-    The input builder calls :meth:`add_seq` once per scheduled sequence, prefills first, then
-    :meth:`build`. The default builds :class:`AttentionMetadata` with the shared helpers in
-    ``attention/common.py``; a backend with other needs subclasses this (FlashAttention's
-    builder is self-contained).
+    The default builds the common :class:`AttentionMetadata`. A backend whose kernels need more
+    subclasses it, sets `metadata_cls`, and computes its extra fields from `common` with torch
+    ops (they run on the CPU for a new step, and on the device when multi-step decoding or a
+    draft model advances `common`, so they must not copy to the host). Set
+    `needs_prefill_key_slots` to get `common.prefill_key_slots` filled in.
     """
 
     metadata_cls: ClassVar[type[AttentionMetadata]] = AttentionMetadata
+    needs_prefill_key_slots: ClassVar[bool] = False
 
     def __init__(self, block_size: int, sliding_window: int | None = None):
         self.block_size = block_size
         self.sliding_window = sliding_window
-        self.reset()
 
-    def reset(self) -> None:
-        from omniinfer.attention.common import CommonMetadataState
+    def build(self, common: CommonAttentionMetadata) -> AttentionMetadata:
+        return self.metadata_cls(**common_fields(common))
 
-        self.state = CommonMetadataState(self.block_size)
 
-    def add_seq(self, *, context_len: int, query_len: int, block_table: list[int],
-                is_prefill: bool) -> None:
-        self.state.add(context_len, query_len, block_table, is_prefill)
+def common_fields(common: CommonAttentionMetadata) -> dict[str, Any]:
+    """The fields of :class:`AttentionMetadata`, from the common description."""
+    return dict(
+        num_prefills=common.num_prefills, num_prefill_tokens=common.num_prefill_tokens,
+        num_decode_tokens=common.num_decode_tokens, slot_mapping=common.slot_mapping,
+        seq_lens=common.seq_lens_host, seq_lens_tensor=common.seq_lens,
+        query_lens=common.query_lens_host, context_lens_tensor=common.context_lens,
+        query_start_loc=common.query_start_loc, block_tables=common.block_table,
+        max_query_len=common.max_query_len, max_seq_len=common.max_seq_len)
 
-    def add_decodes(self, context_lens: list[int], block_tables: list[list[int]]) -> None:
-        """Many decodes at once: the same as `add_seq(query_len=1, is_prefill=False)` for each
-        (after every prefill). Builders that override `add_seq` get that loop."""
-        if type(self).add_seq is AttentionMetadataBuilder.add_seq:
-            self.state.add_decodes(context_lens, block_tables)
-            return
-        for ctx, table in zip(context_lens, block_tables):
-            self.add_seq(context_len=ctx, query_len=1, block_table=table, is_prefill=False)
 
-    def build(self) -> AttentionMetadata:
-        return self.state.build(self.metadata_cls)
+@dataclass
+class PrefillKeySlotsMetadata(AttentionMetadata):
+    """Common metadata plus the slots of every cached key of the prefills (for backends whose
+    prefill kernel takes contiguous keys: xFormers, CK flash attention on ROCm)."""
+
+    prefill_key_slots: torch.Tensor  # [sum of prefill seq_lens] int64, prefills in order
+    max_prefill_context_len: int  # host: longest cached context among prefills (0: none)
+
+    def slice_fields(self, s0: int, s1: int, t0: int, t1: int) -> dict:
+        if s0 == 0:
+            return {}
+        return dict(prefill_key_slots=self.prefill_key_slots[:0], max_prefill_context_len=0)
+
+
+class PrefillKeySlotsMetadataBuilder(AttentionMetadataBuilder):
+    metadata_cls = PrefillKeySlotsMetadata
+    needs_prefill_key_slots = True
+
+    def build(self, common: CommonAttentionMetadata) -> PrefillKeySlotsMetadata:
+        return self.metadata_cls(**common_fields(common), prefill_key_slots=common.prefill_key_slots,
+                                 max_prefill_context_len=common.max_prefill_context_len)
 
 
 class AttentionImpl:

@@ -46,3 +46,16 @@ def select_attention_backend(platform: type, spec: AttentionSpec,
                      f"(dtype {str(spec.dtype).removeprefix('torch.')}, head size {spec.head_size}, "
                      f"device type {spec.device_type}, block size "
                      f"{spec.block_size}); candidates:\n" + "\n".join(refusals))
+
+
+def backend_for_model(platform: type, model, config, tp_size: int = 1) -> type[AttentionBackend]:
+    """The attention backend for `model` (a ModelConfig: the target's, or a draft's) on one of
+    `tp_size` tensor-parallel ranks, as `config.device.attention_backend` asks."""
+    from omniinfer.platforms.registry import get_registry
+
+    spec = platform.attention_spec(
+        dtype=model.dtype, head_size=model.head_size, num_heads=model.num_heads // tp_size,
+        num_kv_heads=max(1, model.num_kv_heads // tp_size), block_size=config.cache.block_size,
+        sliding_window=model.sliding_window)
+    return select_attention_backend(platform, spec, get_registry().backends,
+                                    config.device.attention_backend)

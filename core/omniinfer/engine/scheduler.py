@@ -9,52 +9,47 @@ samples. When blocks run out, the most recently arrived running sequence is pree
 
 Multi-step decoding (`num_scheduler_steps` > 1): when every running sequence decodes and
 nothing else could start, one scheduling step reserves the KV slots of several decode steps
-and the workers run them back to back; the engine then processes their tokens in order.
+and the workers run them back to back; `update_from_output` then takes their tokens in order.
+
+The workers see none of this: `schedule()` describes the step as plain data (a
+`SchedulerOutput`, omniinfer/step.py) and `update_from_output` reads plain data back (a
+`ModelRunnerOutput`): it appends the tokens, stops sequences on EOS, stop token ids,
+`max_tokens` and `max_model_len`, advances computed-token counts, forks a request into its n
+samples, and frees what finished. Text (detokenisation, stop strings) is the output
+processor's (engine/output_processor.py).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from omniinfer.config import CacheConfig, SchedulerConfig
 from omniinfer.engine.block_manager import BlockManager
-from omniinfer.engine.sequence import Sequence, SequenceStatus
+from omniinfer.engine.schedule_outputs import ScheduleOutputs
+from omniinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from omniinfer.logger import init_logger
+from omniinfer.step import SchedulerOutput
+
+logger = init_logger(__name__)
 
 
 @dataclass(slots=True)
 class ScheduledSeq:
+    """The scheduler's own record of one sequence it scheduled (engine side only)."""
+
     seq: Sequence
     num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
     is_sampling: bool = field(init=False)  # reaches the last known token, so samples
-    # speculative decoding: tokens drafted after the last known one, scored in the same pass,
-    # and the distributions they were drawn from ([k, vocab] tensor)
-    spec_tokens: list[int] | None = None
-    spec_probs: object = None
 
     def __post_init__(self) -> None:
         seq = self.seq
         self.is_sampling = seq.num_computed_tokens + self.num_new_tokens >= len(seq.token_ids)
 
 
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
-    num_batched_tokens: int = 0
-    num_preempted: int = 0
-    rejected: list[Sequence] = field(default_factory=list)  # finished with an error this step
-    num_steps: int = 1  # decode steps the workers run on this schedule (multi-step decoding)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
-
-
-class Scheduler:
+class Scheduler(ScheduleOutputs):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_device_blocks: int, num_host_blocks: int):
         self.config = scheduler_config
@@ -65,25 +60,82 @@ class Scheduler:
         self.running: list[Sequence] = []  # in arrival order
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.seqs: dict[int, Sequence] = {}  # every unfinished sequence by id
+        self.scheduled: list[ScheduledSeq] = []  # the last schedule, in the workers' batch order
+        self._seq_ids = itertools.count()
+        # the workers' view: the sequences they hold state for, the ones whose state is stale
+        # (preempted: sent again as new), the ones to forget at the next step
+        self._sent: set[int] = set()
+        self._resend: set[int] = set()
+        self._finished_ids: list[int] = []
+        self._reported: dict[str, SequenceGroup] = {}  # requests with news for their caller
+        self.num_generation_tokens = 0
+        self.spec_counts = [0, 0, 0, 0]  # draft steps, drafted, accepted and emitted tokens
 
-    # ---- queues -----------------------------------------------------------------------------------
+    # ---- requests ---------------------------------------------------------------------------------
+    def add_request(self, group: SequenceGroup) -> Sequence:
+        """Queue a new request: its first sequence waits."""
+        seq = Sequence(next(self._seq_ids), group, 0, list(group.prompt_token_ids),
+                       len(group.prompt_token_ids), self.block_size)
+        group.seqs.append(seq)
+        self.add(seq)
+        return seq
+
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        self.seqs[seq.seq_id] = seq
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence, after: Sequence) -> None:
         """A forked child runs right after its parent (same arrival)."""
         seq.status = SequenceStatus.RUNNING
+        self.seqs[seq.seq_id] = seq
         self.running.insert(self.running.index(after) + 1, seq)
 
     def finish(self, seq: Sequence, status: SequenceStatus) -> None:
-        """Take a sequence out of every queue and free its blocks (no-op if already out)."""
+        """Take a sequence out of every queue and free its blocks (no-op if already out). Its
+        request is reported at the end of the step, unless it was aborted."""
         for queue in (self.running, self.waiting, self.swapped):
             if seq in queue:
                 queue.remove(seq)
                 break
         seq.status = status
         self.blocks.free(seq)
+        if self.seqs.pop(seq.seq_id, None) is not None and seq.seq_id in self._sent:
+            self._sent.discard(seq.seq_id)
+            self._resend.discard(seq.seq_id)
+            self._finished_ids.append(seq.seq_id)
+        if status != SequenceStatus.FINISHED_ABORTED:
+            self._reported[seq.group.request_id] = seq.group
+
+    def end(self, seq: Sequence, status: SequenceStatus) -> None:
+        """Finish a sequence that its own tokens ended (a stop, its length), with the time."""
+        self.finish(seq, status)
+        metrics = seq.group.metrics
+        metrics.finished_time = metrics.last_token_time = time.monotonic()
+
+    def fail_request(self, group: SequenceGroup, error: BaseException | str,
+                     is_internal: bool = True) -> None:
+        """End a request with an error: it reports it, its blocks are freed, the rest of the batch
+        goes on. `is_internal`: the engine failed processing it inside a step (its sampling,
+        its text), rather than the request being impossible."""
+        if group.error is None:
+            cause = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+            group.error = f"the request failed inside the engine: {cause}" if is_internal else cause
+            group.is_internal_error = is_internal
+            if not isinstance(error, str):
+                logger.error("request %s failed in a step", group.request_id, exc_info=error)
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self.finish(seq, SequenceStatus.FINISHED_ERROR)
+        self._reported[group.request_id] = group
+        logger.warning("request %s finished with an error: %s", group.request_id, group.error)
+
+    def take_reported(self) -> list[SequenceGroup]:
+        """The requests that finished (or failed) since the last call, each once; the output
+        processor adds the streamed ones that ran."""
+        reported, self._reported = list(self._reported.values()), {}
+        return reported
 
     @property
     def num_unfinished(self) -> int:
@@ -91,6 +143,7 @@ class Scheduler:
 
     # ---- one step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """This step's batch, as the workers' plain data (`self.scheduled` keeps the sequences)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         lookahead = self.config.num_lookahead_slots  # drafted tokens: scored in the same pass
@@ -98,6 +151,7 @@ class Scheduler:
         ahead = max(lookahead, out.num_steps - 1)  # slots reserved past a decode's token
         scheduled: dict[int, ScheduledSeq] = {}
         self._copies: dict[int, list[tuple[int, int]]] = {}  # this step's copy-on-writes per seq
+        self._num_preempted = 0
         decodes, prefills = [], []
         for s in self.running:
             (decodes if len(s.token_ids) - s.num_computed_tokens == 1 else prefills).append(s)
@@ -128,15 +182,14 @@ class Scheduler:
                 scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
                 budget -= cost
 
-        if out.num_preempted == 0:
+        if self._num_preempted == 0:
             budget = self._schedule_swapped(out, scheduled, budget)
-        if out.num_preempted == 0 and not self.swapped:
-            self._schedule_waiting(out, scheduled, budget)
-        out.scheduled = list(scheduled.values())
+        if self._num_preempted == 0 and not self.swapped:
+            self._schedule_waiting(scheduled, budget)
         out.blocks_to_copy = [c for copies in self._copies.values() for c in copies]
-        out.num_batched_tokens = sum(s.num_new_tokens for s in out.scheduled)
+        self.describe(scheduled.values(), out)
         now = time.monotonic()
-        for s in out.scheduled:
+        for s in self.scheduled:
             if s.num_new_tokens != 1 or s.seq.num_computed_tokens == 0:  # decodes were seen before
                 metrics = s.seq.group.metrics
                 if metrics.first_scheduled_time is None:
@@ -180,9 +233,11 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
-        out.num_preempted += 1
+        self._num_preempted += 1
         self.num_preemptions += 1
         seq.num_preemptions += 1
+        if seq.seq_id in self._sent:  # what the workers hold for it (a draft's cache) is stale
+            self._resend.add(seq.seq_id)
         # A copy-on-write made for this sequence earlier in the step will not run; swap out
         # from its source instead (the worker swaps out before it copies).
         undo = {dst: src for src, dst in self._copies.pop(seq.seq_id, [])}
@@ -214,16 +269,14 @@ class Scheduler:
             budget -= num_new + extra
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, scheduled: dict[int, ScheduledSeq],
-                          budget: int) -> None:
+    def _schedule_waiting(self, scheduled: dict[int, ScheduledSeq], budget: int) -> None:
         chunked = self.config.enable_chunked_prefill
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             reason = self._never_fits(seq)
             if reason:
                 self.waiting.popleft()
-                seq.group.error = reason
-                out.rejected.append(seq)
+                self.fail_request(seq.group, reason, is_internal=False)
                 continue
             computed = [] if seq.group.wants_prompt_logprobs else self.blocks.computed_prefix(seq)
             seq.num_computed_tokens = len(computed) * self.block_size
@@ -257,24 +310,7 @@ class Scheduler:
                     f"{self.config.max_num_batched_tokens} with chunked prefill disabled")
         return None
 
-    # ---- after the model ran -------------------------------------------------------------------------
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts and publish newly full blocks to the prefix cache."""
-        caching = self.blocks.pool.enable_caching
-        running = SequenceStatus.RUNNING
-        for s in out.scheduled:
-            seq = s.seq
-            if seq.status != running:
-                continue
-            seq.num_computed_tokens += s.num_new_tokens
-            if caching:
-                self.blocks.cache_full_blocks(seq)
-
-    def advance_computed(self, seq: Sequence, num_tokens: int) -> None:
-        """More of the sequence is cached than it was scheduled for (accepted drafts)."""
-        seq.num_computed_tokens += num_tokens
-        self.blocks.cache_full_blocks(seq)
-
+    # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> dict:
         return {
             "num_running": len(self.running),

@@ -1,8 +1,10 @@
-"""Requests and their sequences: plain Python state owned by the engine and the scheduler.
+"""Requests and their sequences: plain Python state owned by the engine side (the scheduler
+keeps the tokens and statuses, the output processor the text and log-probs).
 
 A request (`SequenceGroup`) holds one prompt and its sampling parameters. It starts with
 one `Sequence`; a request with n > 1 forks into n sequences once its prompt is computed,
-the children sharing the prompt's KV blocks.
+the children sharing the prompt's KV blocks. None of this crosses into the workers: the
+scheduler describes each step to them as plain data (omniinfer/step.py).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 
 from omniinfer.sampling.params import SamplingParams
+from omniinfer.step import Logprob  # noqa: F401 - where the engine's users import it from
 
 
 class SequenceStatus(enum.IntEnum):
@@ -35,13 +38,6 @@ class SequenceStatus(enum.IntEnum):
 _FIRST_FINISHED = SequenceStatus.FINISHED_STOPPED
 
 
-@dataclass(slots=True)
-class Logprob:
-    logprob: float
-    rank: int | None = None  # 1 = most likely
-    decoded_token: str | None = None
-
-
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
     """Content hash of a full KV block: its tokens and everything before it."""
     return hash((parent, tokens))
@@ -53,7 +49,7 @@ class Sequence:
     __slots__ = (
         "seq_id", "group", "index", "token_ids", "num_prompt_tokens", "num_computed_tokens",
         "status", "block_hashes", "block_size", "cumulative_logprob", "output_logprobs",
-        "output_text", "detok", "stop_reason", "num_preemptions",
+        "output_text", "detok", "detok_pos", "stop_reason", "num_preemptions",
     )
 
     def __init__(self, seq_id: int, group: SequenceGroup, index: int, token_ids: list[int],
@@ -70,7 +66,8 @@ class Sequence:
         self.cumulative_logprob = 0.0
         self.output_logprobs: list[dict[int, Logprob]] | None = None
         self.output_text = ""
-        self.detok = None  # incremental detokenizer state (engine-owned)
+        self.detok = None  # incremental detokenizer (the output processor's, made on first use)
+        self.detok_pos = num_prompt_tokens  # token_ids[detok_pos:] are not fed to it yet
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.extend_block_hashes()
@@ -116,6 +113,7 @@ class Sequence:
         child.token_ids = list(self.token_ids)
         child.block_hashes = list(self.block_hashes)
         child.output_logprobs = None if self.output_logprobs is None else list(self.output_logprobs)
+        child.detok = None  # its own, made when its text is first wanted
         return child
 
     def __repr__(self) -> str:
@@ -148,17 +146,21 @@ class SequenceGroup:
     is_forked: bool = False
     max_tokens: int = 0  # resolved budget of generated tokens
     eos_token_ids: list[int] = field(default_factory=list)
-    generators: dict = field(default_factory=dict)  # sample index -> torch.Generator (seeded)
     stream: bool = True  # outputs every step (else only when finished)
     # set in __post_init__ / mark_forked: one token a step, no fork to make, no prompt log-probs
     decodes_plainly: bool = field(init=False, default=False)
-    plain_greedy: bool = field(init=False, default=False)  # params.is_plain_greedy, once
+    # the output processor looks at each new token (stop strings, log-probs); else at the text
+    # only when it is read
+    watches_tokens: bool = field(init=False, default=False)
+    # its sampling reads the tokens generated so far (penalties, min_tokens): sent each step
+    reads_history: bool = field(init=False, default=False)
     metrics: RequestMetrics | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(self.arrival_time)
         self.decodes_plainly = self.params.n == 1 and self.params.prompt_logprobs is None
-        self.plain_greedy = self.params.is_plain_greedy
+        self.watches_tokens = bool(self.params.stop) or self.params.logprobs is not None
+        self.reads_history = self.params.has_penalties or self.params.min_tokens > 0
 
     def mark_forked(self) -> None:
         self.is_forked = True

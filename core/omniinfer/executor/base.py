@@ -13,8 +13,7 @@ import importlib
 from collections.abc import Callable
 
 from omniinfer.config import EngineConfig
-from omniinfer.sampling.sampler import SamplerOutput
-from omniinfer.worker.model_input import ExecuteModelRequest
+from omniinfer.step import ModelRunnerOutput, SchedulerOutput
 
 
 class WorkerFailedError(RuntimeError):
@@ -45,8 +44,8 @@ class Executor:
     def check_health(self) -> None:
         """Raise WorkerFailedError if a worker has failed (cheap; safe from any thread)."""
 
-    def execute_model(self, request: ExecuteModelRequest) -> list[SamplerOutput]:
-        """The sampled output of each of the request's `num_steps` steps."""
+    def execute_model(self, sched: SchedulerOutput) -> list[ModelRunnerOutput]:
+        """The output of each of the schedule's `num_steps` steps (plain data both ways)."""
         raise NotImplementedError
 
     @property

@@ -151,10 +151,10 @@ class DistributedExecutor(Executor):
         if self._is_shut_down:
             raise RuntimeError("the executor is shut down")
 
-    def execute_model(self, request):
+    def execute_model(self, sched):
         self._raise_if_failed()
         try:
-            return self.driver.execute_model(request)
+            return self.driver.execute_model(sched)
         except BaseException as e:
             # Any exit mid-step leaves the ranks out of step: the engine is done. A rank that
             # failed is usually why the driver's collective failed: give its report a moment

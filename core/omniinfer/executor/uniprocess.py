@@ -15,5 +15,5 @@ class UniProcExecutor(Executor):
         self.num_device_blocks, self.num_host_blocks = self.worker.determine_num_blocks()
         self.worker.initialize_cache(self.num_device_blocks, self.num_host_blocks)
 
-    def execute_model(self, request):
-        return self.worker.execute_model(request)
+    def execute_model(self, sched):
+        return self.worker.execute_model(sched)

@@ -5,7 +5,7 @@ A plugin is a module (or object) registered under the entry-point group
 
     from omniinfer.platforms.hookspec import hookimpl
 
-    PLUGIN_API_VERSION = "1.0"
+    PLUGIN_API_VERSION = "2.0"
 
     @hookimpl
     def omniinfer_platforms():

@@ -87,6 +87,9 @@ class Platform:
 
     # Lowest device capability Triton generates code for on this platform (None: no floor).
     min_triton_capability: ClassVar[tuple[int, int] | None] = None
+    # True: decode steps replay device graphs, captured through the CUDA graph API of torch's
+    # module for `device_type` (torch.cuda on NVIDIA, and on ROCm's HIP build)
+    supports_graph_capture: ClassVar[bool] = False
 
     # Set by the registry: the distribution that provided it, and its version.
     plugin_name: ClassVar[str] = ""
@@ -143,8 +146,16 @@ class Platform:
 
     # ---- what the engine asks of the selected platform ---------------------------------
     @classmethod
+    def model_transform(cls, config: EngineConfig, attn_backend: type):
+        """This platform's load-time changes to the model: a `ModelTransform`
+        (models/transform.py; import it lazily), or None to run the model as loaded, on torch
+        ops. Called once per worker, before the model loads."""
+        return None
+
+    @classmethod
     def model_runner_cls(cls) -> type:
-        """The ModelRunner subclass to use (imported lazily)."""
+        """The model runner (the core's; a platform has no need to replace it: it declares what
+        differs through `model_transform` and `supports_graph_capture`)."""
         from omniinfer.worker.model_runner import ModelRunner
 
         return ModelRunner

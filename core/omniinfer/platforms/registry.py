@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import os
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from functools import cache
 
@@ -39,6 +40,8 @@ class PluginRecord:
     details: str = ""  # the traceback, for --verbose reports
     platform_names: list[str] = field(default_factory=list)
     backend_names: list[str] = field(default_factory=list)
+    is_adapted: bool = False  # written for the plugin API before this one: runs through an adapter
+    warning: str = ""  # the deprecation warning it got then
 
     def label(self) -> str:
         return f"{self.name} ({self.distribution} {self.version})"
@@ -48,8 +51,17 @@ class PluginError(ValueError):
     """A plugin-layer mistake the user must fix (bad override, unknown plugin...)."""
 
 
-def _api_compatible(declared: str) -> bool:
-    return str(declared).split(".")[0] == PLUGIN_API_VERSION.split(".")[0]
+def api_verdict(declared: str) -> str | None:
+    """"native" (the major this core speaks), "adapted" (the major before, while this core's
+    minor is 0: it runs through platforms/legacy.py), or None (refused)."""
+    major, minor = (int(p) for p in PLUGIN_API_VERSION.split(".")[:2])
+    try:
+        theirs = int(str(declared).split(".")[0])
+    except ValueError:
+        return None
+    if theirs == major:
+        return "native"
+    return "adapted" if theirs == major - 1 and minor == 0 else None
 
 
 class PluginRegistry:
@@ -97,18 +109,34 @@ class PluginRegistry:
                 self._fail(record, f"{ep.value} does not declare PLUGIN_API_VERSION "
                                    f"(this omniinfer speaks plugin API {PLUGIN_API_VERSION})")
                 continue
-            if not _api_compatible(declared):
+            verdict = api_verdict(declared)
+            if verdict is None:
                 major = PLUGIN_API_VERSION.split(".")[0]
                 self._fail(record, f"written for plugin API {declared}, but omniinfer {__version__} "
                                    f"speaks plugin API {PLUGIN_API_VERSION}; install a release of "
                                    f"{record.distribution} made for plugin API {major}.x")
                 continue
+            record.is_adapted = verdict == "adapted"
+            if record.is_adapted:
+                self._deprecated(record, declared)
             try:
                 self.pm.register(plugin, name=ep.name)
             except Exception as e:
                 self._fail(record, f"failed to register: {type(e).__name__}: {e}", e)
                 continue
             record.is_loaded = True
+
+    def _deprecated(self, record: PluginRecord, declared: str) -> None:
+        from omniinfer.platforms.legacy import WHAT_TO_CHANGE
+
+        major, minor = PLUGIN_API_VERSION.split(".")[:2]
+        message = (f"plugin {record.label()} is written for plugin API {declared}; omniinfer "
+                   f"{__version__} speaks plugin API {PLUGIN_API_VERSION} and runs it through an "
+                   f"adapter, which plugin API {major}.{int(minor) + 1} removes. To move to "
+                   f"{PLUGIN_API_VERSION}: {WHAT_TO_CHANGE}")
+        record.warning = message
+        warnings.warn(message, DeprecationWarning, stacklevel=2)
+        logger.warning("%s", message)
 
     def _fail(self, record: PluginRecord, message: str, error: Exception | None = None) -> None:
         record.error = message
@@ -150,6 +178,10 @@ class PluginRegistry:
                 cls.plugin_name, cls.plugin_version = record.distribution, record.version
                 self.platforms[cls.name] = cls
                 record.platform_names.append(cls.name)
+            if record.is_adapted:
+                from omniinfer.platforms.legacy import adapt_backend
+
+                backends = [adapt_backend(cls) for cls in backends]
             for cls in backends:
                 if cls.name in self.backends:
                     raise PluginError(f"attention backend {cls.name!r} from {record.distribution!r} "

@@ -12,20 +12,20 @@ from dataclasses import dataclass
 
 import torch
 
-from omniinfer.engine.sequence import Sequence
+from omniinfer.sampling.metadata import SeqState
 
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # spreads the seeds of a request's n samples
 
 
 @dataclass(frozen=True, slots=True)
 class SampleRow:
-    seq: Sequence
+    seq: SeqState
     index: int  # sample index within the request (picks the seeded generator)
     extra: tuple[int, ...] = ()  # tokens before this position that are not in seq yet
 
     @property
     def params(self):
-        return self.seq.group.params
+        return self.seq.params
 
     @property
     def num_output_tokens(self) -> int:
@@ -34,15 +34,16 @@ class SampleRow:
 
 def generator_for(row: SampleRow, device: torch.device) -> torch.Generator | None:
     """The generator of a seeded request's sample `row.index` (created on first use)."""
-    group = row.seq.group
-    seed = group.params.seed
+    seq = row.seq
+    seed = seq.params.seed
     if seed is None:
         return None
-    if row.index not in group.generators:
+    generators = seq.generators  # the request's, shared by its n samples
+    if row.index not in generators:
         g = torch.Generator(device=device)
         g.manual_seed((seed + row.index * _SEED_STRIDE) % (1 << 63))
-        group.generators[row.index] = g
-    return group.generators[row.index]
+        generators[row.index] = g
+    return generators[row.index]
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -52,7 +53,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     for i, row in enumerate(rows):
         p = row.params
         if p.min_tokens and row.num_output_tokens < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else row.seq.group.eos_token_ids)
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else row.seq.eos_token_ids)
             banned = [t for t in banned if t < vocab]
             if banned:
                 if not cloned:  # never write into the caller's logits
@@ -81,7 +82,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
             ids = torch.tensor(out_ids, device=device)
             counts[i].index_add_(0, ids, torch.ones(len(out_ids), device=device))
         if p.repetition_penalty != 1:
-            seen_prompt[i, torch.tensor(seq.token_ids[: seq.num_prompt_tokens], device=device)] = True
+            seen_prompt[i, torch.tensor(seq.prompt_token_ids, device=device)] = True
         rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
     seen = seen_prompt | (counts > 0)
     penalised = torch.where(logits > 0, logits / rep, logits * rep)

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from omniinfer.engine.sequence import Logprob
 from omniinfer.platforms.host import usable_cpus
 from omniinfer.sampling.metadata import SamplingMetadata, SpecRows
 from omniinfer.sampling.processing import (
@@ -26,30 +24,26 @@ from omniinfer.sampling.processing import (
     sampling_probs,
 )
 from omniinfer.sampling.rejection import rejection_sample
+from omniinfer.step import Logprob, ModelRunnerOutput
 
 # errors of the device itself: never blamed on a request
 _DEVICE_ERRORS = (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError))
 
 
-@dataclass(slots=True)
-class SeqSample:
-    token_ids: list[int]  # one per sample (n on the row that forks a request)
-    logprobs: list[float] | None = None  # raw log-probability of each chosen token
-    top_logprobs: list[dict[int, Logprob]] | None = None  # per sample, when requested
-    num_accepted: int | None = None  # speculative decoding: drafted tokens kept
+class _Draws:
+    """What a step sampled, sequence by sequence, until it becomes a ModelRunnerOutput."""
 
+    def __init__(self):
+        self.tokens: dict[int, list[int]] = {}  # seq_id -> new tokens, in row order
+        self.logprobs: dict[int, list[float]] = {}
+        self.top_logprobs: dict[int, list[dict[int, Logprob]]] = {}
+        self.prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = {}
 
-@dataclass
-class SamplerOutput:
-    samples: dict[int, SeqSample] = field(default_factory=dict)  # seq_id -> sample
-    # the all-greedy fast path: (sequences, one token each), instead of `samples`
-    greedy: tuple[list, list[int]] | None = None
-    # when every sampling row drew one token: those tokens, [rows] int64 on the device (what
-    # multi-step decoding feeds to the next step)
-    token_ids: torch.Tensor | None = None
-    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
-    # request_id -> (index in the prompt of the first entry, entries)
-    failed: dict[str, str] = field(default_factory=dict)  # request_id -> why its sampling failed
+    def output(self, out: ModelRunnerOutput) -> ModelRunnerOutput:
+        out.seq_ids, out.token_ids = list(self.tokens), list(self.tokens.values())
+        out.logprobs, out.top_logprobs = self.logprobs, self.top_logprobs
+        out.prompt_logprobs = self.prompt_logprobs
+        return out
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -84,10 +78,14 @@ class Sampler:
         self.generator = generator  # for unseeded requests
         self.argmax_rows = argmax_rows  # the greedy fast paths' argmax (a platform's LayerOps)
 
-    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """Sample every row. If that fails, each request is sampled alone, so that a failure tied
-        to one request's parameters or rows ends only that request (`SamplerOutput.failed`);
-        a device failure (out of memory, an accelerator error) is raised."""
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata
+                 ) -> tuple[ModelRunnerOutput, torch.Tensor | None]:
+        """Sample every row: the step's output, and (when every sampling row drew one token)
+        those tokens as a [rows] int64 tensor on the device, which multi-step decoding feeds to
+        the next step. If sampling the batch fails, each request is sampled alone, so that a
+        failure tied to one request's parameters or rows ends only that request
+        (`ModelRunnerOutput.failed`); a device failure (out of memory, an accelerator error) is
+        raised."""
         try:
             return self._sample_all(logits, md)
         except _DEVICE_ERRORS:
@@ -95,22 +93,26 @@ class Sampler:
         except Exception:  # noqa: BLE001 - sorted out request by request below
             return self._sample_each(logits, md)
 
-    def _sample_all(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        out = SamplerOutput()
+    def _sample_all(self, logits: torch.Tensor, md: SamplingMetadata):
+        draws = _Draws()
+        tokens = None
         # (each slicing call costs ~20 us here, right after the LM head: made only when needed)
         if logits.shape[1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]
         if md.num_sampling_rows:
             rows = md.num_sampling_rows
-            self._sample(logits if logits.shape[0] == rows else logits[:rows], md, out)
+            part = logits if logits.shape[0] == rows else logits[:rows]
+            if not md.spec_rows and not md.prompt_rows and self.greedy_only(md):
+                tokens = self.argmax_rows(part)  # the common case, with no per-row work at all
+                return self.greedy_output(tokens, md), tokens
+            tokens = self._sample(part, md, draws)
         if md.spec_rows:
-            self._verify(logits, md.spec_rows, out)
+            self._verify(logits, md.spec_rows, draws)
         for rows in md.prompt_rows:
-            out.prompt_logprobs[rows.group.request_id] = (
-                rows.first_target, self._prompt_logprobs(logits, rows))
-        return out
+            draws.prompt_logprobs[rows.seq.seq_id] = (rows.first_target, self._prompt_logprobs(logits, rows))
+        return draws.output(ModelRunnerOutput()), tokens
 
-    def _sample_each(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    def _sample_each(self, logits: torch.Tensor, md: SamplingMetadata):
         # Even when every request fails alone, each is failed rather than the engine: a batch
         # of nothing but bad requests must not take the engine down either.
         if logits.shape[1] != self.vocab_size:
@@ -120,15 +122,16 @@ class Sampler:
         for i, (seq, n) in enumerate(zip(md.seqs, md.num_samples)):
             part = parts.setdefault(seq.request_id, SamplingMetadata())
             part.seqs.append(seq)
+            part.seq_ids.append(seq.seq_id)
             part.num_samples.append(n)
             rows.setdefault(seq.request_id, []).append(i)
         for spec in md.spec_rows:
             parts.setdefault(spec.seq.request_id, SamplingMetadata()).spec_rows.append(spec)
         for prompt in md.prompt_rows:
-            parts.setdefault(prompt.group.request_id, SamplingMetadata()).prompt_rows.append(prompt)
-        out = SamplerOutput()
+            parts.setdefault(prompt.seq.request_id, SamplingMetadata()).prompt_rows.append(prompt)
+        draws, failed = _Draws(), {}
         for request_id, part in parts.items():
-            alone = SamplerOutput()
+            alone = _Draws()
             try:
                 if part.seqs:
                     index = torch.tensor(rows[request_id], device=logits.device)
@@ -136,39 +139,38 @@ class Sampler:
                 if part.spec_rows:
                     self._verify(logits, part.spec_rows, alone)
                 for prompt in part.prompt_rows:
-                    alone.prompt_logprobs[request_id] = (prompt.first_target,
-                                                         self._prompt_logprobs(logits, prompt))
+                    alone.prompt_logprobs[prompt.seq.seq_id] = (prompt.first_target,
+                                                                self._prompt_logprobs(logits, prompt))
             except _DEVICE_ERRORS:
                 raise
             except Exception as e:  # noqa: BLE001 - this request's own failure
-                out.failed[request_id] = f"{type(e).__name__}: {e}"
+                seq = (part.seqs or [r.seq for r in part.spec_rows] or [part.prompt_rows[0].seq])[0]
+                failed[seq.seq_id] = f"{type(e).__name__}: {e}"
                 continue
-            if alone.greedy is not None:
-                for seq, token in zip(*alone.greedy):
-                    alone.samples[seq.seq_id] = SeqSample([token])
-            out.samples.update(alone.samples)
-            out.prompt_logprobs.update(alone.prompt_logprobs)
+            for name in ("tokens", "logprobs", "top_logprobs", "prompt_logprobs"):
+                getattr(draws, name).update(getattr(alone, name))
+        out = draws.output(ModelRunnerOutput(failed=failed))
+        tokens = None
         if not md.spec_rows and max(md.num_samples, default=1) == 1:
             # multi-step decoding feeds these to the next step; a failed row's placeholder is
             # computed but never used (the engine ends its request)
-            out.token_ids = torch.tensor([out.samples[seq.seq_id].token_ids[0]
-                                          if seq.seq_id in out.samples else 0 for seq in md.seqs],
-                                         dtype=torch.long, device=logits.device)
-        return out
+            tokens = torch.tensor([draws.tokens[seq.seq_id][0] if seq.seq_id in draws.tokens else 0
+                                   for seq in md.seqs], dtype=torch.long, device=logits.device)
+        return out, tokens
 
     # ---- sampling ----------------------------------------------------------------------------------
-    def greedy_output(self, tokens: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+    def greedy_output(self, tokens: torch.Tensor, md: SamplingMetadata) -> ModelRunnerOutput:
         """The output of an all-greedy step (`greedy_only`) whose tokens, one per sequence, were
-        taken elsewhere (the LM head's `greedy_tokens`)."""
-        out = SamplerOutput()
-        out.greedy, out.token_ids = (md.seqs, tokens.tolist()), tokens
-        return out
+        taken elsewhere (the LM head's `greedy_tokens`), or by the argmax here."""
+        return ModelRunnerOutput(seq_ids=md.seq_ids, token_ids=[[t] for t in tokens.tolist()])
 
-    def _sample(self, logits: torch.Tensor, md: SamplingMetadata, out: SamplerOutput) -> None:
-        if self.greedy_only(md):  # the common case, with no per-row work at all
+    def _sample(self, logits: torch.Tensor, md: SamplingMetadata, out: _Draws) -> torch.Tensor | None:
+        """Sample the rows of `md.seqs`; returns their tokens when each drew one."""
+        if self.greedy_only(md):
             tokens = self.argmax_rows(logits)
-            out.greedy, out.token_ids = (md.seqs, tokens.tolist()), tokens
-            return
+            for seq_id, token in zip(md.seq_ids, tokens.tolist()):
+                out.tokens[seq_id] = [token]
+            return tokens
         rows: list[SampleRow] = []  # one per sampled token (n on a row that forks its request)
         for seq, n in zip(md.seqs, md.num_samples):
             rows += [SampleRow(seq, seq.index if n == 1 else k) for k in range(n)]
@@ -191,31 +193,29 @@ class Sampler:
             random_rows = [rows[i] for i in random]
             tokens[r] = draw(random_probs(logits[r], random_rows), random_rows, self.generator)
         self._collect(tokens, raw, rows, out)
-        if len(rows) == len(md.seqs):
-            out.token_ids = tokens
+        return tokens if len(rows) == len(md.seqs) else None
 
     @staticmethod
     def greedy_only(md: SamplingMetadata) -> bool:
         """Every row: one greedy token, no log-probs, penalties or min_tokens."""
         if max(md.num_samples) != 1:
             return False
-        return all(seq.group.plain_greedy for seq in md.seqs)
+        return all(seq.plain_greedy for seq in md.seqs)
 
-    def _verify(self, logits: torch.Tensor, spec: list[SpecRows], out: SamplerOutput) -> None:
+    def _verify(self, logits: torch.Tensor, spec: list[SpecRows], out: _Draws) -> None:
         """Rejection-sample the drafted tokens of speculatively scored sequences."""
         k = len(spec[0].draft_tokens)
         assert all(len(s.draft_tokens) == k for s in spec), "one k per step"
         index = torch.tensor([s.start_row + j for s in spec for j in range(k + 1)],
                              device=logits.device)
-        if all(s.seq.group.plain_greedy for s in spec):  # prefix matching, no probs
+        if all(s.seq.plain_greedy for s in spec):  # prefix matching, no probs
             targets = self.argmax_rows(logits[index]).tolist()
             for i, s in enumerate(spec):
                 row = targets[i * (k + 1): (i + 1) * (k + 1)]
                 accepted = 0
                 while accepted < k and s.draft_tokens[accepted] == row[accepted]:
                     accepted += 1
-                out.samples[s.seq.seq_id] = SeqSample(s.draft_tokens[:accepted] + [row[accepted]],
-                                                      num_accepted=accepted)
+                out.tokens[s.seq.seq_id] = s.draft_tokens[:accepted] + [row[accepted]]
             return
         rows = [SampleRow(s.seq, s.seq.index, tuple(s.draft_tokens[:j]))
                 for s in spec for j in range(k + 1)]
@@ -225,17 +225,16 @@ class Sampler:
         q = torch.stack([s.draft_probs for s in spec]).to(p.device, p.dtype)
         result = rejection_sample(p, drafts, q, [SampleRow(s.seq, s.seq.index) for s in spec],
                                   self.generator)
-        want_logprobs = any(s.seq.group.params.logprobs is not None for s in spec)
+        want_logprobs = any(s.seq.params.logprobs is not None for s in spec)
         raw = torch.log_softmax(scored, dim=-1) if want_logprobs else None
-        for i, s in enumerate(spec):
+        for i in range(len(spec)):
             tokens = result.tokens[i]
             emitted = [rows[i * (k + 1) + j] for j in range(len(tokens))]
             sub = None if raw is None else raw[i * (k + 1): i * (k + 1) + len(tokens)]
             self._collect(torch.tensor(tokens, device=logits.device), sub, emitted, out)
-            out.samples[s.seq.seq_id].num_accepted = result.num_accepted[i]
 
     # ---- results ---------------------------------------------------------------------------------------
-    def _collect(self, tokens, raw, rows: list[SampleRow], out: SamplerOutput) -> None:
+    def _collect(self, tokens, raw, rows: list[SampleRow], out: _Draws) -> None:
         token_list = tokens.tolist()
         chosen_lp = ranks = tops = None
         if raw is not None:
@@ -247,23 +246,19 @@ class Sampler:
                 top_vals, top_ids = raw.topk(max_n, dim=-1)
                 tops = (top_vals.tolist(), top_ids.tolist())
         for i, row in enumerate(rows):
-            sample = out.samples.get(row.seq.seq_id)
-            if sample is None:
-                sample = out.samples[row.seq.seq_id] = SeqSample([])
-            sample.token_ids.append(token_list[i])
+            seq_id = row.seq.seq_id
+            out.tokens.setdefault(seq_id, []).append(token_list[i])
             p = row.params
             if p.logprobs is None:
                 continue
-            if sample.logprobs is None:
-                sample.logprobs, sample.top_logprobs = [], []
-            sample.logprobs.append(chosen_lp[i])
+            out.logprobs.setdefault(seq_id, []).append(chosen_lp[i])
             entry = {token_list[i]: Logprob(chosen_lp[i], ranks[i])}
             if p.logprobs:
                 for r in range(p.logprobs):
                     tid = tops[1][i][r]
                     if tid not in entry:
                         entry[tid] = Logprob(tops[0][i][r], r + 1)
-            sample.top_logprobs.append(entry)
+            out.top_logprobs.setdefault(seq_id, []).append(entry)
 
     def _prompt_logprobs(self, logits: torch.Tensor, rows) -> list[dict[int, Logprob]]:
         n = len(rows.target_ids)
@@ -272,7 +267,7 @@ class Sampler:
         chosen = lp.gather(1, targets[:, None])
         chosen_lp = chosen[:, 0].tolist()
         ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
-        k = rows.group.params.prompt_logprobs
+        k = rows.seq.params.prompt_logprobs
         top = lp.topk(k, dim=-1) if k else None
         top_vals, top_ids = (top.values.tolist(), top.indices.tolist()) if k else ([], [])
         entries = []

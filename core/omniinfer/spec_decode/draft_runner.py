@@ -1,9 +1,9 @@
-"""The draft model runner: k forward passes back to back on one model input.
+"""The draft model runner: k forward passes back to back from one batch description.
 
 The first pass catches each sequence's draft cache up (the tokens the draft has not seen,
-usually one or two) and drafts one token; every later pass advances the same input in
-place (next token, positions + 1, sequence lengths + 1, the next slot from the block
-tables). Nothing goes back through the scheduler or the input builder, and the drafted
+usually one or two) and drafts one token; every later pass is the batch one token ahead
+(`CommonAttentionMetadata.next_decode_step`, on the device), built by the draft's backend as
+any batch is. Nothing goes back through the scheduler or the input builder, and the drafted
 tokens stay on the device until all k passes are done.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from omniinfer.attention.common import positions_for
+from omniinfer.attention.common import build_common
 from omniinfer.distributed import parallel_state as ps
 from omniinfer.sampling.processing import SampleRow, draw, sampling_probs
 from omniinfer.worker.model_input import ModelInput
@@ -20,6 +20,8 @@ from omniinfer.worker.model_runner import ModelRunner
 
 
 class DraftModelRunner(ModelRunner):
+    captures_graphs = False
+
     def load_model(self, progress: bool = True) -> None:
         with ps.single_rank():  # whole, on the driver, whatever the target's TP/PP layout
             super().load_model(progress)
@@ -28,17 +30,16 @@ class DraftModelRunner(ModelRunner):
                          block_tables: list[list[int]]) -> ModelInput:
         """Catch-up input: per sequence, the tokens after what its draft cache holds. Sequences
         with a single token after a cached context must come last (decodes after prefills)."""
-        builder = self.attn_backend.get_builder_cls()(self.block_size, self.model_config.sliding_window)
         query_lens = [len(c) for c in chunks]
-        for chunk, ctx, table in zip(chunks, context_lens, block_tables):
-            builder.add_seq(context_len=ctx, query_len=len(chunk), block_table=table,
-                            is_prefill=not (len(chunk) == 1 and ctx > 0))
-        q = np.asarray(query_lens, dtype=np.int64)
+        num_prefills = sum(1 for q, ctx in zip(query_lens, context_lens) if not (q == 1 and ctx > 0))
+        common = build_common(context_lens, query_lens, block_tables, num_prefills, self.block_size,
+                              self.attn_builder.needs_prefill_key_slots)
         return ModelInput(
             input_tokens=torch.tensor([t for c in chunks for t in c], dtype=torch.int64),
-            input_positions=torch.from_numpy(positions_for(np.asarray(context_lens, np.int64), q)),
-            attn_metadata=builder.build(),
-            logits_indices=torch.from_numpy(np.cumsum(q) - 1),
+            input_positions=common.positions,
+            attn_metadata=self.attn_builder.build(common),
+            logits_indices=torch.from_numpy(np.cumsum(np.asarray(query_lens, np.int64)) - 1),
+            common=common,
         )
 
     @torch.inference_mode()
@@ -48,6 +49,7 @@ class DraftModelRunner(ModelRunner):
         (None when every request is greedy: the verifier then only compares argmaxes)."""
         vocab = self.model_config.vocab_size
         model_input = first.to(self.device)
+        common = first.common.to(self.device)
         greedy_only = all(row.params.is_greedy for row in rows)
         tokens, probs = [], []
         for step in range(k):
@@ -61,19 +63,9 @@ class DraftModelRunner(ModelRunner):
             tokens.append(t)
             if step + 1 == k:
                 break
-            if step == 0:
-                model_input = self._decode_input(model_input, t)
-            else:
-                model_input.input_tokens.copy_(t)
-                model_input.input_positions += 1
-                model_input.attn_metadata.advance_step(model_input.input_positions, self.block_size)
+            common = common.next_decode_step()
+            model_input = ModelInput(
+                input_tokens=t, input_positions=common.positions,
+                attn_metadata=self.attn_builder.build(common).to(self.device),
+                logits_indices=torch.arange(common.num_seqs, device=t.device), common=common)
         return torch.stack(tokens, dim=1), (torch.stack(probs, dim=1) if probs else None)
-
-    def _decode_input(self, first: ModelInput, tokens: torch.Tensor) -> ModelInput:
-        md = first.attn_metadata
-        return ModelInput(
-            input_tokens=tokens.clone(),
-            input_positions=md.seq_lens_tensor.long(),
-            attn_metadata=md.next_decode_step(self.block_size),
-            logits_indices=torch.arange(md.num_seqs, device=tokens.device),
-        )

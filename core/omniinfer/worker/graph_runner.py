@@ -1,9 +1,9 @@
 """Decode steps replayed from device graphs captured at padded batch sizes (vendor-neutral).
 
-A vendor's model runner mixes :class:`GraphRunnerMixin` in before the core ``ModelRunner`` and
-implements one primitive, :meth:`GraphRunnerMixin.capture_graph`; for devices whose torch
-module has the CUDA graph API (``torch.cuda`` on NVIDIA and on ROCm's HIP build) that is one
-call to :func:`capture_with`.
+The core runner replays them on a platform that declares ``supports_graph_capture`` (CUDA, and
+ROCm, whose HIP build serves the same API), through the CUDA graph API of torch's device module
+for its device type (:func:`capture_with`); no vendor runner is needed. `ModelRunner.capture_graph`
+is the one primitive (tests replace it with a stand-in that re-runs the function).
 
 How a decode-only step runs from a graph:
 
@@ -19,7 +19,7 @@ How a decode-only step runs from a graph:
 Padding rows keep whatever an earlier step left in the static buffers: valid block ids and
 lengths, so their reads stay in bounds; their outputs are dropped and they write nothing.
 Prefill and mixed steps, pipeline or tensor parallel runs, backends without
-``supports_graph_capture`` and ``enforce_eager=True`` run eagerly.
+``supports_graph_capture``, draft models and ``enforce_eager=True`` run eagerly.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from omniinfer.attention.common import build_common
 from omniinfer.logger import init_logger
 
 logger = init_logger(__name__)
@@ -74,41 +75,31 @@ def _leading_corner(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor | None
     return dst[tuple(slice(0, s) for s in src.shape)]
 
 
-class GraphRunnerMixin:
-    """Mix in before ``ModelRunner``; implement :meth:`capture_graph`."""
+def disabled_reason(runner) -> str | None:
+    """Why a runner on a platform that captures graphs replays none (None: it does)."""
+    if runner.config.device.enforce_eager:
+        return "enforce_eager=True"
+    if not getattr(runner.attn_backend, "supports_graph_capture", False):
+        return f"attention backend {runner.attn_backend.name} does not support graph capture"
+    if runner.config.parallel.world_size > 1:
+        return "tensor/pipeline parallel runs are not captured yet"
+    return None
 
-    def capture_graph(self, fn: Callable[[], torch.Tensor]):
-        """Capture `fn` (a forward pass over static buffers) in a device graph.
 
-        Returns ``(replay, output)``: calling ``replay()`` re-runs the captured work, which
-        rewrites ``output`` in place. Vendor runners implement it (``capture_with`` does it for
-        the CUDA graph API)."""
-        raise NotImplementedError
+class DecodeGraphs:
+    """The decode graphs of one runner: captured at the first decode-only step, replayed after."""
 
-    def graphs_disabled_reason(self) -> str | None:
-        """Why this runner replays no graphs (None: it does)."""
-        if self.config.device.enforce_eager:
-            return "enforce_eager=True"
-        if not getattr(self.attn_backend, "supports_graph_capture", False):
-            return f"attention backend {self.attn_backend.name} does not support graph capture"
-        if self.config.parallel.world_size > 1:
-            return "tensor/pipeline parallel runs are not captured yet"
-        return None
+    def __init__(self, runner):
+        self.runner = runner
+        self.graphs: dict[int, _DecodeGraph] = {}
+        self.caches: list[int] | None = None  # ids of the KV caches the graphs were captured on
+        self.sizes = graph_batch_sizes(runner.config.scheduler.max_num_seqs)
 
-    def load_model(self, progress: bool = True) -> None:
-        super().load_model(progress)
-        self._graphs: dict[int, _DecodeGraph] = {}
-        self._graph_caches: list[int] | None = None
-        reason = self.graphs_disabled_reason()
-        self._graph_sizes = [] if reason else graph_batch_sizes(self.config.scheduler.max_num_seqs)
-        if reason:
-            logger.info("decode steps run eagerly: %s", reason)
-
-    @torch.inference_mode()
-    def execute_model(self, model_input, kv_caches, intermediate_tensors=None, greedy_tokens=False):
+    def run(self, model_input, kv_caches, intermediate_tensors) -> torch.Tensor | None:
+        """This step's hidden states from a graph, or None when the step runs eagerly."""
         graph = self._graph_for(model_input, kv_caches, intermediate_tensors)
         if graph is None:
-            return super().execute_model(model_input, kv_caches, intermediate_tensors, greedy_tokens)
+            return None
         n = model_input.num_tokens
         graph.input_tokens[:n].copy_(model_input.input_tokens)
         graph.input_positions[:n].copy_(model_input.input_positions)
@@ -119,18 +110,18 @@ class GraphRunnerMixin:
                 _leading_corner(getattr(static, f.name), value).copy_(value)
         static.slot_mapping[n:].fill_(-1)
         graph.replay()
-        return self.logits_or_tokens(graph.hidden[:n][model_input.logits_indices], greedy_tokens)
+        return graph.hidden[:n]
 
     # ---- choosing and capturing --------------------------------------------------------------
     def _graph_for(self, model_input, kv_caches, intermediate_tensors) -> _DecodeGraph | None:
         md = model_input.attn_metadata
-        if (not self._graph_sizes or intermediate_tensors is not None or md.num_prefills
-                or md.num_decode_tokens != md.num_seqs or md.num_seqs > self._graph_sizes[-1]):
+        if (intermediate_tensors is not None or md.num_prefills
+                or md.num_decode_tokens != md.num_seqs or md.num_seqs > self.sizes[-1]):
             return None
-        if self._graph_caches != [id(c) for c in kv_caches]:
+        if self.caches != [id(c) for c in kv_caches]:
             self._capture_all(kv_caches)
-        size = next(s for s in self._graph_sizes if s >= md.num_seqs)
-        graph = self._graphs[size]
+        size = next(s for s in self.sizes if s >= md.num_seqs)
+        graph = self.graphs[size]
         if type(md) is not type(graph.metadata):
             return None
         for f in fields(md):
@@ -141,29 +132,35 @@ class GraphRunnerMixin:
         return graph
 
     def _capture_all(self, kv_caches) -> None:
-        self._graphs.clear()
-        for size in reversed(self._graph_sizes):  # largest first: later ones reuse its memory
-            self._graphs[size] = self._capture(size, kv_caches)
-        self._graph_caches = [id(c) for c in kv_caches]
-        logger.info("captured decode graphs for batch sizes %s", self._graph_sizes)
+        self.graphs.clear()
+        for size in reversed(self.sizes):  # largest first: later ones reuse its memory
+            self.graphs[size] = self._capture(size, kv_caches)
+        self.caches = [id(c) for c in kv_caches]
+        logger.info("captured decode graphs for batch sizes %s", self.sizes)
 
     def _static_metadata(self, batch_size: int):
-        max_blocks = -(-self.config.scheduler.max_model_len // self.block_size)
-        builder = self.attn_backend.get_builder_cls()(self.block_size, self.model_config.sliding_window)
-        for _ in range(batch_size):
-            builder.add_seq(context_len=1, query_len=1, block_table=[0] * max_blocks,
-                            is_prefill=False)
-        md = builder.build()
+        runner = self.runner
+        max_blocks = -(-runner.config.scheduler.max_model_len // runner.block_size)
+        common = build_common([1] * batch_size, [1] * batch_size, [[0] * max_blocks] * batch_size,
+                              0, runner.block_size, runner.attn_builder.needs_prefill_key_slots)
+        md = runner.attn_builder.build(common)
         md.slot_mapping.fill_(-1)
-        return md.to(self.device)
+        return md.to(runner.device)
 
     def _capture(self, batch_size: int, kv_caches) -> _DecodeGraph:
-        tokens = torch.zeros(batch_size, dtype=torch.int64, device=self.device)
-        positions = torch.ones(batch_size, dtype=torch.int64, device=self.device)
+        runner = self.runner
+        tokens = torch.zeros(batch_size, dtype=torch.int64, device=runner.device)
+        positions = torch.ones(batch_size, dtype=torch.int64, device=runner.device)
         md = self._static_metadata(batch_size)
 
         def forward() -> torch.Tensor:
-            return self.model(tokens, positions, kv_caches, md, None)
+            return runner.model(tokens, positions, kv_caches, md, None)
 
-        replay, hidden = self.capture_graph(forward)
+        replay, hidden = runner.capture_graph(forward)
         return _DecodeGraph(batch_size, tokens, positions, md, hidden, replay)
+
+
+class GraphRunnerMixin:
+    """Plugin API 1.x: a vendor runner mixed this in and implemented `capture_graph`. Such a runner
+    still replays graphs through its own `capture_graph` (deprecated: removed in plugin API 2.1;
+    declare `Platform.supports_graph_capture = True` and drop the runner)."""

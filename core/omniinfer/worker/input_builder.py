@@ -1,4 +1,11 @@
-"""ModelRunnerInputBuilder: scheduled sequences in, one CPU-side ModelInput out."""
+"""ModelRunnerInputBuilder: the scheduler's plain data in, one CPU-side ModelInput out.
+
+The batch is described once, as a `CommonAttentionMetadata` (attention/common.py: positions,
+slots, lengths, block tables, with numpy), which the backend's builder turns into its own
+metadata in one call. The rows of logits the sampler needs are picked here: the last token of
+each sampling sequence, then k + 1 rows per sequence scored with k drafted tokens, then the
+prompt positions whose log-probabilities a request asked for.
+"""
 
 from __future__ import annotations
 
@@ -6,106 +13,108 @@ import numpy as np
 import torch
 
 from omniinfer.attention.backend import AttentionMetadataBuilder
-from omniinfer.attention.common import positions_for
-from omniinfer.engine.scheduler import ScheduledSeq
-from omniinfer.sampling.metadata import PromptLogprobRows, SamplingMetadata, SpecRows
+from omniinfer.attention.common import build_common
+from omniinfer.sampling.metadata import PromptLogprobRows, SamplingMetadata, SeqStates, SpecRows
+from omniinfer.step import SchedulerOutput
 from omniinfer.worker.model_input import ModelInput
 
-
-def is_decode(s: ScheduledSeq) -> bool:
-    """One new token with something cached before it: the decode kernels' case."""
-    return s.num_new_tokens == 1 and s.seq.num_computed_tokens > 0 and not s.spec_tokens
-
-
-def is_plain_decode(s: ScheduledSeq) -> bool:
-    """A decode with nothing special: samples one token, no fork, no prompt log-probs."""
-    seq = s.seq
-    return (s.num_new_tokens == 1 and seq.group.decodes_plainly and not s.spec_tokens
-            and seq.num_computed_tokens + 1 == len(seq.token_ids))
+# seq_id -> (k drafted tokens, the [k, vocab] distributions they were drawn from, or None)
+Drafts = dict[int, tuple[list[int], torch.Tensor | None]]
 
 
 class ModelRunnerInputBuilder:
-    """Collects one step's sequences (prefills first, then decodes) and builds the tensors.
-
-    Receives plain data: scheduled sequences and their block tables; the backend's metadata
-    builder gets the same, one sequence at a time.
-    """
-
-    def __init__(self, attn_builder: AttentionMetadataBuilder):
+    def __init__(self, attn_builder: AttentionMetadataBuilder, block_size: int):
         self.attn_builder = attn_builder
-        self.tokens: list[list[int]] = []
-        self.context_lens: list[int] = []
-        self.query_lens: list[int] = []
-        self.sampling = SamplingMetadata()
-        self.sample_rows: list[int] = []  # token row of each sampling sequence
-        self.prompt_rows: list[tuple[object, int, int, list[int]]] = []  # (group, first row, first target, targets)
-        self.spec: list[tuple[object, int, list[int], object]] = []  # (seq, first row, drafts, probs)
-        self.num_tokens = 0
+        self.block_size = block_size
 
-    def add_seq(self, s: ScheduledSeq, block_table: list[int]) -> None:
-        seq = s.seq
-        ctx, q = seq.num_computed_tokens, s.num_new_tokens
-        chunk = seq.token_ids[ctx:ctx + q]
-        if s.spec_tokens:  # score the drafts in the same pass: k + 1 rows of logits
-            chunk = chunk + s.spec_tokens
-            self.spec.append((seq, self.num_tokens + q - 1, s.spec_tokens, s.spec_probs))
-            q += len(s.spec_tokens)
-        self.tokens.append(chunk)
-        self.context_lens.append(ctx)
-        self.query_lens.append(q)
-        self.attn_builder.add_seq(context_len=ctx, query_len=q, block_table=block_table,
-                                  is_prefill=not is_decode(s))
-        group = seq.group
-        if group.wants_prompt_logprobs and not group.is_forked:
-            self._add_prompt_rows(group, ctx, q)
-        if s.is_sampling and not s.spec_tokens:
-            self.sampling.seqs.append(seq)
-            forks = group.params.n > 1 and not group.is_forked
-            self.sampling.num_samples.append(group.params.n if forks else 1)
-            self.sample_rows.append(self.num_tokens + q - 1)
-        self.num_tokens += q
-
-    def add_decodes(self, decodes: list[ScheduledSeq], block_tables: dict[int, list[int]]) -> None:
-        """Plain decodes in bulk (one token each, sampling, no fork, no prompt log-probs):
-        what `add_seq` does for each, without the per-sequence branches."""
-        seqs = [s.seq for s in decodes]
-        start, n = self.num_tokens, len(seqs)
-        ctx = [seq.num_computed_tokens for seq in seqs]
-        self.tokens.append([seq.token_ids[-1] for seq in seqs])
-        self.context_lens += ctx
-        self.query_lens += [1] * n
-        self.attn_builder.add_decodes(ctx, [block_tables[seq.seq_id] for seq in seqs])
-        self.sampling.seqs += seqs
-        self.sampling.num_samples += [1] * n
-        self.sample_rows += range(start, start + n)
-        self.num_tokens += n
-
-    def _add_prompt_rows(self, group, ctx: int, q: int) -> None:
-        # The logits at position p predict prompt token p + 1; entries already collected
-        # (before a preemption) are not computed again.
-        done = len(group.prompt_logprobs or [None])
-        first = max(ctx, done - 1)
-        last = min(ctx + q, len(group.prompt_token_ids) - 1)  # exclusive
-        if last > first:
-            targets = group.prompt_token_ids[first + 1:last + 1]
-            self.prompt_rows.append((group, self.num_tokens + first - ctx, first + 1, targets))
-
-    def build(self) -> ModelInput:
-        ctx = np.asarray(self.context_lens, dtype=np.int64)
-        q = np.asarray(self.query_lens, dtype=np.int64)
-        flat = [t for chunk in self.tokens for t in chunk]
-        rows = list(self.sample_rows)
-        for seq, start, drafts, probs in self.spec:
-            self.sampling.spec_rows.append(SpecRows(seq, len(rows), drafts, probs))
-            rows += range(start, start + len(drafts) + 1)
-        for group, start, first_target, targets in self.prompt_rows:
-            self.sampling.prompt_rows.append(
-                PromptLogprobRows(group, len(rows), targets, first_target))
-            rows += range(start, start + len(targets))
+    def build(self, sched: SchedulerOutput, states: SeqStates, drafts: Drafts | None = None) -> ModelInput:
+        batch = _Batch.of(sched)
+        if drafts:
+            batch = batch.with_drafts(drafts)
+        common = build_common(batch.ctx, batch.q, batch.tables, batch.num_prefills, self.block_size,
+                              self.attn_builder.needs_prefill_key_slots)
+        ends = np.cumsum(np.asarray(batch.q, dtype=np.int64)) - 1  # each sequence's last row
+        md = SamplingMetadata()
+        sampling = np.flatnonzero(np.asarray(batch.num_samples, dtype=np.int64))
+        if len(sampling) == len(batch.seq_ids):  # every sequence samples (decodes)
+            md.seq_ids, md.num_samples = batch.seq_ids, batch.num_samples
+        else:
+            md.seq_ids = [batch.seq_ids[i] for i in sampling]
+            md.num_samples = [batch.num_samples[i] for i in sampling]
+        md.seqs = [states[i] for i in md.seq_ids]
+        rows = [ends[sampling]]
+        num_rows = len(sampling)
+        for i, seq_id, tokens, probs in batch.spec:  # the real token, then the drafts
+            md.spec_rows.append(SpecRows(states[seq_id], num_rows, tokens, probs))
+            start = ends[i] - len(tokens)
+            rows.append(np.arange(start, start + len(tokens) + 1))
+            num_rows += len(tokens) + 1
+        for seq_id, first, first_row, targets in _prompt_rows(batch, sched, states, ends):
+            md.prompt_rows.append(PromptLogprobRows(states[seq_id], num_rows, targets, first + 1))
+            rows.append(np.arange(first_row, first_row + len(targets)))
+            num_rows += len(targets)
         return ModelInput(
-            input_tokens=torch.tensor(flat, dtype=torch.int64),
-            input_positions=torch.from_numpy(positions_for(ctx, q)),
-            attn_metadata=self.attn_builder.build(),
-            logits_indices=torch.tensor(rows, dtype=torch.int64),
-            sampling_metadata=self.sampling,
+            input_tokens=torch.tensor(batch.token_ids, dtype=torch.int64),
+            input_positions=common.positions,
+            attn_metadata=self.attn_builder.build(common),
+            logits_indices=torch.from_numpy(np.concatenate(rows).astype(np.int64)),
+            sampling_metadata=md,
+            common=common,
         )
+
+
+def _prompt_rows(batch, sched: SchedulerOutput, states: SeqStates, ends: np.ndarray):
+    """(seq_id, first position, its token row, target ids) of each sequence owed
+    prompt log-probs this step: the logits at position p predict prompt token p + 1; entries
+    already collected (before a preemption) are not computed again."""
+    if not sched.prompt_logprobs:
+        return
+    index = {seq_id: i for i, seq_id in enumerate(batch.seq_ids)}
+    for seq_id, done in sched.prompt_logprobs.items():
+        i = index[seq_id]
+        ctx, q = batch.ctx[i], batch.q[i]
+        prompt = states[seq_id].prompt_token_ids
+        first = max(ctx, done - 1)
+        last = min(ctx + q, len(prompt) - 1)  # exclusive
+        if last > first:
+            yield seq_id, first, int(ends[i]) - q + 1 + first - ctx, prompt[first + 1:last + 1]
+
+
+class _Batch:
+    """The per-sequence lists of a step, in batch order (the scheduler's, or with drafts)."""
+
+    __slots__ = ("seq_ids", "token_ids", "q", "ctx", "tables", "num_samples", "num_prefills", "spec")
+
+    @classmethod
+    def of(cls, sched: SchedulerOutput) -> _Batch:
+        b = cls()
+        b.seq_ids, b.token_ids, b.q = sched.seq_ids, sched.token_ids, sched.num_scheduled_tokens
+        b.ctx, b.tables, b.num_samples = sched.num_computed_tokens, sched.block_tables, sched.num_samples
+        b.num_prefills, b.spec = sched.num_prefills, []
+        return b
+
+    def with_drafts(self, drafts: Drafts) -> _Batch:
+        """Drafted decodes score their token and k drafts in one pass: k + 1 query tokens each,
+        so they join the prefills (after them, in order); they sample through their spec rows."""
+        n = self.num_prefills
+        first_decode_token = sum(self.q[:n])
+        drafted = [i for i in range(n, len(self.seq_ids)) if self.seq_ids[i] in drafts]
+        rest = [i for i in range(n, len(self.seq_ids)) if self.seq_ids[i] not in drafts]
+        order = list(range(n)) + drafted + rest
+        b = _Batch()
+        b.seq_ids = [self.seq_ids[i] for i in order]
+        b.ctx = [self.ctx[i] for i in order]
+        b.tables = [self.tables[i] for i in order]
+        b.num_samples = [self.num_samples[i] for i in range(n)] + [0] * len(drafted) + [
+            self.num_samples[i] for i in rest]
+        b.token_ids, b.q, b.spec = self.token_ids[:first_decode_token], self.q[:n], []
+        for j, i in enumerate(drafted):
+            tokens, probs = drafts[self.seq_ids[i]]
+            b.token_ids.append(self.token_ids[first_decode_token + i - n])
+            b.token_ids += tokens
+            b.q.append(1 + len(tokens))
+            b.spec.append((n + j, self.seq_ids[i], tokens, probs))
+        b.token_ids += [self.token_ids[first_decode_token + i - n] for i in rest]
+        b.q += [1] * len(rest)
+        b.num_prefills = n + len(drafted)
+        return b

@@ -1,30 +1,20 @@
-"""The plain data that crosses the worker boundary once per step.
-
-`ExecuteModelRequest` goes from the engine to the driver worker (it holds sequence objects
-and never leaves the driver). `WorkerInput` and `ModelInput` are what every rank needs;
-they flatten into one dict of tensors and plain values for the per-step broadcast.
+"""What every rank needs for one step, built by the driver from the scheduler's plain data
+(`SchedulerOutput`, omniinfer/step.py): `WorkerInput` (cache operations) and `ModelInput`
+(tokens, positions, the backend's metadata). They flatten into one dict of tensors and plain
+values for the per-step broadcast.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from omniinfer.attention.backend import AttentionMetadata
-from omniinfer.engine.scheduler import ScheduledSeq
+from omniinfer.attention.common import CommonAttentionMetadata
 from omniinfer.sampling.metadata import SamplingMetadata
-
-
-@dataclass(slots=True)
-class ExecuteModelRequest:
-    scheduled: list[ScheduledSeq]
-    block_tables: dict[int, list[int]]  # seq_id -> device block ids
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    num_steps: int = 1  # decode steps to run back to back (every sequence a plain decode)
+from omniinfer.step import SchedulerOutput
 
 
 def _pairs(pairs: list[tuple[int, int]]) -> torch.Tensor:
@@ -45,9 +35,9 @@ class WorkerInput:
         return cls(empty, empty, empty)
 
     @classmethod
-    def from_request(cls, request: ExecuteModelRequest) -> WorkerInput:
-        return cls(_pairs(request.blocks_to_swap_in), _pairs(request.blocks_to_swap_out),
-                   _pairs(request.blocks_to_copy))
+    def from_schedule(cls, sched: SchedulerOutput) -> WorkerInput:
+        return cls(_pairs(sched.blocks_to_swap_in), _pairs(sched.blocks_to_swap_out),
+                   _pairs(sched.blocks_to_copy))
 
     def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
         return {f"worker.{f.name}": getattr(self, f.name) for f in fields(self)}
@@ -66,6 +56,7 @@ class ModelInput:
     attn_metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_logit_rows] int64: token rows that need logits
     sampling_metadata: SamplingMetadata | None = None  # driver only; never broadcast
+    common: CommonAttentionMetadata | None = None  # driver only: what attn_metadata was built from
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +69,7 @@ class ModelInput:
             attn_metadata=self.attn_metadata.to(device),
             logits_indices=self.logits_indices.to(device, non_blocking=True),
             sampling_metadata=self.sampling_metadata,
+            common=self.common,
         )
 
     def as_broadcastable_tensor_dict(self) -> dict[str, Any]:

@@ -1,6 +1,7 @@
-"""Workers: one per rank. The driver (rank 0) prepares each step on the CPU and, when there
-are other ranks, broadcasts it to them in ONE tensor dict; every rank then runs the
-same cache operations and forward pass on its own device."""
+"""Workers: one per rank. The driver (rank 0) turns the scheduler's plain data into the step's
+tensors on the CPU and, when there are other ranks, broadcasts them in ONE tensor dict; every
+rank then runs the same cache operations and forward pass on its own device. The driver also
+samples, and drafts tokens with a draft model when speculative decoding is on."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from omniinfer.distributed import parallel_state as ps
 from omniinfer.distributed.communication import broadcast_tensor_dict
 from omniinfer.logger import init_logger
 from omniinfer.models.intermediate import IntermediateTensors
-from omniinfer.sampling.sampler import SamplerOutput
+from omniinfer.step import ModelRunnerOutput, SchedulerOutput
 from omniinfer.worker.cache_engine import CacheEngine, block_bytes
-from omniinfer.worker.model_input import ExecuteModelRequest, ModelInput, WorkerInput
+from omniinfer.worker.model_input import ModelInput, WorkerInput
 
 logger = init_logger(__name__)
 
@@ -28,9 +29,7 @@ class LocalOrDistributedWorkerBase:
     device: torch.device
     model_runner: object
     cache_engine: CacheEngine | None
-
-    def prepare_worker_input(self, request: ExecuteModelRequest) -> WorkerInput:
-        return WorkerInput.from_request(request)
+    proposer: object = None  # the driver's DraftProposer (speculative decoding)
 
     def execute_worker(self, worker_input: WorkerInput) -> None:
         """Cache operations before the forward pass: swap out, copy-on-write, swap in (in that
@@ -42,28 +41,34 @@ class LocalOrDistributedWorkerBase:
         if worker_input.blocks_to_swap_in.numel():
             self.cache_engine.swap_in(worker_input.blocks_to_swap_in)
 
-    def execute_model(self, request: ExecuteModelRequest) -> list[SamplerOutput]:
+    def execute_model(self, sched: SchedulerOutput) -> list[ModelRunnerOutput]:
         """Driver only: prepare the step on the CPU, broadcast it once (world size > 1), run
-        this rank's part, sample. With `request.num_steps` > 1 (plain decodes only) the later
-        steps' inputs are built at once (`decode_step_inputs`), each takes the tokens the step
-        before sampled, and each is broadcast and run like any other step. One SamplerOutput
-        per step. A step whose every sequence takes its plain greedy token (one rank) gets its tokens
-        straight from the LM head (`ModelRunner.tokens_from_lm_head`), with no logits."""
-        worker_input = self.prepare_worker_input(request)
-        runner = self.model_runner
-        model_input = runner.prepare_model_input(request.scheduled, request.block_tables)
-        inputs = runner.decode_step_inputs(model_input, request.num_steps)
-        outputs = []
+        this rank's part, sample; one ModelRunnerOutput per step. With `sched.num_steps` > 1
+        (plain decodes only) the later steps' inputs are built at once (`decode_step_inputs`),
+        each takes the tokens the step before sampled, and each is broadcast and run like any
+        other step. A step whose every sequence takes its plain greedy token (one rank) gets its
+        tokens straight from the LM head (`ModelRunner.tokens_from_lm_head`), with no logits."""
+        runner, proposer = self.model_runner, self.proposer
+        for seq_id in runner.update_states(sched):  # finished, or preempted: held state is stale
+            if proposer is not None:
+                proposer.forget(seq_id)
+        drafts = None if proposer is None else proposer.propose(sched, runner.states)
+        worker_input = WorkerInput.from_schedule(sched)
+        inputs = runner.decode_step_inputs(runner.prepare_model_input(sched, drafts), sched.num_steps)
+        outputs, tokens = [], None
         for step, model_input in enumerate(inputs):
             if step:  # plain decodes draw one token each: the sampler hands them over as a tensor
-                model_input.input_tokens = outputs[-1].token_ids
+                model_input.input_tokens = tokens
                 worker_input = WorkerInput.nothing()  # the cache operations ran with step 0
             if self.world_size > 1:
                 broadcast_tensor_dict({**worker_input.as_broadcastable_tensor_dict(),
                                        **model_input.as_broadcastable_tensor_dict()}, src=0)
             greedy = runner.tokens_from_lm_head(model_input)
             out = self.run_step(worker_input, model_input, greedy_tokens=greedy)  # tokens or logits
-            outputs.append(runner.sample_tokens(out, model_input) if greedy else runner.sample(out, model_input))
+            output, tokens = runner.sample(out, model_input, greedy)
+            outputs.append(output)
+        if proposer is not None:
+            proposer.after_step(outputs[0])
         return outputs
 
     def receive_step(self) -> tuple[WorkerInput, ModelInput] | None:
@@ -145,10 +150,17 @@ class Worker(LocalOrDistributedWorkerBase):
             self.owns_process_groups = True
             ps.initialize_model_parallel(p.tensor_parallel_size, p.pipeline_parallel_size)
         self.model_runner = self.platform.model_runner_cls()(
-            self.config, self.attn_backend, self.device, is_driver=self.is_driver)
+            self.config, self.attn_backend, self.device, is_driver=self.is_driver,
+            platform=self.platform)
 
     def load_model(self, progress: bool = True) -> None:
         self.model_runner.load_model(progress=progress)
+        if self.config.speculative is not None and self.is_driver:
+            from omniinfer.attention.selector import backend_for_model
+            from omniinfer.spec_decode.proposer import DraftProposer
+
+            backend = backend_for_model(self.platform, self.config.speculative.draft, self.config)
+            self.proposer = DraftProposer(self.config, self.platform, backend, self.device, progress)
 
     @property
     def num_local_kv_heads(self) -> int:
@@ -184,6 +196,8 @@ class Worker(LocalOrDistributedWorkerBase):
             self.attn_backend, self.model_runner.num_local_layers, num_device_blocks,
             num_host_blocks, self.config.cache.block_size, self.num_local_kv_heads, m.head_size,
             m.dtype, self.device, pin_memory=self.platform.pin_memory_available())
+        if self.proposer is not None:
+            self.proposer.initialize_cache(num_device_blocks)
 
     def shutdown(self) -> None:
         """Leave the process groups (this process may start another engine afterwards)."""

@@ -6,8 +6,9 @@ checks and a ctypes call: ~4 ms of a ~30 ms bfloat16 token of the medium benchma
 the memory bus idles. The stack makes the same kernel calls, in the same order, on the same
 rows, from C: the result is bit for bit the layers' (tests/plugins/cpu/test_decoder_stack.py).
 
-Built when every layer is one this plugin computes end to end (CPU_PAGED attention, the CPU
-linear method with its compiled kernel, the compiled layer ops, one dtype); a step is served when
+Built by the plugin's model transform (transform.py) when every layer is one this plugin computes
+end to end (CPU_PAGED attention, the CPU linear method with its compiled kernel, the compiled
+layer ops, one dtype); a step is served when
 its rows go to the kernel (`kernel_rows`; the products read the weights' coded copies where
 there are) or every product has a weight packed for `omni_gemm`.
 Otherwise the model runs its layers as before. `OMNIINFER_CPU_DECODER_STACK=0` turns it off.
@@ -21,7 +22,7 @@ import os
 import torch
 
 from omniinfer.models.layers.decoder_stack import DecoderLayerSpec
-from omniinfer_cpu.attention.paged import CpuPagedImpl, kernel_metadata
+from omniinfer_cpu.attention.paged import kernel_metadata
 from omniinfer_cpu.layer_ops import CpuLayerOps
 from omniinfer_cpu.linear import DTYPE_CODES, CpuLinearMethod
 
@@ -44,8 +45,8 @@ def _products(spec: DecoderLayerSpec):
     return {"qkv": spec.qkv_proj, "o": spec.o_proj, "gate_up": spec.gate_up_proj, "down": spec.down_proj}
 
 
-def unsupported(kernels, specs: list[DecoderLayerSpec]) -> str | None:
-    """Why these layers cannot be one stack, or None."""
+def unsupported(kernels, specs: list[DecoderLayerSpec], attention: str) -> str | None:
+    """Why these layers cannot be one stack, or None (`attention`: the backend's name)."""
     if os.environ.get(ENV_STACK, "1").strip() == "0":
         return f"switched off ({ENV_STACK}=0)"
     if kernels is None:
@@ -53,9 +54,9 @@ def unsupported(kernels, specs: list[DecoderLayerSpec]) -> str | None:
     dtype = specs[0].qkv_proj.weight.dtype
     if dtype not in DTYPE_CODES:
         return f"dtype {dtype}"
+    if attention != "CPU_PAGED":  # the stack calls CPU_PAGED's kernel on its cache layout
+        return f"attention is {attention}, not CPU_PAGED"
     for spec in specs:
-        if not isinstance(spec.attn.impl, CpuPagedImpl):
-            return f"attention is {type(spec.attn.impl).__name__}, not CPU_PAGED"
         ops = (spec.input_norm.ops, spec.post_norm.ops, spec.rotary.ops, spec.gate_up_proj.silu_and_mul.ops)
         if not all(isinstance(op, CpuLayerOps) for op in ops):
             return "a layer op is not the compiled one"
@@ -69,7 +70,7 @@ def unsupported(kernels, specs: list[DecoderLayerSpec]) -> str | None:
             return "the layers' tensors differ in dtype"
         if spec.rotary.cos.dtype != torch.float32:
             return "the rotary table is not float32"
-    if len({layer.linear_method.layer_kernel_rows(layer) for spec in specs
+    if len({layer.linear_method.layer_kernel_rows for spec in specs
             for layer in _products(spec).values()}) != 1:
         return "the linear layers differ in how many rows go to the kernel"
     return None
@@ -80,10 +81,10 @@ class CpuDecoderStack:
         self.kernels = kernels
         self.specs = specs
         self.dtype = specs[0].qkv_proj.weight.dtype
-        products = [layer for spec in specs for layer in _products(spec).values()]
-        self.kernel_rows = products[0].linear_method.layer_kernel_rows(products[0])
+        methods = [layer.linear_method for spec in specs for layer in _products(spec).values()]
+        self.kernel_rows = methods[0].layer_kernel_rows
         # more rows: omni_gemm, which needs every product packed for it
-        self.has_gemm = all(getattr(layer, "gemm_weight", None) is not None for layer in products)
+        self.has_gemm = all(m.gemm_weight is not None for m in methods)
         s = specs[0]
         self.hidden = s.qkv_proj.weight.shape[1]
         inter = s.down_proj.weight.shape[1]
@@ -101,8 +102,8 @@ class CpuDecoderStack:
                    "cos": spec.rotary.cos, "sin": spec.rotary.sin}
             for name, layer in _products(spec).items():
                 ptr[name], ptr[name + "_bias"] = layer.weight, layer.bias
-                ptr[name + "_packed"] = getattr(layer, "gemm_weight", None)
-                ptr[name + "_ec"] = getattr(layer, "ec_weight", None)
+                ptr[name + "_packed"] = layer.linear_method.gemm_weight  # the method's copies
+                ptr[name + "_ec"] = layer.linear_method.ec_weight
             for name, t in ptr.items():
                 assert t is None or t.is_contiguous(), name
                 setattr(struct, name, None if t is None else t.data_ptr())

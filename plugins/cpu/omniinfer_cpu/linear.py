@@ -25,6 +25,9 @@ The packed copy costs the weight's bytes again (the [out, in] weight stays: the 
 tied embedding read it), so it and the coded copy are made only while all the copies fit in a
 quarter of the memory available at load (`OMNIINFER_CPU_PACK_WEIGHTS=0/1` forces it off/on);
 without it the kernel serves up to `max_rows` rows and `F.linear` the rest.
+
+Each layer gets its own `CpuLinearMethod`, which holds that layer's copies: the layer itself
+keeps only its parameters (the model-transform contract, models/transform.py).
 """
 
 from __future__ import annotations
@@ -64,7 +67,13 @@ def onednn_pack(weight: torch.Tensor) -> tuple[torch.Tensor | None, str | None]:
         return None, f"oneDNN could not reorder the weight ({e})"
 
 
+_warned = False  # oneDNN's packing failed once: said once
+
+
 class CpuLinearMethod(LinearMethod):
+    """One layer's products, and that layer's copies of its weight (made by
+    `process_weights_after_loading`: packed for omni_gemm or oneDNN, coded, int8)."""
+
     def __init__(self, kernels, pack: bool = False, max_rows: int = MAX_ROWS):
         self.linear = kernels.linear if kernels is not None else None
         self._kernels = kernels
@@ -74,7 +83,10 @@ class CpuLinearMethod(LinearMethod):
         self.gemm_dtypes = {d for d, code in DTYPE_CODES.items() if use_gemm and kernels.gemm_supported(code)}
         self.pack = pack
         self.max_rows = max_rows
-        self._warned = False
+        self.packed_weight = self.gemm_weight = self.ec_weight = None  # the layer's copies
+        self.q8_weight = self.q8_scale = self.q8_coef = None  # the LM head's int8 copy
+        self.q8_misses = 0
+        self.gemm_gated = False  # a gate_up layer whose product is silu(gate) * up
 
     @property
     def kernel_rows(self) -> int:
@@ -82,42 +94,40 @@ class CpuLinearMethod(LinearMethod):
         return KERNEL_ROWS if self.pack else self.max_rows
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        global _warned
         if not layer.weight.is_contiguous():
             layer.weight.data = layer.weight.data.contiguous()
-        layer.packed_weight = layer.gemm_weight = layer.q8_weight = layer.ec_weight = None
+        self.packed_weight = self.gemm_weight = self.q8_weight = self.ec_weight = None
         if (self.pack and self.linear is not None and layer.weight.dtype in DTYPE_CODES
                 and layer.weight.dim() == 2 and os.environ.get(ENV_EC, "1").strip() != "0"):
             self._ec_pack(layer)
-        layer.gemm_gated = getattr(layer, "silu_and_mul", None) is not None
+        self.gemm_gated = getattr(layer, "silu_and_mul", None) is not None
         if (self.pack and self.linear is not None and isinstance(layer, ParallelLMHead) and layer.tp_size == 1
                 and layer.weight.dtype in DTYPE_CODES and os.environ.get(ENV_Q8, "1").strip() != "0"):
             self._q8_pack(layer)
         if (self.pack and layer.weight.dtype in self.gemm_dtypes and layer.weight.dim() == 2
                 and layer.weight.shape[1] % self.gemm.gemm_k_multiple(DTYPE_CODES[layer.weight.dtype]) == 0):
-            layer.gemm_weight = self._gemm_pack(layer.weight, layer.gemm_gated)
+            self.gemm_weight = self._gemm_pack(layer.weight, self.gemm_gated)
         elif self.pack and layer.weight.dtype in DTYPE_CODES:
-            layer.packed_weight, why = onednn_pack(layer.weight)
-            if why and not self._warned:
-                self._warned = True
+            self.packed_weight, why = onednn_pack(layer.weight)
+            if why and not _warned:
+                _warned = True
                 logger.warning("linear layers use torch's F.linear above %d rows: %s", self.max_rows, why)
 
-    def layer_kernel_rows(self, layer: torch.nn.Module) -> int:
-        """Up to how many rows `apply` runs this layer on the compiled kernel."""
-        return self._kernel_limit(getattr(layer, "packed_weight", None), getattr(layer, "gemm_weight", None))
-
-    def _kernel_limit(self, packed, gemm_weight) -> int:
-        """KERNEL_ROWS where a packed copy serves more rows, else max_rows."""
-        return KERNEL_ROWS if packed is not None or gemm_weight is not None else self.max_rows
+    @property
+    def layer_kernel_rows(self) -> int:
+        """Up to how many rows `apply` runs the layer on the compiled kernel: KERNEL_ROWS where a
+        packed copy serves more rows, else max_rows."""
+        return KERNEL_ROWS if self.packed_weight is not None or self.gemm_weight is not None else self.max_rows
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         weight = layer.weight
         rows = x.shape[0] if x.dim() == 2 else -1
-        packed = getattr(layer, "packed_weight", None)
-        gemm_weight = getattr(layer, "gemm_weight", None)
-        if (0 < rows <= self._kernel_limit(packed, gemm_weight) and self.linear is not None
+        packed, gemm_weight = self.packed_weight, self.gemm_weight
+        if (0 < rows <= self.layer_kernel_rows and self.linear is not None
                 and x.dtype == weight.dtype in DTYPE_CODES):
             return self._kernel(layer, x, bias)
-        if gemm_weight is not None and rows > 0 and x.dtype == weight.dtype and not layer.gemm_gated:
+        if gemm_weight is not None and rows > 0 and x.dtype == weight.dtype and not self.gemm_gated:
             return self._gemm(layer, x, bias)
         if packed is not None and x.dtype == weight.dtype and rows > 0:
             if bias is not None and bias.dtype != x.dtype:
@@ -127,7 +137,7 @@ class CpuLinearMethod(LinearMethod):
 
     def apply_silu_and_mul(self, layer, x, bias, silu_and_mul):
         rows = x.shape[0] if x.dim() == 2 else -1
-        if (getattr(layer, "gemm_weight", None) is not None and layer.gemm_gated
+        if (self.gemm_weight is not None and self.gemm_gated
                 and x.dtype == layer.weight.dtype and rows > 0):
             if rows > KERNEL_ROWS:
                 return self._gemm(layer, x, bias)
@@ -136,18 +146,18 @@ class CpuLinearMethod(LinearMethod):
 
     def apply_argmax(self, layer, x, argmax_rows):
         rows = x.shape[0] if x.dim() == 2 else -1
-        if (getattr(layer, "q8_weight", None) is not None and 0 < rows <= KERNEL_ROWS
+        if (self.q8_weight is not None and 0 < rows <= KERNEL_ROWS
                 and x.dtype == layer.weight.dtype):
             tokens = self._q8_argmax(layer, x)
             if tokens is not None:
                 return tokens
-        if (getattr(layer, "gemm_weight", None) is not None and not layer.gemm_gated
+        if (self.gemm_weight is not None and not self.gemm_gated
                 and rows > KERNEL_ROWS and x.dtype == layer.weight.dtype):
             if x.stride(1) != 1:
                 x = x.contiguous()
             num_out, num_in = layer.weight.shape
             tokens = torch.empty(rows, dtype=torch.int64)
-            if self.gemm.gemm_argmax(x.data_ptr(), x.stride(0), layer.gemm_weight.data_ptr(), None,
+            if self.gemm.gemm_argmax(x.data_ptr(), x.stride(0), self.gemm_weight.data_ptr(), None,
                                      tokens.data_ptr(), rows, num_out, num_in, DTYPE_CODES[x.dtype],
                                      torch.get_num_threads()) == 0:
                 return tokens
@@ -155,12 +165,12 @@ class CpuLinearMethod(LinearMethod):
 
     def _q8_pack(self, layer: torch.nn.Module) -> None:
         num_out, num_in = layer.weight.shape
-        layer.q8_weight = torch.empty(num_out, num_in, dtype=torch.int8)
-        layer.q8_scale = torch.empty(num_out, dtype=torch.float32)
-        layer.q8_coef = torch.empty(2 * num_out, dtype=torch.float32)
-        layer.q8_misses = 0
+        self.q8_weight = torch.empty(num_out, num_in, dtype=torch.int8)
+        self.q8_scale = torch.empty(num_out, dtype=torch.float32)
+        self.q8_coef = torch.empty(2 * num_out, dtype=torch.float32)
+        self.q8_misses = 0
         self._kernels.q8_pack(layer.weight.data_ptr(), num_out, num_in, DTYPE_CODES[layer.weight.dtype],
-                              layer.q8_weight.data_ptr(), layer.q8_scale.data_ptr(), layer.q8_coef.data_ptr(),
+                              self.q8_weight.data_ptr(), self.q8_scale.data_ptr(), self.q8_coef.data_ptr(),
                               torch.get_num_threads())
 
     def _ec_pack(self, layer: torch.nn.Module) -> None:
@@ -175,7 +185,7 @@ class CpuLinearMethod(LinearMethod):
         copy = torch.empty(self._kernels.ec_size(num_out, num_in, dtype, patches), dtype=torch.uint8)
         if self._kernels.ec_pack(layer.weight.data_ptr(), num_out, num_in, dtype, patches, copy.data_ptr(),
                                  threads) == 0:
-            layer.ec_weight = copy
+            self.ec_weight = copy
 
     def _q8_argmax(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """The rows' greedy tokens through the int8 copy, or None (a non-finite input, or too
@@ -185,18 +195,18 @@ class CpuLinearMethod(LinearMethod):
         num_out, num_in = layer.weight.shape
         tokens = torch.empty(x.shape[0], dtype=torch.int64)
         result = self._kernels.linear_argmax_q8(
-            x.data_ptr(), x.stride(0), layer.weight.data_ptr(), layer.q8_weight.data_ptr(),
-            layer.q8_scale.data_ptr(), layer.q8_coef.data_ptr(), tokens.data_ptr(), x.shape[0], num_out,
+            x.data_ptr(), x.stride(0), layer.weight.data_ptr(), self.q8_weight.data_ptr(),
+            self.q8_scale.data_ptr(), self.q8_coef.data_ptr(), tokens.data_ptr(), x.shape[0], num_out,
             num_in, DTYPE_CODES[x.dtype], max(64, num_out // 32), torch.get_num_threads())
         if result == 0:
-            layer.q8_misses = 0
+            self.q8_misses = 0
             return tokens
         if result == -2:  # logits too close together for the bound to pick: a flat model
-            layer.q8_misses += 1
-            if layer.q8_misses >= Q8_MAX_MISSES:
+            self.q8_misses += 1
+            if self.q8_misses >= Q8_MAX_MISSES:
                 logger.info("LM head: the int8 copy left too many candidate rows %d times in a row; "
                             "dropped", Q8_MAX_MISSES)
-                layer.q8_weight = None
+                self.q8_weight = None
         return None
 
     def _gemm_pack(self, weight: torch.Tensor, gated: bool) -> torch.Tensor:
@@ -210,12 +220,12 @@ class CpuLinearMethod(LinearMethod):
         if x.stride(1) != 1:
             x = x.contiguous()
         num_out, num_in = layer.weight.shape
-        out = torch.empty(x.shape[0], num_out // 2 if layer.gemm_gated else num_out, dtype=x.dtype)
+        out = torch.empty(x.shape[0], num_out // 2 if self.gemm_gated else num_out, dtype=x.dtype)
         if bias is not None and bias.dtype != x.dtype:
             bias = bias.to(x.dtype)
-        self.gemm.gemm(x.data_ptr(), x.stride(0), layer.gemm_weight.data_ptr(),
+        self.gemm.gemm(x.data_ptr(), x.stride(0), self.gemm_weight.data_ptr(),
                        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-                       x.shape[0], num_out, num_in, int(layer.gemm_gated), DTYPE_CODES[x.dtype],
+                       x.shape[0], num_out, num_in, int(self.gemm_gated), DTYPE_CODES[x.dtype],
                        torch.get_num_threads())
         return out
 
@@ -223,7 +233,7 @@ class CpuLinearMethod(LinearMethod):
         """omni_linear, or omni_linear_ec on the coded copy (the same result)."""
         if x.stride(1) != 1:
             x = x.contiguous()
-        weight, coded = layer.weight, getattr(layer, "ec_weight", None)
+        weight, coded = layer.weight, self.ec_weight
         rows, num_out = x.shape[0], weight.shape[0]
         out = torch.empty(rows, num_out, dtype=x.dtype)
         if bias is not None and bias.dtype != x.dtype:

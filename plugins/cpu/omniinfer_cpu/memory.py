@@ -25,7 +25,7 @@ logger = init_logger(__name__)
 ENV_HUGE_PAGES = "OMNIINFER_CPU_HUGE_PAGES"  # "0" keeps the weights where torch put them
 HUGE_PAGE = 2 << 20
 MIN_BYTES = 1 << 20  # smaller parameters stay put
-STREAMED_ATTRS = ("q8_weight", "ec_weight")  # module attributes (not parameters) moved too
+STREAMED_ATTRS = ("q8_weight", "ec_weight")  # linear methods' copies (not parameters) moved too
 THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -54,9 +54,9 @@ def _huge_mapping(nbytes: int) -> tuple[mmap.mmap, torch.Tensor]:
 
 
 def move_to_huge_pages(model: torch.nn.Module) -> mmap.mmap | None:
-    """Copy the model's parameters of at least 1 MiB (and the `STREAMED_ATTRS` tensors its modules
-    hold) into one huge-page mapping (each starting on a 4 KiB boundary) and point them at it. Returns the mapping (keep it alive with the model),
-    or None when nothing moved."""
+    """Copy the model's parameters of at least 1 MiB (and the `STREAMED_ATTRS` tensors its layers'
+    linear methods hold) into one huge-page mapping (each starting on a 4 KiB boundary) and point
+    them at it. Returns the mapping (keep it alive with the model), or None when nothing moved."""
     why = huge_pages_unavailable()
     if why:
         logger.debug("weights stay in 4 KiB pages: %s", why)
@@ -64,7 +64,8 @@ def move_to_huge_pages(model: torch.nn.Module) -> mmap.mmap | None:
     params = [p for p in model.parameters() if p.device.type == "cpu"
               and p.numel() * p.element_size() >= MIN_BYTES]
     # big tensors a kernel streams beside the parameters (the LM head's int8 copy, coded copies)
-    streamed = [(m, name) for m in model.modules() for name in STREAMED_ATTRS
+    methods = {id(m.linear_method): m.linear_method for m in model.modules() if hasattr(m, "linear_method")}
+    streamed = [(m, name) for m in methods.values() for name in STREAMED_ATTRS
                 if isinstance(getattr(m, name, None), torch.Tensor)
                 and getattr(m, name).numel() * getattr(m, name).element_size() >= MIN_BYTES]
     tensors = params + [getattr(m, name) for m, name in streamed]
@@ -80,8 +81,8 @@ def move_to_huge_pages(model: torch.nn.Module) -> mmap.mmap | None:
         if i < len(params):
             tensor.data = target
         else:
-            module, name = streamed[i - len(params)]
-            setattr(module, name, target)
+            method, name = streamed[i - len(params)]
+            setattr(method, name, target)
         offset += size
     logger.debug("%d tensors (%.2f GiB) moved to huge pages", len(tensors), sum(sizes) / 2**30)
     return arena

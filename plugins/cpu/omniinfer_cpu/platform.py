@@ -41,10 +41,10 @@ class CpuPlatform(Platform):
         return None  # ranks share the cores (each gets usable_cpus() // world_size threads)
 
     @classmethod
-    def model_runner_cls(cls) -> type:
-        from omniinfer_cpu.model_runner import CpuModelRunner
+    def model_transform(cls, config, attn_backend):
+        from omniinfer_cpu.transform import CpuModelTransform
 
-        return CpuModelRunner
+        return CpuModelTransform(config, attn_backend)
 
     @classmethod
     def kv_cache_memory_bytes(cls, config, model_bytes: int) -> int:

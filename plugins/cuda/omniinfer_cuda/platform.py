@@ -13,6 +13,7 @@ class CudaPlatform(AcceleratorPlatform):
     dist_backend = "nccl"
     attention_backend_preferences = ("FLASH_ATTN", "XFORMERS", "TRITON", "TORCH_SDPA", "REFERENCE")
     supported_dtypes = ("float16", "bfloat16", "float32")
+    supports_graph_capture = True  # decode steps replay CUDA graphs (HIP graphs on ROCm)
     min_triton_capability = (7, 5)  # Triton 3 generates code for sm_75 and newer
 
     @classmethod
@@ -46,11 +47,6 @@ class CudaPlatform(AcceleratorPlatform):
         capability = cls.device_capability()
         return None if capability is None else f"sm_{capability[0]}{capability[1]}"
 
-    @classmethod
-    def model_runner_cls(cls) -> type:
-        from omniinfer_cuda.model_runner import CudaModelRunner
-
-        return CudaModelRunner
 
     @classmethod
     def verify_config(cls, config) -> list[str]:

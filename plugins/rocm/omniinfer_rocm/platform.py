@@ -13,6 +13,7 @@ class RocmPlatform(AcceleratorPlatform):
     dist_backend = "nccl"  # RCCL answers to the nccl backend name
     attention_backend_preferences = ("ROCM_FLASH", "TRITON", "TORCH_SDPA", "REFERENCE")
     supported_dtypes = ("float16", "bfloat16", "float32")
+    supports_graph_capture = True  # decode steps replay CUDA graphs (HIP graphs on ROCm)
 
     @classmethod
     def is_available(cls) -> Availability:
@@ -33,27 +34,14 @@ class RocmPlatform(AcceleratorPlatform):
         return f"hip {torch.version.hip}" if torch.version.hip else ""
 
     @classmethod
-    def model_runner_cls(cls) -> type:
-        from omniinfer_rocm.model_runner import RocmModelRunner
-
-        return RocmModelRunner
-
-    @classmethod
-    def gcn_arch(cls) -> str | None:
-        """e.g. "gfx942" (MI300) for device 0; None when unknown."""
-        import torch
-
-        props = torch.cuda.get_device_properties(0)
-        return getattr(props, "gcnArchName", None)
-
-    @classmethod
     def device_arch(cls) -> str | None:
+        """e.g. "gfx942" (MI300) for device 0; None when unknown."""
         import torch
 
         if not torch.cuda.is_available():
             return None
-        try:
-            arch = cls.gcn_arch()  # "gfx90a:sramecc+:xnack-": the target features follow a colon
+        try:  # "gfx90a:sramecc+:xnack-": the target features follow a colon
+            arch = getattr(torch.cuda.get_device_properties(0), "gcnArchName", None)
         except (AssertionError, RuntimeError):  # no HIP device behind torch after all
             return None
         return arch.split(":")[0] if arch else None

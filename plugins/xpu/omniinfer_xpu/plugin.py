@@ -2,7 +2,7 @@
 
 from omniinfer.platforms.hookspec import hookimpl
 
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "2.0"
 
 
 @hookimpl

@@ -203,7 +203,7 @@ def test_levels_without_the_instructions_make_no_copy(level):
         weight = torch.randn(32, 64).to(dtype)
         assert kernels.ec_count(weight.data_ptr(), 32, 64, DTYPE_CODES[dtype], 1) == -1
         layer, method = linear_layer(weight, kernels)
-        assert layer.ec_weight is None
+        assert layer.linear_method.ec_weight is None
         x = torch.randn(2, 64).to(dtype)
         torch.testing.assert_close(method.apply(layer, x), (x.float() @ weight.float().T).to(dtype),
                                    atol=1e-2, rtol=1e-2)
@@ -226,7 +226,7 @@ def test_which_layers_get_a_copy(monkeypatch, dtype):
     gen = torch.Generator().manual_seed(2)
     weight = (torch.randn(48, 64, generator=gen) * 0.1).to(dtype)
     layer, method = linear_layer(weight)
-    assert layer.ec_weight is not None
+    assert layer.linear_method.ec_weight is not None
     kernels, calls = build.load(), []
 
     class Recording:
@@ -246,15 +246,15 @@ def test_which_layers_get_a_copy(monkeypatch, dtype):
                        DTYPE_CODES[dtype], 1)
         assert same_bits(method.apply(layer, x), y)
     assert calls == [1, 2]
-    assert linear_layer(weight, pack=False)[0].ec_weight is None
-    assert linear_layer(torch.randn(48, 40).to(dtype))[0].ec_weight is None  # width not a multiple of 16 / 32
+    assert linear_layer(weight, pack=False)[0].linear_method.ec_weight is None
+    assert linear_layer(torch.randn(48, 40).to(dtype))[0].linear_method.ec_weight is None  # width not a multiple of 16 / 32
     spread = torch.randn(48, 64, generator=gen) * torch.pow(2.0, torch.randint(-100, 100, (48, 64),
                                                                                generator=gen).float())
     spread = spread.to(dtype)
     assert expected_patches(spread) > EC_MAX_PATCHES * spread.numel()
-    assert linear_layer(spread)[0].ec_weight is None  # too many patches to be worth it
+    assert linear_layer(spread)[0].linear_method.ec_weight is None  # too many patches to be worth it
     monkeypatch.setenv(ENV_EC, "0")
-    assert linear_layer(weight)[0].ec_weight is None
+    assert linear_layer(weight)[0].linear_method.ec_weight is None
 
 
 @pytest.mark.parametrize("name", ["llama", "llama_bf16"])
@@ -274,13 +274,13 @@ def test_in_the_engine(monkeypatch, checkpoint_dir, hf_greedy, name):
     llm = LLM(path, num_kv_blocks=64)
     model = llm.llm_engine.executor.worker.model_runner.model
     linears = [m for m in model.modules() if hasattr(m, "linear_method")]
-    assert linears and all(m.ec_weight is not None for m in linears)
+    assert linears and all(m.linear_method.ec_weight is not None for m in linears)
     stack = model.decoder_stack
     got = run(llm)  # (one and two decoding rows: the stack's products through the copies)
-    assert stack.layers[0].qkv_ec == stack.specs[0].qkv_proj.ec_weight.data_ptr()
+    assert stack.layers[0].qkv_ec == stack.specs[0].qkv_proj.linear_method.ec_weight.data_ptr()
     monkeypatch.setenv(ENV_EC, "0")
     plain = LLM(path, num_kv_blocks=64)
-    assert all(m.ec_weight is None for m in plain.llm_engine.executor.worker.model_runner.model.modules()
+    assert all(m.linear_method.ec_weight is None for m in plain.llm_engine.executor.worker.model_runner.model.modules()
                if hasattr(m, "linear_method"))
     assert run(plain) == got
     if name == "llama":

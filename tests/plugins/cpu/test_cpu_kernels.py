@@ -106,7 +106,7 @@ def test_onednn_packed_weights_match_torch(dtype, rows, monkeypatch):
     bias = torch.randn(300, generator=gen).to(dtype)
     method = CpuLinearMethod(build.load(), pack=True)
     method.process_weights_after_loading(layer)
-    if layer.packed_weight is None:
+    if method.packed_weight is None:
         pytest.skip("oneDNN cannot pack weights here")
     x = torch.randn(rows, 96, generator=gen).to(dtype)
     torch.testing.assert_close(method.apply(layer, x, bias).float(),
@@ -125,7 +125,7 @@ def test_gemm_matches_torch(isa_level, rows, k, n, dtype):
     method = CpuLinearMethod(build.load(), pack=True)
     method.process_weights_after_loading(layer)
     odd = dtype == torch.bfloat16 and k % isa_level.gemm_k_multiple(1) != 0
-    assert (layer.gemm_weight is None) == odd and (layer.packed_weight is None) != odd
+    assert (method.gemm_weight is None) == odd and (method.packed_weight is None) != odd
     x = torch.randn(rows, k + 16, generator=gen).to(dtype)[:, 8:8 + k]
     bias = torch.randn(n, generator=gen).to(dtype)
     for b in (None, bias):
@@ -149,15 +149,15 @@ def test_gemm_gated_writes_silu_and_mul(isa_level, rows, inter, dtype):
     act.ops = CpuLayerOps(build.load())
     gated, plain = _Layer(weight), _Layer(weight)
     gated.silu_and_mul = act
-    method = CpuLinearMethod(build.load(), pack=True)
-    for layer in (gated, plain):
-        method.process_weights_after_loading(layer)
-    assert gated.gemm_gated and not plain.gemm_gated
+    method, plain_method = CpuLinearMethod(build.load(), pack=True), CpuLinearMethod(build.load(), pack=True)
+    method.process_weights_after_loading(gated)  # (each layer's method holds its own copies)
+    plain_method.process_weights_after_loading(plain)
+    assert method.gemm_gated and not plain_method.gemm_gated
     x = torch.randn(rows, 64, generator=gen).to(dtype)
     for b in (None, bias):
         got = method.apply_silu_and_mul(gated, x, b, act)
         assert got.shape == (rows, inter)
-        want = act(method.apply(plain, x, b))
+        want = act(plain_method.apply(plain, x, b))
         if inter % 16 == 0:  # bit for bit
             bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
             assert torch.equal(got.view(bits), want.view(bits))
@@ -251,9 +251,11 @@ def test_engine_bf16_products_on_omni_gemm(isa_level, checkpoint_dir, hf_logprob
     model = llm.llm_engine.executor.worker.model_runner.model
     model.decoder_stack = None  # the layers one by one, through the linear method (the stack: its own test)
     assert llm.llm_engine.config.model.dtype == torch.bfloat16
-    method = next(m.linear_method for m in model.modules() if hasattr(m, "linear_method"))
-    method.gemm = Recording(method.gemm, "gemm", lambda args: (args[6], args[9]))  # rows, gated
-    calls = method.gemm.calls
+    methods = [m.linear_method for m in model.modules() if hasattr(m, "linear_method")]
+    gemm = Recording(methods[0].gemm, "gemm", lambda args: (args[6], args[9]))  # rows, gated
+    for method in methods:
+        method.gemm = gemm
+    calls = gemm.calls
     prompts = [list(range(5 + i, 25 + 3 * i)) for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -332,8 +334,9 @@ def test_engine_runs_on_the_kernels(isa_level, checkpoint_dir, hf_greedy):
     methods = [m.linear_method for m in model.modules() if hasattr(m, "linear_method")]
     assert len(methods) == 2 * 4 + 1 and all(isinstance(m, CpuLinearMethod) for m in methods)
     assert isinstance(model.decoder_stack, CpuDecoderStack)  # the layers in one compiled call
-    methods[0]._kernels = Recording(methods[0]._kernels, "linear_argmax_q8", lambda args: args[7])  # rows
-    calls = methods[0]._kernels.calls
+    head = model.lm_head.linear_method
+    head._kernels = Recording(head._kernels, "linear_argmax_q8", lambda args: args[7])  # rows
+    calls = head._kernels.calls
     prompts = [[5, 6, 7], list(range(10, 45))]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -372,8 +375,9 @@ def test_kernels_switched_off_fall_back_to_torch(kernels_off, checkpoint_dir, hf
     path = checkpoint_dir("llama")
     llm = LLM(path, num_kv_blocks=64)
     model = llm.llm_engine.executor.worker.model_runner.model
-    methods = {m.linear_method for m in model.modules() if hasattr(m, "linear_method")}
-    assert len(methods) == 1 and all(m.linear is None for m in methods)  # oneDNN packing only
+    methods = [m.linear_method for m in model.modules() if hasattr(m, "linear_method")]
+    assert methods and all(isinstance(m, CpuLinearMethod) and m.linear is None
+                           for m in methods)  # oneDNN packing only
     prompt = [5, 6, 7, 8]
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6,
                                                                      ignore_eos=True), use_tqdm=False)
@@ -495,15 +499,17 @@ def test_weights_in_huge_pages(monkeypatch, checkpoint_dir, hf_greedy):
     path = checkpoint_dir("llama_tied")
     llm = LLM(path, num_kv_blocks=64)
     runner = llm.llm_engine.executor.worker.model_runner
-    start = torch.frombuffer(runner._weight_arena, dtype=torch.uint8).data_ptr()
+    arena = runner.transform.weight_arena  # the plugin's transform keeps the mapping alive
+    start = torch.frombuffer(arena, dtype=torch.uint8).data_ptr()
     for name, param in runner.model.named_parameters():
-        assert start <= param.data_ptr() < start + len(runner._weight_arena), name
-    q8 = runner.model.lm_head.q8_weight  # the int8 copy the greedy LM head streams, too
-    assert q8 is not None and start <= q8.data_ptr() < start + len(runner._weight_arena)
-    coded = [m.ec_weight for m in runner.model.modules() if getattr(m, "ec_weight", None) is not None]
+        assert start <= param.data_ptr() < start + len(arena), name
+    q8 = runner.model.lm_head.linear_method.q8_weight  # the int8 copy the greedy LM head streams, too
+    assert q8 is not None and start <= q8.data_ptr() < start + len(arena)
+    coded = [m.linear_method.ec_weight for m in runner.model.modules()
+             if hasattr(m, "linear_method") and m.linear_method.ec_weight is not None]
     kernels = build.load()
     assert coded or kernels is None or not kernels.ec_supported(0)  # and the weights' coded copies
-    assert all(start <= c.data_ptr() < start + len(runner._weight_arena) for c in coded)
+    assert all(start <= c.data_ptr() < start + len(arena) for c in coded)
     prompt = [9, 8, 7, 6, 5]
     out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=6,
                                                                      ignore_eos=True), use_tqdm=False)

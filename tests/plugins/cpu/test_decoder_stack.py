@@ -119,7 +119,7 @@ def test_what_the_stack_leaves_to_the_model(monkeypatch, checkpoint_dir, hf_gree
     llm = LLM(path, num_kv_blocks=64, **kwargs)
     model = model_of(llm)
     specs = model.decoder_layer_specs()
-    reason = unsupported(build.load(), specs)
+    reason = unsupported(build.load(), specs, llm.llm_engine.attn_backend.name)
     if why == "tensor parallel":
         assert reason is None and model.decoder_stack is not None
         monkeypatch.setattr(ps, "get_tp_size", lambda: 2)
@@ -127,7 +127,7 @@ def test_what_the_stack_leaves_to_the_model(monkeypatch, checkpoint_dir, hf_gree
         return
     assert model.decoder_stack is None
     assert reason == {"switched off": f"switched off ({ENV_STACK}=0)",
-                      "TORCH_SDPA": "attention is TorchSDPAImpl, not CPU_PAGED"}[why]
+                      "TORCH_SDPA": "attention is TORCH_SDPA, not CPU_PAGED"}[why]
     out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=5,
                                                                        ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(path, PROMPTS[0], 5)

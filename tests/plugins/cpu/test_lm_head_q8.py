@@ -30,8 +30,8 @@ def q8_tokens(kernels, head, x, threads, max_candidates=1 << 30):
     """(result code, tokens) of omni_linear_argmax_q8 itself."""
     num_out, num_in = head.weight.shape
     out = torch.full((x.shape[0],), -7, dtype=torch.int64)
-    rc = kernels.linear_argmax_q8(x.data_ptr(), x.stride(0), head.weight.data_ptr(), head.q8_weight.data_ptr(),
-                                  head.q8_scale.data_ptr(), head.q8_coef.data_ptr(), out.data_ptr(), x.shape[0],
+    rc = kernels.linear_argmax_q8(x.data_ptr(), x.stride(0), head.weight.data_ptr(), head.linear_method.q8_weight.data_ptr(),
+                                  head.linear_method.q8_scale.data_ptr(), head.linear_method.q8_coef.data_ptr(), out.data_ptr(), x.shape[0],
                                   num_out, num_in, DTYPE_CODES[x.dtype], max_candidates, threads)
     return rc, out
 
@@ -103,9 +103,9 @@ def test_an_input_along_a_rows_quantization_error(isa_level):
     weight[100] = torch.randn(num_in, generator=gen)  # row A
     head, _ = lm_head(weight.clone())
     w_a = weight[100].double()
-    err = w_a - head.q8_scale[100].double() * head.q8_weight[100].double()
+    err = w_a - head.linear_method.q8_scale[100].double() * head.linear_method.q8_weight[100].double()
     x = (err / err.norm() + 0.5 * w_a / w_a.norm()).float()
-    approx = head.q8_scale[100].double() * (head.q8_weight[100].double() @ x.double())
+    approx = head.linear_method.q8_scale[100].double() * (head.linear_method.q8_weight[100].double() @ x.double())
     exact = w_a @ x.double()
     assert exact - approx > 0.85 * err.norm() * x.double().norm()  # the error near its bound
     q_b = torch.round(127 * x / x.abs().max()).double()  # row B: a scale times integers
@@ -132,18 +132,19 @@ def test_what_goes_back_to_the_logits(isa_level, dtype):
     x = torch.randn(2, 64, generator=gen).to(dtype)
     assert q8_tokens(kernels, flat, x, 1, max_candidates=100)[0] == -2
     for _ in range(Q8_MAX_MISSES):
-        assert flat.q8_weight is not None
+        assert flat.linear_method.q8_weight is not None
         assert flat_method.apply_argmax(flat, x, argmax_rows).tolist() == [0, 0]
-    assert flat.q8_weight is None
+    assert flat.linear_method.q8_weight is None
 
 
 def test_switched_off_and_only_for_the_lm_head(monkeypatch, checkpoint_dir):
     llm = LLM(checkpoint_dir("llama"), num_kv_blocks=64)
     model = llm.llm_engine.executor.worker.model_runner.model
-    assert model.lm_head.q8_weight is not None
-    assert all(getattr(m, "q8_weight", None) is None for name, m in model.named_modules() if name != "lm_head")
+    assert model.lm_head.linear_method.q8_weight is not None
+    assert all(m.linear_method.q8_weight is None for name, m in model.named_modules()
+               if hasattr(m, "linear_method") and name != "lm_head")
     monkeypatch.setenv(ENV_Q8, "0")
     llm = LLM(checkpoint_dir("llama"), num_kv_blocks=64)
-    assert llm.llm_engine.executor.worker.model_runner.model.lm_head.q8_weight is None
+    assert llm.llm_engine.executor.worker.model_runner.model.lm_head.linear_method.q8_weight is None
     out = llm.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3

@@ -10,15 +10,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from omniinfer.attention.backend import AttentionSpec
-from omniinfer.attention.common import PrefillKeySlotsMetadataBuilder
+from omniinfer.attention.backend import AttentionSpec, PrefillKeySlotsMetadataBuilder
+from omniinfer.attention.common import common_for
 from omniinfer.attention.selector import select_attention_backend
 from omniinfer.platforms.registry import PluginRegistry
 from omniinfer.testing.conformance.cases import Case, assert_matches_reference, run_case
-from omniinfer.worker.graph_runner import GraphRunnerMixin
+from omniinfer.worker.model_runner import ModelRunner
 from omniinfer_cuda.attention.flash_attn import FlashAttentionBackend, FlashAttentionMetadataBuilder
 from omniinfer_cuda.attention.xformers import XFormersBackend, prefill_bias
-from omniinfer_cuda.model_runner import CudaModelRunner
 from omniinfer_cuda.platform import CudaPlatform
 
 MIXED = ((0, 9), (13, 6), (32, 1), (5, 1), (17, 1))
@@ -74,8 +73,8 @@ def select(registry, spec, platform="cuda"):
 def test_the_plugin_provides_its_backends_and_runner(registry):
     assert registry.backends["FLASH_ATTN"] is FlashAttentionBackend
     assert registry.backends["XFORMERS"] is XFormersBackend
-    assert CudaPlatform.model_runner_cls() is CudaModelRunner
-    assert issubclass(CudaModelRunner, GraphRunnerMixin)
+    assert CudaPlatform.model_runner_cls() is ModelRunner  # the core's, replaying graphs:
+    assert CudaPlatform.supports_graph_capture
     assert CudaPlatform.attention_backend_preferences[:4] == ("FLASH_ATTN", "XFORMERS", "TRITON",
                                                               "TORCH_SDPA")
 
@@ -162,10 +161,9 @@ BATCH = [(0, 3, [5], True), (16, 2, [2, 7], True), (20, 1, [1, 3], False)]
 
 
 def _build(builder_cls):
-    builder = builder_cls(16)
-    for ctx, q, table, is_prefill in BATCH:
-        builder.add_seq(context_len=ctx, query_len=q, block_table=table, is_prefill=is_prefill)
-    return builder.build()
+    common = common_for([(ctx, q, table) for ctx, q, table, _ in BATCH], 16,
+                        builder_cls.needs_prefill_key_slots)
+    return builder_cls(16).build(common)
 
 
 def test_flash_attn_builder_matches_the_varlen_contract():
@@ -252,7 +250,8 @@ def test_contract_xformers(fake_xformers, case):
 @pytest.mark.parametrize("check", ["test_common_fields", "test_prefill_and_decode_parts",
                                    "test_single_stage_batches_are_their_own_part",
                                    "test_moves_and_round_trips", "test_multi_step_decode_metadata",
-                                   "test_advance_built_decode_metadata"])
+                                   "test_advance_built_decode_metadata",
+                                   "test_builds_from_the_common_description"])
 def test_builder_invariants_of_the_conformance_kit(backend, check):
     """The kit's builder checks, run here on builders whose backends need a GPU to be runnable."""
     from omniinfer.testing.conformance import test_metadata

@@ -13,9 +13,8 @@ from omniinfer.attention.backend import AttentionSpec
 from omniinfer.attention.selector import select_attention_backend
 from omniinfer.platforms.registry import PluginRegistry
 from omniinfer.testing.conformance.cases import Case, assert_matches_reference, run_case
-from omniinfer.worker.graph_runner import GraphRunnerMixin
+from omniinfer.worker.model_runner import ModelRunner
 from omniinfer_rocm.attention.rocm_flash import RocmFlashBackend
-from omniinfer_rocm.model_runner import RocmModelRunner
 from omniinfer_rocm.platform import RocmPlatform
 
 MIXED = ((0, 9), (13, 6), (32, 1), (5, 1), (17, 1))
@@ -57,9 +56,8 @@ def test_rocm_flash_refusals(monkeypatch):
     ]
 
 
-def test_the_runner_replays_hip_graphs():
-    assert RocmPlatform.model_runner_cls() is RocmModelRunner
-    assert issubclass(RocmModelRunner, GraphRunnerMixin)
+def test_the_core_runner_replays_hip_graphs():
+    assert RocmPlatform.model_runner_cls() is ModelRunner and RocmPlatform.supports_graph_capture
 
 
 @pytest.mark.parametrize("case", [Case("mixed", MIXED), Case("chunked", CHUNKED, block_size=32),
@@ -80,7 +78,8 @@ def test_triton_prefill_without_ck(no_flash_attn, case):
 @pytest.mark.parametrize("check", ["test_common_fields", "test_prefill_and_decode_parts",
                                    "test_single_stage_batches_are_their_own_part",
                                    "test_moves_and_round_trips", "test_multi_step_decode_metadata",
-                                   "test_advance_built_decode_metadata"])
+                                   "test_advance_built_decode_metadata",
+                                   "test_builds_from_the_common_description"])
 def test_builder_invariants_of_the_conformance_kit(check):
     from omniinfer.testing.conformance import test_metadata
 

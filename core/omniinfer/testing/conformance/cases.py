@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omniinfer.attention.backend import AttentionBackend, AttentionMetadata
+from omniinfer.attention.common import CommonAttentionMetadata, common_for
 from omniinfer.attention.reference import ReferenceBackend
 
 TOLERANCE = {torch.float32: 2e-4, torch.float16: 3e-3, torch.bfloat16: 2e-2}
@@ -69,14 +70,20 @@ def _tables(case: Case, rng: random.Random) -> tuple[list[list[int]], int]:
     return tables, num_blocks
 
 
+def build_common_metadata(backend: type[AttentionBackend], case: Case, steps: list[tuple[int, int]],
+                          tables: list[list[int]]) -> CommonAttentionMetadata:
+    """The step's vendor-neutral description, as the input builder makes it for this backend:
+    `steps` is (context_len, query_len) per sequence, in batch order."""
+    needs_key_slots = backend.get_builder_cls().needs_prefill_key_slots
+    return common_for([(ctx, q, table) for (ctx, q), table in zip(steps, tables)], case.block_size,
+                      needs_key_slots)
+
+
 def build_metadata(backend: type[AttentionBackend], case: Case, steps: list[tuple[int, int]],
                    tables: list[list[int]]) -> AttentionMetadata:
-    """The backend's metadata for `steps` ((context_len, query_len) per sequence, in order)."""
+    """The backend's metadata for `steps`: its builder's one call on the common description."""
     builder = backend.get_builder_cls()(case.block_size, case.sliding_window)
-    for (ctx, q), table in zip(steps, tables):
-        builder.add_seq(context_len=ctx, query_len=q, block_table=table,
-                        is_prefill=not (ctx > 0 and q == 1))
-    return builder.build()
+    return builder.build(build_common_metadata(backend, case, steps, tables))
 
 
 def _impl(backend: type[AttentionBackend], case: Case):

@@ -1,4 +1,5 @@
-"""Metadata builder invariants every backend's builder must keep."""
+"""Metadata builder invariants every backend's builder must keep: from the step's
+CommonAttentionMetadata, in one `build(common)` call (plugin API 2)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import torch
 
 from omniinfer.attention.common import slot_mapping_for
-from omniinfer.testing.conformance.cases import Case, build_metadata
+from omniinfer.testing.conformance.cases import Case, build_common_metadata, build_metadata
 
 CASE = Case("mixed", ((0, 9), (13, 6), (0, 1), (32, 1), (5, 1)), block_size=8)
 TABLES = [[7, 2], [0, 5, 9], [11], [3, 4, 6, 8, 12], [1]]
@@ -80,23 +81,39 @@ def _assert_same(got, expected) -> None:
 
 
 def test_multi_step_decode_metadata(conformance, conformance_backend):
-    """next_decode_step / advance_step (speculative drafting) give what the builder would."""
+    """The common description advanced one token (`next_decode_step`: speculative drafting,
+    multi-step decoding), built by the backend, gives what the builder gives for that batch
+    described anew; twice in a row."""
     backend = conformance.backend(conformance_backend)
     seqs = [(0, 9), (13, 6), (32, 1), (5, 1)]
     tables = [[7, 2], [0, 5, 9], [3, 4, 6, 8, 12], [1]]
-    step = build_metadata(backend, CASE, seqs, tables).next_decode_step(CASE.block_size)
-    _assert_same(step, build_metadata(backend, CASE, [(c + q, 1) for c, q in seqs], tables))
-    step.advance_step(torch.tensor([c + q + 1 for c, q in seqs]), CASE.block_size)
-    _assert_same(step, build_metadata(backend, CASE, [(c + q + 1, 1) for c, q in seqs], tables))
+    builder = backend.get_builder_cls()(CASE.block_size)
+    step = build_common_metadata(backend, CASE, seqs, tables)
+    for ahead in (0, 1):
+        step = step.next_decode_step()
+        _assert_same(builder.build(step),
+                     build_metadata(backend, CASE, [(c + q + ahead, 1) for c, q in seqs], tables))
 
 
 def test_advance_built_decode_metadata(conformance, conformance_backend):
-    """advance_step on the builder's own decode-only metadata (multi-step decoding) gives what
-    the builder would build one token later, twice in a row."""
+    """The same from a decode-only batch (multi-step decoding), whose advanced steps are built
+    from the common description one token ahead each time."""
     backend = conformance.backend(conformance_backend)
     seqs = [(8, 1), (15, 1), (31, 1), (1, 1)]
     tables = [[7, 2], [0, 5, 9], [3, 4, 6, 8, 12], [1]]
-    step = build_metadata(backend, CASE, seqs, tables)
+    builder = backend.get_builder_cls()(CASE.block_size)
+    step = build_common_metadata(backend, CASE, seqs, tables)
     for ahead in (1, 2):
-        step.advance_step(torch.tensor([c + ahead for c, _ in seqs]), CASE.block_size)
-        _assert_same(step, build_metadata(backend, CASE, [(c + ahead, 1) for c, _ in seqs], tables))
+        step = step.next_decode_step()
+        _assert_same(builder.build(step), build_metadata(backend, CASE, [(c + ahead, 1) for c, _ in seqs],
+                                                         tables))
+
+
+def test_builds_from_the_common_description(conformance, conformance_backend):
+    """The builder's one call keeps the common tensors as they are (nothing recomputed) and
+    needs no host copy of them."""
+    backend = conformance.backend(conformance_backend)
+    common = build_common_metadata(backend, CASE, CASE.ordered(), TABLES)
+    md = backend.get_builder_cls()(CASE.block_size).build(common)
+    assert md.slot_mapping is common.slot_mapping and md.block_tables is common.block_table
+    assert md.seq_lens_tensor is common.seq_lens and md.query_start_loc is common.query_start_loc

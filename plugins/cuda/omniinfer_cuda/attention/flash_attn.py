@@ -28,7 +28,6 @@ import importlib
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 
 from omniinfer.attention.backend import (
@@ -37,8 +36,10 @@ from omniinfer.attention.backend import (
     AttentionMetadataBuilder,
     AttentionSpec,
     StagedAttentionImpl,
+    common_fields,
 )
 from omniinfer.attention.backends import triton as triton_ops
+from omniinfer.attention.common import CommonAttentionMetadata
 from omniinfer.kernels.triton.refusals import refusal_reasons
 
 MIN_CAPABILITY = (8, 0)
@@ -87,67 +88,18 @@ class FlashAttentionMetadata(AttentionMetadata):
             out.update(prefill_key_slots=self.prefill_key_slots[:0], max_prefill_context_len=0)
         return out
 
-    def decode_step_fields(self, values: dict) -> dict:
-        cu_k = torch.nn.functional.pad(values["seq_lens_tensor"].cumsum(0), (1, 0))
-        return dict(cu_seqlens_k=cu_k.to(torch.int32), prefill_key_slots=self.prefill_key_slots[:0],
-                    max_prefill_context_len=0)
-
-    def advance_step(self, positions: torch.Tensor, block_size: int) -> None:
-        super().advance_step(positions, block_size)
-        # decode-only: sequence i's keys start i tokens later than before
-        self.cu_seqlens_k += torch.arange(self.cu_seqlens_k.numel(), dtype=torch.int32,
-                                          device=self.cu_seqlens_k.device)
-
 
 class FlashAttentionMetadataBuilder(AttentionMetadataBuilder):
-    """Self-contained: every array flash-attn's contract asks for, built with numpy."""
+    """The common description plus cu_seqlens_k (torch ops: it also runs on advanced steps)."""
 
     metadata_cls = FlashAttentionMetadata
+    needs_prefill_key_slots = True
 
-    def reset(self) -> None:
-        self.context_lens: list[int] = []
-        self.query_lens: list[int] = []
-        self.tables: list[list[int]] = []
-        self.num_prefills = 0
-
-    def add_seq(self, *, context_len: int, query_len: int, block_table: list[int],
-                is_prefill: bool) -> None:
-        if is_prefill:
-            assert self.num_prefills == len(self.query_lens), "prefills must come before decodes"
-            self.num_prefills += 1
-        self.context_lens.append(context_len)
-        self.query_lens.append(query_len)
-        self.tables.append(block_table)
-
-    def build(self) -> FlashAttentionMetadata:
-        bs, n = self.block_size, self.num_prefills
-        ctx = np.asarray(self.context_lens, dtype=np.int64)
-        q = np.asarray(self.query_lens, dtype=np.int64)
-        seq_lens = ctx + q
-        tables = np.zeros((len(q), max([1] + [len(t) for t in self.tables])), dtype=np.int32)
-        for i, t in enumerate(self.tables):
-            tables[i, :len(t)] = t
-        cu_q = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
-        cu_k = np.concatenate([[0], np.cumsum(seq_lens)]).astype(np.int32)
-        # absolute position of every new token, then of every key of every prefill
-        pos = np.arange(cu_q[-1]) - np.repeat(cu_q[:-1], q) + np.repeat(ctx, q)
-        rows = np.repeat(np.arange(len(q)), q)
-        slots = tables[rows, pos // bs].astype(np.int64) * bs + pos % bs
-        key_pos = np.arange(cu_k[n]) - np.repeat(cu_k[:n], seq_lens[:n])
-        key_rows = np.repeat(np.arange(n), seq_lens[:n])
-        key_slots = tables[key_rows, key_pos // bs].astype(np.int64) * bs + key_pos % bs
-        num_prefill_tokens = int(cu_q[n])
-        return FlashAttentionMetadata(
-            num_prefills=n, num_prefill_tokens=num_prefill_tokens,
-            num_decode_tokens=int(cu_q[-1]) - num_prefill_tokens,
-            slot_mapping=torch.from_numpy(slots),
-            seq_lens=seq_lens.tolist(), seq_lens_tensor=torch.from_numpy(seq_lens.astype(np.int32)),
-            query_lens=q.tolist(), context_lens_tensor=torch.from_numpy(ctx.astype(np.int32)),
-            query_start_loc=torch.from_numpy(cu_q), block_tables=torch.from_numpy(tables),
-            max_query_len=int(q.max(initial=0)), max_seq_len=int(seq_lens.max(initial=0)),
-            cu_seqlens_k=torch.from_numpy(cu_k), prefill_key_slots=torch.from_numpy(key_slots),
-            max_prefill_context_len=int(ctx[:n].max(initial=0)),
-        )
+    def build(self, common: CommonAttentionMetadata) -> FlashAttentionMetadata:
+        cu_seqlens_k = torch.nn.functional.pad(common.seq_lens.cumsum(0), (1, 0)).to(torch.int32)
+        return FlashAttentionMetadata(**common_fields(common), cu_seqlens_k=cu_seqlens_k,
+                                      prefill_key_slots=common.prefill_key_slots,
+                                      max_prefill_context_len=common.max_prefill_context_len)
 
 
 class FlashAttentionImpl(StagedAttentionImpl):
@@ -192,6 +144,7 @@ class FlashAttentionImpl(StagedAttentionImpl):
 class FlashAttentionBackend(AttentionBackend):
     name: ClassVar[str] = "FLASH_ATTN"
     supported_device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+    supported_platforms: ClassVar[tuple[str, ...]] = ("cuda",)
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
     supports_graph_capture: ClassVar[bool] = True
 
@@ -201,8 +154,6 @@ class FlashAttentionBackend(AttentionBackend):
         if spec.head_size > MAX_HEAD_SIZE or spec.head_size % 8:
             reasons.append(f"head size {spec.head_size} not supported (multiples of 8 up to "
                            f"{MAX_HEAD_SIZE})")
-        if spec.platform_name != "cuda":
-            reasons.append(f"serves the cuda platform only, not {spec.platform_name}")
         capability = spec.device_capability
         if capability is None:
             reasons.append("needs an NVIDIA GPU of compute capability 8.0+ (none known)")

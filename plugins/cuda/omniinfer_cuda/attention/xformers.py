@@ -22,9 +22,14 @@ from typing import ClassVar
 
 import torch
 
-from omniinfer.attention.backend import AttentionBackend, AttentionSpec, StagedAttentionImpl
+from omniinfer.attention.backend import (
+    AttentionBackend,
+    AttentionSpec,
+    PrefillKeySlotsMetadata,
+    PrefillKeySlotsMetadataBuilder,
+    StagedAttentionImpl,
+)
 from omniinfer.attention.backends import triton as triton_ops
-from omniinfer.attention.common import PrefillKeySlotsMetadata, PrefillKeySlotsMetadataBuilder
 
 MIN_CAPABILITY = (7, 5)  # xformers' kernels need 6.0+, the Triton decode kernel 7.5+
 MAX_HEAD_SIZE = 256
@@ -81,13 +86,12 @@ class XFormersImpl(StagedAttentionImpl):
 class XFormersBackend(AttentionBackend):
     name: ClassVar[str] = "XFORMERS"
     supported_device_types: ClassVar[tuple[str, ...]] = ("cuda",)
+    supported_platforms: ClassVar[tuple[str, ...]] = ("cuda",)
     supports_graph_capture: ClassVar[bool] = True
 
     @classmethod
     def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
         reasons = []
-        if spec.platform_name != "cuda":
-            reasons.append(f"serves the cuda platform only, not {spec.platform_name}")
         capability = spec.device_capability
         if capability is not None and capability < MIN_CAPABILITY:
             reasons.append(f"needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]}+, "

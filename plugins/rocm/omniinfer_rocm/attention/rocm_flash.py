@@ -14,9 +14,14 @@ from typing import ClassVar
 
 import torch
 
-from omniinfer.attention.backend import AttentionBackend, AttentionSpec, StagedAttentionImpl
+from omniinfer.attention.backend import (
+    AttentionBackend,
+    AttentionSpec,
+    PrefillKeySlotsMetadata,
+    PrefillKeySlotsMetadataBuilder,
+    StagedAttentionImpl,
+)
 from omniinfer.attention.backends import triton as triton_ops
-from omniinfer.attention.common import PrefillKeySlotsMetadata, PrefillKeySlotsMetadataBuilder
 
 
 def load_ck_varlen():
@@ -61,18 +66,16 @@ class RocmFlashImpl(StagedAttentionImpl):
 class RocmFlashBackend(AttentionBackend):
     name: ClassVar[str] = "ROCM_FLASH"
     supported_device_types: ClassVar[tuple[str, ...]] = ("cuda",)  # HIP devices are "cuda"
+    supported_platforms: ClassVar[tuple[str, ...]] = ("rocm",)
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float16, torch.bfloat16)
     supports_graph_capture: ClassVar[bool] = True
 
     @classmethod
     def extra_reasons(cls, spec: AttentionSpec) -> list[str]:
-        reasons = []
-        if spec.platform_name != "rocm":
-            reasons.append(f"serves the rocm platform only, not {spec.platform_name}")
         ops = (triton_ops.WRITE, triton_ops.DECODE)
         if load_ck_varlen() is None:  # prefill runs the Triton kernel too
             ops += (triton_ops.PREFILL,)
-        return reasons + triton_ops.triton_reasons(spec, ops)
+        return triton_ops.triton_reasons(spec, ops)
 
     @classmethod
     def get_builder_cls(cls):
