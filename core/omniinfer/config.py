@@ -231,30 +231,9 @@ def _eos_ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-QUANTIZATIONS = ("int8", "gguf")  # what `quantization=` takes (a .gguf file implies "gguf")
-
-
-def _quantization(model: str, cfg: dict, asked: str | None, is_gguf: bool) -> str | None:
-    if asked is not None and asked not in QUANTIZATIONS:
-        raise ValueError(f"quantization={asked!r} is not supported; allowed: None, "
-                         f"{', '.join(map(repr, QUANTIZATIONS))}")
-    if is_gguf:
-        if asked not in (None, "gguf"):
-            raise ValueError(f"quantization={asked!r} with model={model!r}: a GGUF file is loaded as it "
-                             "is quantised (quantization=None or 'gguf')")
-        return "gguf"
-    if asked == "gguf":
-        raise ValueError(f"quantization='gguf' needs a .gguf file; model={model!r} is a directory")
-    method = (cfg.get("quantization_config") or {}).get("quant_method")
-    if method:
-        raise ValueError(f"model={model!r} is quantised with {method!r} (config.json quantization_config), "
-                         "which this omniinfer does not load yet; it loads GGUF files and float "
-                         "checkpoints (quantization='int8' quantises one at load)")
-    return asked
-
-
 def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.dtype,
                       max_model_len: int | None, seed: int, quantization: str | None = None) -> ModelConfig:
+    from omniinfer.quantization.choice import resolve_quantization
     from omniinfer.quantization.gguf_file import GGUFFile, is_gguf
 
     gguf = is_gguf(model)
@@ -264,9 +243,7 @@ def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.d
                          "and GGUF files)")
     model = os.fspath(model)
     if gguf:
-        config_path = model
-        cfg = GGUFFile(model).hf_config()
-        gen = {}
+        config_path, cfg, gen = model, GGUFFile(model).hf_config(), {}
     else:
         config_path = os.path.join(model, "config.json")
         if not os.path.isfile(config_path):
@@ -277,7 +254,7 @@ def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.d
     archs = cfg.get("architectures") or []
     if not archs:
         raise ValueError(f"{config_path} names no architecture ('architectures' is empty)")
-    quantization = _quantization(model, cfg, quantization, gguf)
+    quantization = resolve_quantization(model, cfg, quantization, gguf)
 
     if isinstance(dtype, torch.dtype):
         resolved = dtype

@@ -399,45 +399,6 @@ INLINE int64_t argmax_merge(const float *best, const int32_t *best_col, int M, i
     return arg;
 }
 
-/* ---- the entry points (each file's own comment says what it computes) --------------------- */
-const char *omni_isa(void);
-void omni_linear(const void *x, int64_t ldx, const void *w, const void *bias, void *y, int64_t ldy,
-                 int M, int N, int K, int dt, int nthreads);
-int omni_ec_supported(int dt);
-int64_t omni_ec_size(int N, int K, int dt, int64_t patches);
-int64_t omni_ec_count(const void *w, int N, int K, int dt, int nthreads);
-int omni_ec_pack(const void *w, int N, int K, int dt, int64_t patches, uint8_t *out, int nthreads);
-int omni_linear_ec(const void *x, int64_t ldx, const uint8_t *ec, const void *bias, void *y,
-                   int64_t ldy, int M, int N, int K, int dt, int nthreads);
-int omni_paged_attention(const void *q, int64_t q_stride, const void *key, int64_t key_stride,
-                         const void *value, int64_t value_stride, const int64_t *slot_mapping,
-                         int num_tokens, void *k_cache, void *v_cache, const int32_t *block_tables,
-                         int64_t table_stride, const int32_t *query_start_loc,
-                         const int32_t *seq_lens, int num_seqs, void *out, int64_t out_stride,
-                         int H, int KVH, int D, int block_size, float scale, int window, int dt,
-                         int nthreads);
-void omni_rms_norm(const void *x, const void *residual, void *residual_out, const void *weight,
-                   void *out, int T, int H, float eps, int dt, int nthreads);
-int omni_rotary(void *q, int64_t q_stride, void *k, int64_t k_stride, const int64_t *positions,
-                const float *cos, const float *sin, int max_position, int T, int num_heads,
-                int num_kv_heads, int D, int dt, int nthreads);
-void omni_silu_and_mul(const void *x, void *out, int T, int I, int dt, int nthreads);
-void omni_argmax(const void *x, int64_t ld, int rows, int cols, int dt, int64_t *out, int nthreads);
-int omni_gemm_supported(int dt);
-int omni_gemm_k_multiple(int dt);
-int64_t omni_gemm_packed_size(int N, int K, int gated);
-void omni_gemm_pack(const void *w, int N, int K, int gated, int dt, void *out, int nthreads);
-int omni_gemm(const void *x, int64_t ldx, const void *packed, const void *bias, void *y, int64_t ldy,
-              int M, int N, int K, int gated, int dt, int nthreads);
-int omni_gemm_argmax(const void *x, int64_t ldx, const void *packed, const void *bias, int64_t *out,
-                     int M, int N, int K, int dt, int nthreads);
-int omni_quant_supported(int kind);
-int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy,
-                 int M, int N, int K, int kind, int dt, int nthreads);
-void omni_q8_pack(const void *w, int N, int K, int dt, int8_t *q, float *scale, float *coef,
-                  int nthreads);
-int omni_linear_argmax_q8(const void *x, int64_t ldx, const void *w, const int8_t *q,
-                          const float *scale, const float *coef, int64_t *out, int M, int N, int K,
-                          int dt, int max_candidates, int nthreads);
+#include "omni_api.h"
 
 #endif
