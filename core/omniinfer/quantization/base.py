@@ -242,19 +242,25 @@ class ReferenceKernel(QuantKernel):
         return out
 
 
-def choose_kernel(piece: QuantPiece, device_type: str, kernels: list[type[QuantKernel]]) -> tuple[QuantKernel, str]:
-    """The first kernel that runs `piece` here, else the reference; and why the others did not."""
+def kernel_for(kind: str, shape: tuple[int, int], device_type: str,
+               kernels: list[type[QuantKernel]]) -> tuple[type[QuantKernel] | None, str]:
+    """The first kernel class that runs a `kind` weight of `shape` here (None: the reference), and
+    why the others did not."""
     reasons = []
     for cls in kernels:
-        if device_type not in cls.device_types or piece.kind not in cls.kinds:
+        if device_type not in cls.device_types or kind not in cls.kinds:
             continue
-        why = cls.unavailable(piece.kind, piece.shape)
+        why = cls.unavailable(kind, shape)
         if why is None:
-            return cls(piece), ""
+            return cls, ""
         reasons.append(f"{cls.name}: {why}")
-    if not reasons:
-        reasons = [f"no {device_type} kernel runs {piece.kind}"]
-    return ReferenceKernel(piece), "; ".join(reasons)
+    return None, "; ".join(reasons) or f"no {device_type} kernel runs {kind}"
+
+
+def choose_kernel(piece: QuantPiece, device_type: str, kernels: list[type[QuantKernel]]) -> tuple[QuantKernel, str]:
+    """The kernel for `piece` (made: it may repack), else the reference; and why not another."""
+    cls, why = kernel_for(piece.kind, piece.shape, device_type, kernels)
+    return (cls(piece), "") if cls is not None else (ReferenceKernel(piece), why)
 
 
 class QuantLinearMethod(LinearMethod):

@@ -195,11 +195,11 @@ def quant_cases(gen):
             blocks = torch.from_numpy(np.ascontiguousarray(q.view(np.uint8).reshape(19, -1)))
             scale = None
             ref = torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType[kind]).reshape(19, 512))
-        for dt in (F32, BF16):
-            x = rand(gen, 3, 512, dt=dt)
+        for dt, m in ((F32, 3), (BF16, 3), (F32, 20), (BF16, 20)):  # (20 rows: the decoded panels)
+            x = rand(gen, m, 512, dt=dt)
             want = F.linear(x.double(), ref.double())
-            out.append((("qlinear", [3, 19, 512, code, dt, 2], [], [x, blocks, scale,
-                                                                     torch.zeros(3, 19, dtype=TORCH_DTYPE[dt])]),
+            out.append((("qlinear", [m, 19, 512, code, dt, 2], [], [x, blocks, scale,
+                                                                     torch.zeros(m, 19, dtype=TORCH_DTYPE[dt])]),
                         lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
     return out
 

@@ -41,7 +41,7 @@ def test_qlinear_matches_the_reference(isa_level, kind, dtype):
         kernel = CpuQuantKernel(piece)
         assert kernel.name == f"cpu ({isa_level.level.name})"
         w = dequantize_piece(piece)
-        for m in (1, 2, 3, 5, 9):
+        for m in (1, 2, 3, 5, 8, 9, 70, 130):
             x = torch.randn(m, cols + 8, generator=gen)[:, 4:4 + cols].to(dtype)  # strided rows
             got = kernel.apply(x)
             want = F.linear(x.float(), w)

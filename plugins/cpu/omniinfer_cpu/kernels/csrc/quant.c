@@ -6,25 +6,12 @@
  * each 16 weights computed once per call; so a result differs from dequantise-then-multiply by
  * float32 rounding only. Each thread takes a contiguous range of W's rows and reads each once per
  * group of up to 4 x rows. */
-#include "omni.h"
+#include "quant_blocks.h"
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4 };
 #define QMB 4  /* x rows a weight row meets while its block is in registers */
+#define QGEMM_ROWS 8  /* above this many rows, quant_gemm.c's panels */
 
 int omni_quant_supported(int kind) { return kind >= Q8_0 && kind <= I8; }
-
-INLINE int qblock(int kind) { return kind == Q4_K || kind == Q6_K ? 256 : kind == I8 ? 1 : 32; }
-
-INLINE size_t qrow_bytes(int kind, int K) {
-    static const int bytes[] = {34, 18, 144, 210};
-    return kind == I8 ? (size_t)K : (size_t)(K / qblock(kind)) * bytes[kind];
-}
-
-INLINE uint16_t u16_at(const uint8_t *p) {
-    uint16_t v;
-    memcpy(&v, p, 2);
-    return v;
-}
 
 /* Sum over [e, e + VL * n) of q * x for n chunks of VL decoded weights, one x row */
 #define CHUNKS(n, decode, xrow, e) ({                                          \
@@ -62,12 +49,9 @@ static void dot_q4_0(const uint8_t *w, const float *x, size_t ldx, const float *
     for (int b = 0; b < K / 32; b++) {
         const uint8_t *blk = w + (size_t)b * 18, *qs = blk + 2;
         float d = f16_to_f32(u16_at(blk));
-        vf qv[32 / VL];  /* elements 0-15: the low nibbles of bytes 0-15; 16-31: their high ones */
+        vf qv[32 / VL];
 #pragma GCC unroll 8
-        for (int c = 0; c < 32 / VL; c++) {
-            int e = c * VL;
-            qv[c] = u32_to_f((u8_widen(qs + e % 16) >> (e >= 16 ? 4 : 0)) & 15u);
-        }
+        for (int c = 0; c < 32 / VL; c++) qv[c] = q4_0_chunk(qs, c * VL);
         for (int m = 0; m < MB; m++) {
 #define Q4D(c) qv[c]
             acc[m] += d * CHUNKS(32 / VL, Q4D, x + m * ldx, b * 32);
@@ -76,15 +60,6 @@ static void dot_q4_0(const uint8_t *w, const float *x, size_t ldx, const float *
         }
     }
     for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]) - 8.0f * corr[m];
-}
-
-/* Q4_K's 8 six-bit (scale, min) pairs */
-INLINE void k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63;
-        sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
-        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-    }
 }
 
 static void dot_q4_k(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K,
@@ -96,12 +71,11 @@ static void dot_q4_k(const uint8_t *w, const float *x, size_t ldx, const float *
         float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
         uint8_t sc[8], mn[8];
         k_scales(blk + 4, sc, mn);
-        for (int s = 0; s < 8; s++) {  /* sub-block s: run s / 2's low (even s) or high nibbles */
-            const uint8_t *run = qs + 32 * (s / 2);
-            int shift = (s & 1) * 4, e0 = b * 256 + s * 32;
+        for (int s = 0; s < 8; s++) {
+            int e0 = b * 256 + s * 32;
             vf qv[32 / VL];
 #pragma GCC unroll 8
-            for (int c = 0; c < 32 / VL; c++) qv[c] = u32_to_f((u8_widen(run + c * VL) >> shift) & 15u);
+            for (int c = 0; c < 32 / VL; c++) qv[c] = q4_k_chunk(qs, s, c * VL);
             float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
             for (int m = 0; m < MB; m++) {
 #define QKD(c) qv[c]
@@ -124,16 +98,11 @@ static void dot_q6_k(const uint8_t *w, const float *x, size_t ldx, const float *
         float d = f16_to_f32(u16_at(blk + 208));
         for (int h = 0; h < 2; h++)
             for (int part = 0; part < 4; part++) {  /* weights 128 h + 32 part + l, l < 32 */
-                const uint8_t *lo = ql + 64 * h + 32 * (part & 1), *hi = qh + 32 * h;
-                int lshift = part >= 2 ? 4 : 0, hshift = 2 * part, e0 = b * 256 + 128 * h + 32 * part;
+                int e0 = b * 256 + 128 * h + 32 * part;
                 for (int sub = 0; sub < 2; sub++) {  /* its two scales' 16 weights each */
                     vf qv[16 / VL];
 #pragma GCC unroll 4
-                    for (int c = 0; c < 16 / VL; c++) {
-                        int l = sub * 16 + c * VL;
-                        vu q = ((u8_widen(lo + l) >> lshift) & 15u) | (((u8_widen(hi + l) >> hshift) & 3u) << 4);
-                        qv[c] = u32_to_f(q);
-                    }
+                    for (int c = 0; c < 16 / VL; c++) qv[c] = q6_k_chunk(ql, qh, h, part, sub * 16 + c * VL);
                     int e = e0 + sub * 16;
                     float ds = d * (float)scales[(e - b * 256) / 16];
                     for (int m = 0; m < MB; m++) {
@@ -195,6 +164,11 @@ int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scal
         }
     }
     size_t rb = qrow_bytes(kind, K);
+    if (M > QGEMM_ROWS) {
+        int rc = omni_qgemm(xf, w, rb, scale, y, ldy, M, N, K, kind, dt, nthreads);
+        free(xf);
+        return rc;
+    }
     qdot_fn dot = QDOT[kind];
     if (nthreads < 1) nthreads = 1;
     if ((int64_t)N * K < 32768) nthreads = 1;

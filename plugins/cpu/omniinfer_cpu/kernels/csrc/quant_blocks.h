@@ -1,0 +1,55 @@
+/* The quantised blocks' layouts, decoded a vector at a time (quant.c's products and
+ * quant_gemm.c's panels share them). Formats: GGUF's Q8_0, Q4_0, Q4_K, Q6_K as the file stores
+ * them, and omniinfer's int8 (a row of int8 and one float32 scale). */
+#ifndef OMNI_QUANT_BLOCKS_H
+#define OMNI_QUANT_BLOCKS_H
+#include "omni.h"
+
+enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4 };
+
+INLINE int qblock(int kind) { return kind == Q4_K || kind == Q6_K ? 256 : kind == I8 ? 1 : 32; }
+
+INLINE size_t qrow_bytes(int kind, int K) {
+    static const int bytes[] = {34, 18, 144, 210};
+    return kind == I8 ? (size_t)K : (size_t)(K / qblock(kind)) * bytes[kind];
+}
+
+INLINE uint16_t u16_at(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* Q4_0: weights e .. e + VL of a block's 32 (0-15 the low nibbles of its 16 bytes, 16-31 the high) */
+INLINE vf q4_0_chunk(const uint8_t *qs, int e) {
+    return u32_to_f((u8_widen(qs + e % 16) >> (e >= 16 ? 4 : 0)) & 15u);
+}
+
+/* Q4_K's 8 six-bit (scale, min) pairs */
+INLINE void k_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63, mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (s[j + 8] & 0x0F) | ((s[j] >> 6) << 4);
+        mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+}
+
+/* Q4_K: weights c .. c + VL of sub-block s (the low nibbles of 32-byte run s / 2 for an even s,
+ * the high ones for an odd s) */
+INLINE vf q4_k_chunk(const uint8_t *qs, int s, int c) {
+    return u32_to_f((u8_widen(qs + 32 * (s / 2) + c) >> ((s & 1) * 4)) & 15u);
+}
+
+/* Q6_K: weights 128 h + 32 part + l .. + VL (l a multiple of VL below 32): 4 low bits from ql, 2
+ * high from qh; 0..63 (the caller subtracts 32) */
+INLINE vf q6_k_chunk(const uint8_t *ql, const uint8_t *qh, int h, int part, int l) {
+    vu lo = (u8_widen(ql + 64 * h + 32 * (part & 1) + l) >> (part >= 2 ? 4 : 0)) & 15u;
+    vu hi = (u8_widen(qh + 32 * h + l) >> (2 * part)) & 3u;
+    return u32_to_f(lo | (hi << 4));
+}
+
+/* quant_gemm.c: the path for many rows (xf: x as float32 rows of K) */
+int omni_qgemm(const float *xf, const uint8_t *w, size_t row_bytes, const float *scale, void *y,
+               int64_t ldy, int M, int N, int K, int kind, int dt, int nthreads);
+
+#endif
