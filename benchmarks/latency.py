@@ -29,6 +29,9 @@ def main() -> None:
                         help="another engine on the same weights (repeatable); llama.cpp: optional, "
                              "needs its llama-bench / llama-batched-bench")
     parser.add_argument("--llama-cpp-bin", help="the directory of llama.cpp's tools (else $LLAMA_CPP_BIN, PATH)")
+    parser.add_argument("--gguf", choices=["q8_0", "q4_0", "q4_k_m", "q4_k", "q6_k", "q5_k", "q4_1", "q5_0",
+                                           "q5_1", "f16", "bf16", "f32"],
+                        help="write the checkpoint as a GGUF file of this type and run that file")
     parser.add_argument("--model", help="an existing checkpoint instead of a random one")
     parser.add_argument("--json", help="append the result to this JSON file")
     args = parser.parse_args()
@@ -37,7 +40,7 @@ def main() -> None:
     quiet()
     unwind_on_sigterm()
     result = latency(args.shape, args.dtype, args.input_len, args.output_len, args.repeats,
-                     args.compare, args.model, args.llama_cpp_bin)
+                     args.compare, args.model, args.llama_cpp_bin, args.gguf)
     print(latency_table(result))
     if args.json:
         append_json(args.json, result)

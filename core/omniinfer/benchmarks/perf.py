@@ -165,7 +165,7 @@ def throughput_table(r: dict) -> str:
 
 def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len: int = 64,
             repeats: int = 3, compare: str | None = None, model: str | None = None,
-            llama_cpp_bin: str | None = None) -> dict:
+            llama_cpp_bin: str | None = None, gguf: str | None = None) -> dict:
     """One request at a time: TTFT, ms per output token, the weight bandwidth that implies and
     the copy/read bandwidth measured first; with compare="transformers", the same for it.
 
@@ -174,7 +174,11 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
     bandwidth is measured in each round as well ("read_gbps_rounds"). The weight bandwidth is the
     checkpoint's weight bytes over the time a token takes: an engine that reads fewer bytes a
     token (the CPU plugin's greedy LM head reads an int8 copy) can show more than the read
-    bandwidth, and beat the floor, the weights alone at that bandwidth."""
+    bandwidth, and beat the floor, the weights alone at that bandwidth.
+
+    With gguf="q4_k_m" (a gguf_export file type), the checkpoint is written as that GGUF file and
+    every engine runs the file (transformers would dequantise it to a float model: left out); the
+    weight bytes are then the file's tensors a token reads."""
     if output_len < 2:
         raise ValueError(f"output_len={output_len!r}: ms per output token needs at least 2 tokens")
     compare = comparisons(compare)
@@ -184,18 +188,26 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
         path = model or build_random_checkpoint(os.path.join(tmp, shape_name), shape_name, dtype)
         shape = shape_of(path)
         prompt = make_prompts(1, input_len, shape["vocab_size"])[0]
-        result = {"shape": shape_name or os.path.basename(os.path.normpath(path)), "dtype": dtype,
+        result = {"shape": shape_name or os.path.basename(os.path.normpath(path)),
+                  "dtype": dtype if gguf is None else f"gguf {gguf}",
                   "machine": machine(), "input_len": input_len, "output_len": output_len,
                   "threads": torch.get_num_threads(), **bandwidth,
                   "weight_bytes": weight_bytes(shape, torch_dtype)}
-        ours, close = omniinfer_latency_run(path, prompt, output_len, dtype)
+        file = None
+        if gguf is not None:
+            from omniinfer.benchmarks.gguf_export import export
+
+            file = export(path, os.path.join(tmp, f"model-{gguf}.gguf"), gguf)
+            result["weight_bytes"] = gguf_bytes_per_token(file)
+        ours, close = omniinfer_latency_run(file or path, prompt, output_len, "float32" if file else dtype)
         try:
             runs = {"omniinfer": ours}
             if "transformers" in compare:
-                runs["transformers"] = transformers_latency_run(path, prompt, output_len, torch_dtype)
+                runs["transformers"] = (SkippedRun("transformers dequantises a GGUF file to a float model")
+                                        if file else transformers_latency_run(path, prompt, output_len, torch_dtype))
             if "llama.cpp" in compare:
                 runs["llama.cpp"] = _llama_cpp(lambda lc: lc.latency_run(
-                    lc.tool("llama-bench", llama_cpp_bin), lc.gguf_of(path, dtype, tmp), input_len,
+                    lc.tool("llama-bench", llama_cpp_bin), file or lc.gguf_of(path, dtype, tmp), input_len,
                     output_len, torch.get_num_threads()))
             runs["read"] = read_bandwidth
             rounds = take_turns(runs, repeats)
@@ -223,6 +235,17 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
             result[key] = [t / o for t, o in zip(result[name]["ms_per_token_rounds"],
                                                  result["omniinfer"]["ms_per_token_rounds"])]
     return result
+
+
+def gguf_bytes_per_token(path: str) -> int:
+    """The bytes of a GGUF file's tensors one decoded token reads: all but the embedding table,
+    which the LM head reads whole where it is tied (no output.weight)."""
+    from omniinfer.quantization.gguf_file import GGUFFile
+
+    tensors = GGUFFile(path).reader.tensors
+    names = {t.name for t in tensors}
+    return sum(int(t.n_bytes) for t in tensors
+               if not (t.name == "token_embd.weight" and "output.weight" in names))
 
 
 def _llama_cpp(make):

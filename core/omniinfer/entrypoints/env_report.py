@@ -61,6 +61,7 @@ def collect() -> dict:
             report["platform_runtime"] = chosen.runtime_info()
         except Exception as e:  # a report must never fail on one plugin
             report["platform_runtime"] = {"error": f"{type(e).__name__}: {e}"}
+        report["quantized_formats"] = quantized_formats(chosen, registry.quant_kernels)
         spec = chosen.attention_spec(
             dtype=torch.bfloat16 if chosen.device_type != "cpu" else torch.float32,
             head_size=128, num_heads=32, num_kv_heads=8, block_size=16)
@@ -70,6 +71,22 @@ def collect() -> dict:
     except Exception as e:
         report["selection_error"] = str(e)
     return report
+
+
+def quantized_formats(platform, kernels: list) -> dict:
+    """Each quantised format: the kernel the platform runs it with, or the reference and why."""
+    from omniinfer.quantization import gguf_blocks
+    from omniinfer.quantization.base import kernel_for
+
+    out = {}
+    kinds = [f"gguf:{t.name}" for t in gguf_blocks.TYPES.values() if t.block > 1] + ["int8"]
+    for kind in kinds:
+        try:  # (a shape every block size divides)
+            cls, why = kernel_for(kind, (256, 4096), platform.device_type, kernels)
+        except Exception as e:  # a kernel's own check failing is reported, not raised
+            cls, why = None, f"{type(e).__name__}: {e}"
+        out[kind] = {"active": cls is not None, "why": cls.name if cls is not None else f"reference: {why}"}
+    return out
 
 
 def format_report(r: dict) -> str:
@@ -102,6 +119,10 @@ def format_report(r: dict) -> str:
             lines.append(f"{key.replace('_', ' ')}: {value}")
     if r.get("selection_error"):
         lines.append(f"selection error: {r['selection_error']}")
+    if r.get("quantized_formats"):
+        lines.append("quantized formats (the kernel that runs each):")
+        for kind, entry in r["quantized_formats"].items():
+            lines.append(f"  {kind:<10} {entry['why']}")
     lines.append(f"attention backends installed: {', '.join(r['attention_backends'])}")
     cpu = r["cpu"]
     lines.append(f"cpu: {cpu['model'] or cpu['machine']}, {cpu['usable_cpus']}/{cpu['logical_cpus']} "
