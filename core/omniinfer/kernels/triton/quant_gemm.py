@@ -203,12 +203,18 @@ def _rows(x: torch.Tensor, what: str = "x") -> torch.Tensor:
     return x2
 
 
-def wn_tiles(m: int, n: int, k: int, group_size: int, has_g_idx: bool, bits: int
-             ) -> dict:
-    """The launch configuration `wn_matmul` uses for an [m, k] x [k, n] product: tiles, split,
-    warps; a function of the shapes alone, so the catalogue can list it."""
+def wn_tiles(m: int, n: int, k: int, group_size: int, has_g_idx: bool, bits: int,
+             element_size: int = 2) -> dict:
+    """The launch configuration `wn_matmul` uses for an [m, k] x [k, n] product of activations
+    of `element_size` bytes: tiles, split, warps; a function of the shapes alone, so the
+    catalogue can list it."""
+    # float32 dots are FMAs on register tiles: a 64x64x64 tile on 4 warps spills on NVIDIA
+    # (ptxas: 7-8 KB), and so do 32 rows with a 64-deep K tile; 32 x 64 x 32 on 8 warps does
+    # not (python -m omniinfer.testing.kernels_aot). The interpreter, whose cost is per
+    # program, keeps the bigger tile.
+    wide = element_size == 4 and not INTERPRETED and m > GEMV_MAX_M
     # a K tile inside one group when groups are contiguous: one row of scales per tile
-    block_k = 32 if group_size == 32 else 64
+    block_k = 32 if group_size == 32 or wide else 64
     group = 0 if group_size <= 0 or group_size >= k else group_size
     one_group = not has_g_idx and (group == 0 or group % block_k == 0)
     if m <= GEMV_MAX_M:
@@ -223,10 +229,10 @@ def wn_tiles(m: int, n: int, k: int, group_size: int, has_g_idx: bool, bits: int
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, split_k=split,
                     k_per_split=k_per_split, USE_DOT=False, GROUP_SIZE=group,
                     TILE_IN_ONE_GROUP=one_group, num_warps=4)
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_m = min(32 if wide else 64, max(16, triton.next_power_of_2(m)))
     return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, split_k=1,
                 k_per_split=triton.cdiv(k, block_k) * block_k, USE_DOT=True, GROUP_SIZE=group,
-                TILE_IN_ONE_GROUP=one_group, num_warps=4)
+                TILE_IN_ONE_GROUP=one_group, num_warps=8 if wide else 4)
 
 
 def wn_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -245,7 +251,7 @@ def wn_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     out_shape = (*x.shape[:-1], n)
     if m == 0:
         return x.new_empty(out_shape)
-    cfg = wn_tiles(m, n, k, group_size, g_idx is not None, bits)
+    cfg = wn_tiles(m, n, k, group_size, g_idx is not None, bits, x.element_size())
     split = cfg.pop("split_k")
     k_per_split = cfg.pop("k_per_split")
     num_warps = cfg.pop("num_warps")
