@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check: on a machine with an NVIDIA, AMD or Intel GPU, run the attention conformance
-# kit for the platform present and the attention-kernel micro-benchmark, and compile every
-# catalogued Triton kernel configuration ahead of time (python -m omniinfer.testing.kernels_aot:
+# kit for the platform present, the attention-kernel micro-benchmark and the quantized-GEMM
+# micro-benchmark (benchmarks/quant_kernels.py: each Triton GEMM/GEMV timed against F.linear on
+# the same weights and checked against the torch reference), and compile every catalogued
+# Triton kernel configuration ahead of time (python -m omniinfer.testing.kernels_aot:
 # sm_80/90/100, gfx90a, gfx942, plus this GPU, loaded by its driver); then print the summary
-# table (per backend: conformance passed/failed/skipped, decode/prefill/chunked tokens/s) and
-# next to it the kernels' table (registers, spills, shared memory per configuration and target).
-# Budget: under 8 minutes (kit <= 5 min, benchmark <= 2.5 min, set-up the rest; the kernel
-# compiles run on the CPU beside the kit, within its 5 minutes).
+# table (per backend: conformance passed/failed/skipped, decode/prefill/chunked tokens/s), the
+# quantized kernels' times, and the kernels' table (registers, spills, shared memory per
+# configuration and target). Budget: under 10 minutes (kit <= 5 min, attention benchmark <= 2.5
+# min, quantized benchmark <= 2 min, set-up the rest; the kernel compiles run on the CPU beside
+# the kit, within its 5 minutes).
 #
 #   scripts/gpu_check.sh                 # uses $PYTHON, else a .venv-gpu it creates
 #   PYTHON=/opt/venv/bin/python scripts/gpu_check.sh
@@ -16,10 +19,11 @@
 # build): with no $PYTHON, .venv-gpu is created on top of the system python3's packages, and
 # omniinfer, its plugins and the light test dependencies are installed there without touching
 # torch. Results land in ${GPU_CHECK_OUT:-gpu_check_out}/. GPU_CHECK_KIT_ARGS,
-# GPU_CHECK_BENCH_ARGS and GPU_CHECK_AOT_ARGS add (whitespace-separated) arguments to the three
-# steps, e.g. to narrow a dry run. Exit status: 0 when the kit passed, every benchmark ran and
-# every kernel configuration compiled without spills or shared-memory overflow, 1 otherwise, 2
-# when no GPU platform is available.
+# GPU_CHECK_BENCH_ARGS, GPU_CHECK_QBENCH_ARGS and GPU_CHECK_AOT_ARGS add (whitespace-separated)
+# arguments to the four steps, e.g. to narrow a dry run. Exit status: 0 when the kit passed,
+# every benchmark ran (the quantized kernels within tolerance of the reference) and every kernel
+# configuration compiled without spills or shared-memory overflow, 1 otherwise, 2 when no GPU
+# platform is available.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -61,6 +65,7 @@ fi
 
 read -r -a kit_args <<<"${GPU_CHECK_KIT_ARGS:-}"
 read -r -a bench_args <<<"${GPU_CHECK_BENCH_ARGS:-}"
+read -r -a qbench_args <<<"${GPU_CHECK_QBENCH_ARGS:-}"
 read -r -a aot_args <<<"${GPU_CHECK_AOT_ARGS:-}"
 [[ $PLATFORM == cpu ]] || aot_args+=(--device)  # the GPU present too, loaded by its driver
 
@@ -80,10 +85,14 @@ say "attention-kernel micro-benchmark on $PLATFORM (budget 150 s)"
 timeout 150 "$PYTHON" benchmarks/attention_kernels.py --platform "$PLATFORM" --json "$OUT/bench.json" \
   "${bench_args[@]}" 2>&1 | tee "$OUT/bench.log" || status=1
 
+say "quantized-GEMM micro-benchmark on $PLATFORM (budget 120 s)"
+timeout 120 "$PYTHON" benchmarks/quant_kernels.py --platform "$PLATFORM" \
+  --json "$OUT/quant_bench.json" "${qbench_args[@]}" 2>&1 | tee "$OUT/quant_bench.log" || status=1
+
 wait "$aot_pid" || status=1
 
 say "summary ($PLATFORM)"
-"$PYTHON" - "$OUT/conformance.xml" "$OUT/bench.json" <<'EOF'
+"$PYTHON" - "$OUT/conformance.xml" "$OUT/bench.json" "$OUT/quant_bench.json" <<'EOF'
 import collections, json, os, re, sys
 import xml.etree.ElementTree as ET
 
@@ -106,6 +115,15 @@ for name in sorted(set(counts) | set(bench)):
     c, b = counts[name], bench.get(name, {})
     print(f"{name:<12} {c['passed']:>6} {c['failed']:>6} {c['skipped']:>7}  {b.get('dtype', '-'):<9} "
           f"{fmt(b.get('decode')):>13} {fmt(b.get('prefill')):>14} {fmt(b.get('chunked')):>14}")
+if os.path.exists(sys.argv[3]):
+    with open(sys.argv[3]) as f:
+        quant = json.load(f)["results"]
+    print(f"\nquantized GEMMs{'':<33} {'rows':>5} {'torch us':>9} {'triton us':>10} {'error':>8}")
+    for r in quant:
+        name = f"{r['layer']} {r['format']} {r['dtype']}"
+        state = (f"{r['triton_us']:>10.1f} {r['error']:>8.1e}{'' if r['ok'] else ' FAIL'}"
+                 if "triton_us" in r else "FAILED" if "failed" in r else "skipped")
+        print(f"{name:<48} {r['rows']:>5} {r['torch_us']:>9.1f} {state}")
 EOF
 echo
 cat "$OUT/aot.log"

@@ -197,8 +197,97 @@ def attention_launches() -> list[KernelLaunch]:
     return launches
 
 
+# ---- quantized linear layers (kernels/triton/quant_gemm.py) -------------------------------------
+@dataclass(frozen=True, slots=True)
+class QuantShape:
+    """One quantized linear layer as the launchers see it (a refusal's predicate reads it)."""
+
+    model: str  # where the numbers come from
+    dtype: torch.dtype  # activations
+    m: int  # rows (tokens) of the product
+    n: int  # outputs on one rank
+    k: int  # inputs
+    bits: int = 4
+    group_size: int = 128  # -1: one group
+    has_zeros: bool = False  # asymmetric (AWQ, GPTQ sym=False)
+    has_g_idx: bool = False  # act-order
+    has_bias: bool = False
+    mode: str = "weight-only"  # int8_matmul: "w8a8 dynamic", "w8a8 static", "w8a16"
+
+    def label(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.").replace("bfloat", "bf").replace("float", "fp")
+        if self.mode != "weight-only":
+            return f"{dtype} {self.mode} m{self.m} {self.n}x{self.k} ({self.model})"
+        group = "channel" if self.group_size == -1 else f"g{self.group_size}"
+        extras = "".join((" zeros" if self.has_zeros else "", " g_idx" if self.has_g_idx else "",
+                          " bias" if self.has_bias else ""))
+        return f"{dtype} int{self.bits} {group}{extras} m{self.m} {self.n}x{self.k} ({self.model})"
+
+
+# Per-rank projections of Llama-3-8B (qkv 6144x4096, gate_up 28672x4096, down 4096x14336) and
+# Qwen2-7B (qkv with bias) at a 512-token prefill chunk and at decode batches: each shape stresses
+# one thing the others do not (the common GPTQ case; AWQ's zero points; act-order's gathered
+# scales at the smallest group; 8 bits; float32's FMA dots; decode tiles of 1, 4 and 8 rows).
+# The tiles are the launchers' own (wn_tiles, int8_tiles): only shapes pick among them.
+_QUANT: tuple[QuantShape, ...] = (
+    QuantShape("llama-3-8b gate_up", torch.bfloat16, 512, 28672, 4096),
+    QuantShape("llama-3-8b qkv awq", torch.float16, 512, 6144, 4096, has_zeros=True),
+    QuantShape("llama-3-8b down desc_act", torch.float16, 512, 4096, 14336, group_size=32,
+               has_g_idx=True),
+    QuantShape("qwen2-7b qkv", torch.bfloat16, 16, 4608, 3584, bits=8, has_zeros=True,
+               has_bias=True),
+    QuantShape("llama-3-8b qkv", torch.float32, 512, 6144, 4096, group_size=-1),
+    QuantShape("llama-3-8b gate_up", torch.bfloat16, 1, 28672, 4096),
+    QuantShape("llama-3-8b qkv awq", torch.float16, 8, 6144, 4096, has_zeros=True),
+    QuantShape("llama-3-8b down desc_act", torch.float16, 1, 4096, 14336, group_size=32,
+               has_g_idx=True),
+    QuantShape("llama-3-8b down", torch.bfloat16, 4, 4096, 14336, bits=8, has_zeros=True),
+    QuantShape("llama-3-8b qkv", torch.float32, 1, 6144, 4096, group_size=-1),
+    QuantShape("llama-3-8b gate_up", torch.bfloat16, 512, 28672, 4096, bits=8,
+               mode="w8a8 dynamic"),
+    QuantShape("llama-3-8b qkv", torch.float16, 1, 6144, 4096, bits=8, mode="w8a8 static"),
+    QuantShape("llama-3-8b down", torch.bfloat16, 512, 4096, 14336, bits=8, mode="w8a16"),
+    QuantShape("llama-3-8b qkv", torch.float32, 1, 6144, 4096, bits=8, mode="w8a16"),
+)
+
+
+def _quant_launch(shape: QuantShape) -> None:
+    from omniinfer.kernels.triton import quant_gemm as ops
+
+    meta = dict(device="meta")
+    x = torch.empty(shape.m, shape.k, dtype=shape.dtype, **meta)
+    bias = torch.empty(shape.n, dtype=shape.dtype, **meta) if shape.has_bias else None
+    if shape.mode != "weight-only":
+        static = torch.empty(1, **meta) if shape.mode == "w8a8 static" else None
+        ops.int8_matmul(x, torch.empty(shape.n, shape.k, dtype=torch.int8, **meta),
+                        torch.empty(shape.n, **meta), static, shape.mode != "w8a16", bias)
+        return
+    groups = 1 if shape.group_size == -1 else -(-shape.k // shape.group_size)
+    scale_dtype = torch.float16 if shape.dtype == torch.float32 else shape.dtype
+    scales = torch.empty(groups, shape.n, dtype=scale_dtype, **meta)
+    ops.wn_matmul(x, torch.empty(-(-shape.k // (32 // shape.bits)), shape.n, dtype=torch.int32,
+                                 **meta),
+                  scales, torch.empty_like(scales) if shape.has_zeros else None,
+                  torch.empty(shape.k, dtype=torch.int32, **meta) if shape.has_g_idx else None,
+                  shape.bits, shape.k if shape.group_size == -1 else shape.group_size, bias)
+
+
+def quant_launches() -> list[KernelLaunch]:
+    """What the quantized linear layers launch: the weight-only GEMM (wn_gemm, more than 8 rows)
+    and split-K GEMV (wn_gemv, 1-8 rows) of `wn_matmul`, and `int8_matmul` (with its activation
+    quantization for W8A8)."""
+    from omniinfer.kernels.triton.quant_gemm import GEMV_MAX_M
+
+    launches = []
+    for shape in _QUANT:
+        op = ("int8_matmul" if shape.mode != "weight-only"
+              else "wn_gemv" if shape.m <= GEMV_MAX_M else "wn_gemm")
+        launches.append(KernelLaunch(op, shape.label(), shape, partial(_quant_launch, shape)))
+    return launches
+
+
 # Every source of catalogued launches; a new kernel family appends its function here.
-SOURCES: tuple[Callable[[], list[KernelLaunch]], ...] = (attention_launches,)
+SOURCES: tuple[Callable[[], list[KernelLaunch]], ...] = (attention_launches, quant_launches)
 
 
 def catalogue() -> list[KernelLaunch]:

@@ -1,0 +1,323 @@
+"""Quantized linear layers in Triton: n-bit weight-only (GPTQ / AWQ / compressed-tensors) and int8.
+
+Weight-only (``wn_matmul``): weights in the layout of
+:class:`omniinfer.quantization.int_layouts.PackedIntWeight` (GPTQ's): int32 words packed
+along the input dim K, ``32 // BITS`` codes a word, the output dim N contiguous; scales and
+optional zero points [groups, N]; optional ``g_idx`` [K] (act-order). A tile of ``BLOCK_K``
+inputs x ``BLOCK_N`` outputs is dequantized in registers, ``(code - zero) * scale`` in
+float32, rounded to the activation dtype (the reference rounds its float weight the same
+way), and multiplied with fp32 accumulation:
+
+* prefill-sized M (``wn_gemm``): ``tl.dot`` tiles of BLOCK_M rows;
+* decode, M = 1-8 (``wn_gemv``): no dot (M would be padded to 16); each row's products are
+  summed over the tile, and K is split over ``SPLIT_K`` programs whose float32 partial sums
+  land in a workspace that one torch sum reduces (deterministic, unlike atomics), so that a
+  decode's few outputs still spread over every compute unit.
+
+int8 (``int8_matmul``): weights int8 [N, K] (as checkpoints and int8-at-load store them) with a
+float32 scale per output; activations either quantized to int8 per token (dynamic) or with a
+static per-tensor scale (``quantize_int8_rows``), multiplied exactly in int32 and scaled once
+(W8A8), or left in float with the weights converted in registers (W8A16).
+
+Written for NVIDIA, AMD and Intel Triton and the CPU interpreter: plain masked loads,
+``tl.dot`` on tiles of at least 16, no vendor intrinsics.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)  # fixed when the kernels below are defined
+# Triton's interpreter (3.9) multiplies bfloat16 operands of tl.dot as their raw uint16 storage
+# and converts float32 to bfloat16 by truncation: interpreted kernels do their dots in float32
+# and round to bfloat16 themselves (ROUND_BF16: to nearest even, in float32 bits), so they
+# compute what a GPU computes.
+GEMV_MAX_M = 8
+
+
+@triton.jit
+def _wn_matmul_kernel(
+    x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, bias_ptr, out_ptr,
+    M, N, K, k_per_split, stride_xm, stride_om, stride_os,
+    BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, TILE_IN_ONE_GROUP: tl.constexpr,
+    HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, ROUND_BF16: tl.constexpr,
+):
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    MIDPOINT: tl.constexpr = 1 << (BITS - 1)
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = rows < M
+    n_ok = n < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    k_start = split * k_per_split
+    k_end = tl.minimum(K, k_start + k_per_split)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < k_end
+        # every code of a word is read from the same word: PACK rows share one load
+        words = tl.load(qweight_ptr + (k // PACK).to(tl.int64)[:, None] * N + n[None, :],
+                        mask=k_ok[:, None] & n_ok[None, :], other=0)
+        codes = ((words >> ((k % PACK) * BITS)[:, None]) & MASK).to(tl.float32)
+        if TILE_IN_ONE_GROUP:  # one row of scales (and zeros) serves the whole tile
+            if GROUP_SIZE > 0:
+                g = k0 // GROUP_SIZE
+            else:
+                g = 0
+            scale = tl.load(scales_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            if HAS_ZEROS:
+                zero = tl.load(zeros_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            else:
+                zero = MIDPOINT
+        else:
+            if HAS_G_IDX:
+                g = tl.load(g_idx_ptr + k, mask=k_ok, other=0)
+            else:
+                g = k // GROUP_SIZE
+            offsets = g.to(tl.int64)[:, None] * N + n[None, :]
+            tile_ok = k_ok[:, None] & n_ok[None, :]
+            scale = tl.load(scales_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zero = tl.load(zeros_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
+            else:
+                zero = MIDPOINT
+        w = (codes - zero) * scale  # [BLOCK_K, BLOCK_N], rounded once to x's dtype:
+        if ROUND_BF16:
+            bits = w.to(tl.uint32, bitcast=True)
+            w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        else:
+            w = w.to(x_ptr.dtype.element_ty)
+        if USE_DOT:
+            x = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+            if DOT_F32:
+                acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            w32 = w.to(tl.float32)
+            for m in tl.static_range(BLOCK_M):
+                row = pid_m * BLOCK_M + m
+                x_m = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k,
+                              mask=k_ok & (k * 0 + row < M), other=0.0)
+                part = tl.sum(x_m.to(tl.float32)[:, None] * w32, 0)  # [BLOCK_N]
+                acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == m, part[None, :], 0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ROUND_BF16:  # the store's truncation is then exact
+        bits = acc.to(tl.uint32, bitcast=True)
+        acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    out = out_ptr + split.to(tl.int64) * stride_os + rows.to(tl.int64)[:, None] * stride_om
+    tl.store(out + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=rows_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _int8_matmul_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om,
+    INT8_ACTIVATIONS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = rows < M
+    n_ok = n < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    w_cols = w_ptr + n.to(tl.int64)[None, :] * stride_wn
+    if INT8_ACTIVATIONS:  # exact: int8 x int8 products summed in int32
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0)
+            w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
+            acc += tl.dot(x, w, out_dtype=tl.int32)
+        x_scale = tl.load(x_scale_ptr + rows, mask=rows_ok, other=0.0)
+        result = acc.to(tl.float32) * x_scale[:, None]
+    else:  # weight-only: int8 weights converted in registers
+        result = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < K
+            x = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0)
+            # |code| <= 128: exact in every float dtype (through float32: the interpreter
+            # converts int8 to bfloat16 wrongly)
+            w = w.to(tl.float32).to(x_ptr.dtype.element_ty)
+            if DOT_F32:
+                result += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                result += tl.dot(x, w, input_precision="ieee")
+    result = result * tl.load(w_scale_ptr + n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        result += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if ROUND_BF16:
+        bits = result.to(tl.uint32, bitcast=True)
+        result = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + n[None, :],
+             result.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _quantize_int8_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, static_scale_ptr, K, stride_xm, stride_qm,
+    IS_STATIC: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_xm
+    if IS_STATIC:
+        scale = tl.load(static_scale_ptr)
+    else:
+        amax = tl.zeros([BLOCK_K], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = tl.maximum(tl.max(amax, 0), 1e-10) / 127.0
+    tl.store(scale_ptr + row, scale)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_row + k, mask=k < K, other=0.0).to(tl.float32) / scale
+        r = tl.floor(v + 0.5)  # round half to even, as torch.round: a tie that went odd goes back
+        r = tl.where((r - v == 0.5) & (r % 2 != 0), r - 1.0, r)
+        r = tl.minimum(tl.maximum(r, -128.0), 127.0)
+        tl.store(q_ptr + row * stride_qm + k, r.to(tl.int8), mask=k < K)
+
+
+# ---- launchers -----------------------------------------------------------------------------
+def _rows(x: torch.Tensor, what: str = "x") -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        raise ValueError(f"{what} must have a contiguous last dimension, got strides {x.stride()}")
+    return x2
+
+
+def wn_tiles(m: int, n: int, k: int, group_size: int, has_g_idx: bool, bits: int,
+             element_size: int = 2) -> dict:
+    """The launch configuration `wn_matmul` uses for an [m, k] x [k, n] product of activations
+    of `element_size` bytes: tiles, split, warps; a function of the shapes alone, so the
+    catalogue can list it."""
+    # float32 dots are FMAs on register tiles: a 64x64x64 tile on 4 warps spills on NVIDIA
+    # (ptxas: 7-8 KB), and so do 32 rows with a 64-deep K tile; 32 x 64 x 32 on 8 warps does
+    # not (python -m omniinfer.testing.kernels_aot). The interpreter, whose cost is per
+    # program, keeps the bigger tile.
+    wide = element_size == 4 and not INTERPRETED and m > GEMV_MAX_M
+    # a K tile inside one group when groups are contiguous: one row of scales per tile
+    block_k = 32 if group_size == 32 or wide else 64
+    group = 0 if group_size <= 0 or group_size >= k else group_size
+    one_group = not has_g_idx and (group == 0 or group % block_k == 0)
+    if m <= GEMV_MAX_M:
+        block_m, block_n = triton.next_power_of_2(m), 64
+        n_tiles = triton.cdiv(n, block_n)
+        k_tiles = triton.cdiv(k, block_k)
+        # enough programs to cover a large GPU several times over (~512), each >= 2 K tiles
+        split = max(1, min(512 // n_tiles, k_tiles // 2))
+        split = 1 << (split.bit_length() - 1)
+        k_per_split = triton.cdiv(k_tiles, split) * block_k
+        split = triton.cdiv(k, k_per_split)
+        return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, split_k=split,
+                    k_per_split=k_per_split, USE_DOT=False, GROUP_SIZE=group,
+                    TILE_IN_ONE_GROUP=one_group, num_warps=4)
+    block_m = min(32 if wide else 64, max(16, triton.next_power_of_2(m)))
+    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, split_k=1,
+                k_per_split=triton.cdiv(k, block_k) * block_k, USE_DOT=True, GROUP_SIZE=group,
+                TILE_IN_ONE_GROUP=one_group, num_warps=8 if wide else 4)
+
+
+def wn_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+              zeros: torch.Tensor | None, g_idx: torch.Tensor | None, bits: int,
+              group_size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for x [..., K] (float16/bfloat16/float32) and W [N, K] held as a
+    PackedIntWeight's tensors (qweight int32 [ceil(K / (32 / bits)), N], scales and zeros
+    [groups, N], g_idx int32 [K] or None; `group_size` inputs per group). Rows 1-8 take the
+    split-K GEMV, more the tiled GEMM. Returns [..., N] in x's dtype."""
+    x2 = _rows(x)
+    m, k = x2.shape
+    n = qweight.shape[1]
+    if qweight.dtype != torch.int32 or qweight.shape[0] != triton.cdiv(k, 32 // bits):
+        raise ValueError(f"qweight must be int32 [{triton.cdiv(k, 32 // bits)}, N] for K={k} at "
+                         f"{bits} bits, got {qweight.dtype} {tuple(qweight.shape)}")
+    out_shape = (*x.shape[:-1], n)
+    if m == 0:
+        return x.new_empty(out_shape)
+    cfg = wn_tiles(m, n, k, group_size, g_idx is not None, bits, x.element_size())
+    split = cfg.pop("split_k")
+    k_per_split = cfg.pop("k_per_split")
+    num_warps = cfg.pop("num_warps")
+    out = (torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1
+           else torch.empty(m, n, dtype=x.dtype, device=x.device))
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    has_bias = bias is not None and split == 1
+    _wn_matmul_kernel[grid](
+        x2, qweight, scales, scales if zeros is None else zeros,
+        qweight if g_idx is None else g_idx, bias if has_bias else scales, out,
+        m, n, k, k_per_split, x2.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
+        BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, HAS_BIAS=has_bias,
+        DOT_F32=INTERPRETED, ROUND_BF16=INTERPRETED and x.dtype == torch.bfloat16,
+        num_warps=num_warps, **cfg)
+    if split > 1:  # the partial sums, reduced in float32 and rounded once
+        total = out.sum(0)
+        out = (total if bias is None else total + bias.float()).to(x.dtype)
+    return out.view(out_shape)
+
+
+def quantize_int8_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 codes [M, K], float32 scale [M]) of x [M, K]: ``round(x / scale)`` clamped to
+    [-128, 127], scale = max|row| / 127 per row, or `static_scale` ([1]) for every row."""
+    x2 = _rows(x)
+    m, k = x2.shape
+    q = torch.empty(m, k, dtype=torch.int8, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_int8_rows_kernel[(m,)](
+            x2, q, scale, scale if static_scale is None else static_scale, k, x2.stride(0),
+            q.stride(0), IS_STATIC=static_scale is not None,
+            BLOCK_K=min(1024, triton.next_power_of_2(k)), num_warps=4)
+    return q, scale
+
+
+def int8_tiles(m: int) -> dict:
+    """`int8_matmul`'s tiles for m rows (tl.dot needs 16 or more of each)."""
+    return dict(BLOCK_M=min(64, max(16, triton.next_power_of_2(m))), BLOCK_N=64, BLOCK_K=64,
+                num_warps=4)
+
+
+def int8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                input_scale: torch.Tensor | None = None, quantize_activations: bool = True,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ (weight * weight_scale[:, None]).T (+ bias)`` for int8 `weight` [N, K] and
+    float32 `weight_scale` [N]. With `quantize_activations` (W8A8), x is quantized to int8 per
+    token (or with the static `input_scale`) and the product is exact int32; otherwise
+    (W8A16) x stays in its float dtype. Returns [..., N] in x's dtype."""
+    x2 = _rows(x)
+    m, k = x2.shape
+    n = weight.shape[0]
+    if weight.dtype != torch.int8 or weight.shape[1] != k or weight.stride(1) != 1:
+        raise ValueError(f"weight must be int8 [N, {k}] with contiguous rows, got "
+                         f"{weight.dtype} {tuple(weight.shape)} strides {weight.stride()}")
+    out_shape = (*x.shape[:-1], n)
+    if m == 0:
+        return x.new_empty(out_shape)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    a, a_scale = (quantize_int8_rows(x2, input_scale) if quantize_activations
+                  else (x2, weight_scale))
+    cfg = int8_tiles(m)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]))
+    _int8_matmul_kernel[grid](
+        a, a_scale, weight, weight_scale, weight_scale if bias is None else bias, out,
+        m, n, k, a.stride(0), weight.stride(0), out.stride(0),
+        INT8_ACTIVATIONS=quantize_activations, HAS_BIAS=bias is not None,
+        DOT_F32=INTERPRETED, ROUND_BF16=INTERPRETED and x.dtype == torch.bfloat16, **cfg)
+    return out.view(out_shape)

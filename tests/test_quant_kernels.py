@@ -1,0 +1,188 @@
+"""The quantized-GEMM Triton kernels (kernels/triton/quant_gemm.py) against the torch reference
+(quantization/int_reference.py): interpreted on the CPU (tests/conftest.py sets
+TRITON_INTERPRET=1 without an accelerator), compiled where there is a GPU.
+
+Weights come from the independent construction (testing/quant_weights.py) through each
+format's conversion to the kernels' layout. Shapes are small (the interpreter is slow) but
+every path is taken: GEMV rows 1-8 with split K, GEMM rows, odd M / N / K tails, group sizes
+32 / 64 / 128 / one group, zero points or the midpoint, act-order g_idx, 4 and 8 bits, float16
+/ bfloat16 / float32 activations, bias.
+
+Tolerance: the kernels and the reference multiply the same rounded operands and accumulate in
+float32; only the order of the sums differs, so outputs agree to the output dtype's rounding
+(one unit in the last place of the largest output, relative: 2**-10 fp16, 2**-7 bf16) and to
+1e-5 in float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omniinfer.kernels import triton as triton_kernels
+from omniinfer.quantization.int_formats import parse_quantization_config
+from omniinfer.quantization.int_layouts import Int8Weight
+from omniinfer.quantization.int_reference import (
+    int8_linear_reference,
+    quantize_int8_rows_reference,
+    wn_linear_reference,
+)
+from omniinfer.testing import quant_weights as qw
+
+pytest.importorskip("triton")
+from omniinfer.kernels.triton.quant_gemm import (  # noqa: E402
+    int8_matmul,
+    quantize_int8_rows,
+    wn_matmul,
+    wn_tiles,
+)
+
+INTERPRETED = triton_kernels.interpret_requested()
+DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
+RELATIVE = {torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7, torch.float32: 1e-5}
+N = 72  # not a multiple of the 64-wide output tile
+
+
+def close(out, ref):
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    scale = ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=0,
+                               atol=RELATIVE[ref.dtype] * scale)
+
+
+def ct(bits, group_size, symmetric, actorder=None):
+    strategy = "channel" if group_size == -1 else "group"
+    return parse_quantization_config({
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"g": {"targets": ["Linear"], "weights": {
+            "num_bits": bits, "symmetric": symmetric, "strategy": strategy,
+            "group_size": None if group_size == -1 else group_size, "actorder": actorder}}},
+    }).layer_format("layer")
+
+
+def packed_weight(case: str, k: int = 256, seed: int = 0):
+    """(PackedIntWeight, what it holds) for one named case, via the format's own conversion."""
+    w = torch.randn(N, k, generator=torch.Generator().manual_seed(seed))
+    if case == "gptq4 g128 asym":
+        q = qw.rtn(w, 4, 128, sym=False)
+        fmt = parse_quantization_config(dict(quant_method="gptq", bits=4, group_size=128,
+                                             sym=False)).layer_format("layer")
+        tensors = qw.gptq_tensors(q, 4)
+    elif case == "gptq4 g32 sym desc_act":
+        q = qw.rtn(w, 4, 32, sym=True, act_order=True)
+        fmt = parse_quantization_config(dict(quant_method="gptq", bits=4, group_size=32,
+                                             desc_act=True)).layer_format("layer")
+        tensors = qw.gptq_tensors(q, 4)
+    elif case == "awq g64":
+        q = qw.rtn(w, 4, 64, sym=False)
+        fmt = parse_quantization_config(dict(quant_method="awq", bits=4, group_size=64,
+                                             version="gemm")).layer_format("layer")
+        tensors = qw.awq_tensors(q)
+    elif case == "gptq8 channel sym":
+        q = qw.rtn(w, 8, -1, sym=True)
+        fmt = parse_quantization_config(dict(quant_method="gptq", bits=8,
+                                             group_size=-1)).layer_format("layer")
+        tensors = qw.gptq_tensors(q, 8)
+    elif case == "ct w8a16 g128 asym":
+        q = qw.rtn(w, 8, 128, sym=False, scale_dtype=torch.bfloat16)
+        fmt, tensors = ct(8, 128, False), qw.ct_packed_tensors(q, 8, False)
+    elif case == "ct w4a16 g32 asym actorder":  # k=200: a ragged last word and group
+        q = qw.rtn(w, 4, 32, sym=False, act_order=True, scale_dtype=torch.bfloat16)
+        fmt = ct(4, 32, False, actorder="group")
+        tensors = qw.ct_packed_tensors(q, 4, False, g_idx=True)
+    elif case == "ct w4a16 channel sym":
+        q = qw.rtn(w, 4, -1, sym=True, scale_dtype=torch.bfloat16)
+        fmt, tensors = ct(4, -1, True), qw.ct_packed_tensors(q, 4, True)
+    else:
+        raise KeyError(case)
+    packed = fmt.to_kernel_layout(tensors, N, k)
+    assert torch.equal(packed.dequantize(), q.expected)
+    return packed
+
+
+CASES = {"gptq4 g128 asym": 256, "gptq4 g32 sym desc_act": 256, "awq g64": 256,
+         "gptq8 channel sym": 256, "ct w8a16 g128 asym": 256, "ct w4a16 g32 asym actorder": 200,
+         "ct w4a16 channel sym": 200}
+
+
+def run_wn(x, p, bias=None):
+    to = dict(device=DEVICE)
+    return wn_matmul(x.to(**to), p.qweight.to(**to), p.scales.to(**to),
+                     None if p.zeros is None else p.zeros.to(**to),
+                     None if p.g_idx is None else p.g_idx.to(**to), p.bits, p.group_size,
+                     None if bias is None else bias.to(**to)).cpu()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 5, 8, 17])
+def test_weight_only_kernels_match_the_reference(case, dtype, m):
+    k = CASES[case]
+    p = packed_weight(case, k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+    close(run_wn(x, p), wn_linear_reference(x, p))
+
+
+def test_decode_rows_split_k_and_prefill_rows_do_not():
+    gemv = wn_tiles(4, 4096, 4096, 128, False, 4)
+    assert not gemv["USE_DOT"] and gemv["split_k"] > 1 and gemv["BLOCK_M"] == 4
+    assert gemv["k_per_split"] * gemv["split_k"] >= 4096 and gemv["TILE_IN_ONE_GROUP"]
+    gemm = wn_tiles(512, 4096, 4096, 128, False, 4)
+    assert gemm["USE_DOT"] and gemm["split_k"] == 1 and gemm["BLOCK_M"] == 64
+    assert not wn_tiles(512, 4096, 4096, 128, True, 4)["TILE_IN_ONE_GROUP"]  # g_idx: gathered
+    assert wn_tiles(1, 72, 256, 128, False, 4)["split_k"] == 2  # the tests' own shapes split too
+
+
+@pytest.mark.parametrize("m", [3, 70])
+def test_bias_batch_dims_and_two_row_tiles(m):
+    p = packed_weight("gptq4 g128 asym")
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    bias = torch.randn(N).to(torch.bfloat16)
+    close(run_wn(x, p, bias), wn_linear_reference(x, p, bias))
+    y = run_wn(x.view(1, m, 256), p)
+    assert y.shape == (1, m, N)
+
+
+def test_weight_only_refuses_a_qweight_of_the_wrong_shape():
+    p = packed_weight("gptq4 g128 asym")
+    with pytest.raises(ValueError, match=r"qweight must be int32 \[16, N\] for K=128"):
+        run_wn(torch.randn(2, 128), p)
+
+
+# ---- int8 ----------------------------------------------------------------------------------------
+def int8_weight(k=200, static=None, quantize_activations=True):
+    tensors, _ = qw.ct_int8_tensors(torch.randn(N, k, generator=torch.Generator().manual_seed(3)),
+                                    static)
+    return Int8Weight(tensors["weight"], tensors["weight_scale"].float().flatten(),
+                      tensors.get("input_scale"), quantize_activations)
+
+
+def run_int8(x, w, bias=None):
+    to = dict(device=DEVICE)
+    return int8_matmul(x.to(**to), w.weight.to(**to), w.weight_scale.to(**to),
+                       None if w.input_scale is None else w.input_scale.to(**to),
+                       w.quantize_activations, None if bias is None else bias.to(**to)).cpu()
+
+
+@pytest.mark.parametrize("mode", ["w8a8 dynamic", "w8a8 static", "w8a16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 5, 33])
+def test_int8_kernels_match_the_reference(mode, dtype, m):
+    w = int8_weight(static=0.02 if mode == "w8a8 static" else None,
+                    quantize_activations=mode != "w8a16")
+    x = torch.randn(m, 200, generator=torch.Generator().manual_seed(m)).to(dtype)
+    bias = torch.randn(N).to(dtype) if m == 5 else None
+    close(run_int8(x, w, bias), int8_linear_reference(x, w, bias))
+
+
+@pytest.mark.parametrize("static", [None, 0.01])
+def test_activation_quantization_is_the_reference_bit_for_bit(static):
+    x = torch.randn(7, 300, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    x[0, :2] = torch.tensor([127.0, 0.5])  # scale 1 in row 0: 0.5 is a tie, to even (0)
+    x[1, :2] = torch.tensor([-127.0, -2.5])  # -2.5 goes to -2
+    scale = None if static is None else torch.tensor([static])
+    q, s = quantize_int8_rows(x.to(DEVICE), None if scale is None else scale.to(DEVICE))
+    q_ref, s_ref = quantize_int8_rows_reference(x, scale)
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(s.cpu(), s_ref)
+    if static is None:
+        assert q_ref[0, 1] == 0 and q_ref[1, 1] == -2
