@@ -80,6 +80,8 @@ def quantized_formats(platform, kernels: list) -> dict:
 
     out = {}
     kinds = [f"gguf:{t.name}" for t in gguf_blocks.TYPES.values() if t.block > 1] + ["int8"]
+    # GPTQ / AWQ / compressed-tensors layers as loaded: symmetric or with zero points / act-order
+    kinds += ["wint4:g128", "wint4:g128:zp", "wint4:g128:act", "wint8:g128", "w8a8", "w8a8:static"]
     for kind in kinds:
         try:  # (a shape every block size divides)
             cls, why = kernel_for(kind, (256, 4096), platform.device_type, kernels)
@@ -122,7 +124,7 @@ def format_report(r: dict) -> str:
     if r.get("quantized_formats"):
         lines.append("quantized formats (the kernel that runs each):")
         for kind, entry in r["quantized_formats"].items():
-            lines.append(f"  {kind:<10} {entry['why']}")
+            lines.append(f"  {kind:<15} {entry['why']}")
     lines.append(f"attention backends installed: {', '.join(r['attention_backends'])}")
     cpu = r["cpu"]
     lines.append(f"cpu: {cpu['model'] or cpu['machine']}, {cpu['usable_cpus']}/{cpu['logical_cpus']} "

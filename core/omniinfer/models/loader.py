@@ -14,6 +14,7 @@ from omniinfer.config import ModelConfig
 from omniinfer.logger import init_logger
 from omniinfer.models.layers.weights import CheckpointTensor, WeightShapeError
 from omniinfer.models.registry import model_class
+from omniinfer.quantization.choice import CHECKPOINT_METHODS
 
 logger = init_logger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
@@ -71,20 +72,25 @@ def _checkpoint(config: ModelConfig, progress: bool):
         tensors = list(GGUFFile(config.model).named_tensors())
         quantized = {name for name, t in tensors if t.is_quantized}
         return iter(tensors), quantized
-    return iterate_checkpoint(safetensors_files(config.model), progress), set()
+    files = safetensors_files(config.model)
+    if config.quantization in CHECKPOINT_METHODS:  # GPTQ / AWQ / compressed-tensors
+        from omniinfer.quantization.int_pieces import int_checkpoint
+
+        return int_checkpoint(config.hf_config["quantization_config"], files, progress)
+    return iterate_checkpoint(files, progress), set()
 
 
 def load_model(config: ModelConfig, attn_backend, device: torch.device, progress: bool = True,
                quant_kernels: list | None = None):
     """This rank's part of the model, on `device`, in `config.dtype`, weights loaded; quantised
-    layers (a GGUF file's, or all linear layers with quantization="int8") get their formats'
-    methods, which run `quant_kernels` (the platform's) where they can."""
+    layers (a GGUF file's or a GPTQ/AWQ/compressed-tensors checkpoint's, or all linear layers with
+    quantization="int8") get their formats' methods, which run `quant_kernels` (the platform's) where they can."""
     from omniinfer.models.layers.weights import deferred_weights
     from omniinfer.quantization import int8, loading
 
     config_file = config.model if config.quantization == "gguf" else os.path.join(config.model, "config.json")
     cls = model_class(config.architecture, config_file)
-    deferred = config.quantization == "gguf"
+    deferred = config.quantization == "gguf" or config.quantization in CHECKPOINT_METHODS
     with _default_dtype(config.dtype), torch.device(device), \
             (deferred_weights() if deferred else contextlib.nullcontext()):
         model = cls(config, attn_backend)

@@ -91,17 +91,26 @@ class QuantizedWeight:
 # ---- formats ------------------------------------------------------------------------------------
 _DEQUANTIZERS: dict[str, Callable[[QuantPiece], torch.Tensor]] = {}
 _NARROWERS: dict[str, Callable[[QuantPiece, int, object, int | None], QuantPiece]] = {}
+_CONCATS: dict[str, Callable[[QuantPiece, QuantPiece], QuantPiece | None]] = {}
 
 
-def register_format(prefix: str, dequantize: Callable, narrow: Callable) -> None:
-    """A format family (kinds "prefix:..." or "prefix"): how to dequantise a piece to float32 and
-    how to take rows (dim 0: a start and length, or an index tensor) or columns (dim 1)."""
+def _concat_rows(a: QuantPiece, b: QuantPiece) -> QuantPiece:
+    tensors = {k: torch.cat([a.tensors[k], b.tensors[k]]) for k in a.tensors}
+    return QuantPiece(a.kind, (a.shape[0] + b.shape[0], a.shape[1]), tensors)
+
+
+def register_format(prefix: str, dequantize: Callable, narrow: Callable, concat: Callable = _concat_rows) -> None:
+    """A format family (kinds "prefix:..." or "prefix"): how to dequantise a piece to float32,
+    how to take rows (dim 0: a start and length, or an index tensor) or columns (dim 1), and how
+    to join two pieces' rows (a fused layer's parts; None where they cannot be one piece)."""
     _DEQUANTIZERS[prefix] = dequantize
     _NARROWERS[prefix] = narrow
+    _CONCATS[prefix] = concat
 
 
 # the module that registers each family (imported on first use)
-FORMAT_MODULES = {"gguf": "omniinfer.quantization.gguf_file", "int8": "omniinfer.quantization.int8"}
+FORMAT_MODULES = {"gguf": "omniinfer.quantization.gguf_file", "int8": "omniinfer.quantization.int8",
+                  **dict.fromkeys(("wint4", "wint8", "w8a8"), "omniinfer.quantization.int_pieces")}
 
 
 def _family(kind: str) -> str:
@@ -176,9 +185,11 @@ def _merge(segments: list[Segment]) -> list[Segment]:
     out: list[Segment] = []
     for s in segments:
         prev = out[-1] if out else None
+        joined = None
         if prev is not None and prev.piece.kind == s.piece.kind and prev.piece.tensors.keys() == s.piece.tensors.keys():
-            tensors = {k: torch.cat([prev.piece.tensors[k], s.piece.tensors[k]]) for k in s.piece.tensors}
-            out[-1] = Segment(prev.row0, QuantPiece(s.piece.kind, (prev.rows + s.rows, s.piece.shape[1]), tensors))
+            joined = _CONCATS[_family(s.piece.kind)](prev.piece, s.piece)
+        if joined is not None:
+            out[-1] = Segment(prev.row0, joined)
         else:
             out.append(s)
     return out
@@ -257,10 +268,20 @@ def kernel_for(kind: str, shape: tuple[int, int], device_type: str,
     return None, "; ".join(reasons) or f"no {device_type} kernel runs {kind}"
 
 
+class KernelRefused(Exception):
+    """Raised by a QuantKernel made for a piece whose tensors it cannot run as they are (its
+    scales' dtype, say); the piece then runs on the reference, with this reason."""
+
+
 def choose_kernel(piece: QuantPiece, device_type: str, kernels: list[type[QuantKernel]]) -> tuple[QuantKernel, str]:
     """The kernel for `piece` (made: it may repack), else the reference; and why not another."""
     cls, why = kernel_for(piece.kind, piece.shape, device_type, kernels)
-    return (cls(piece), "") if cls is not None else (ReferenceKernel(piece), why)
+    if cls is not None:
+        try:
+            return cls(piece), ""
+        except KernelRefused as e:
+            why = f"{cls.name}: {e}"
+    return ReferenceKernel(piece), why
 
 
 class QuantLinearMethod(LinearMethod):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-QUANTIZATIONS = ("int8", "gguf")  # what `quantization=` takes (a .gguf file implies "gguf")
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")  # a config.json's quantization_config
+# what `quantization=` takes (a .gguf file implies "gguf"; a quantization_config its method)
+QUANTIZATIONS = ("int8", "gguf", *CHECKPOINT_METHODS)
 
 
 def resolve_quantization(model: str, cfg: dict, asked: str | None, is_gguf: bool) -> str | None:
@@ -18,9 +20,24 @@ def resolve_quantization(model: str, cfg: dict, asked: str | None, is_gguf: bool
         return "gguf"
     if asked == "gguf":
         raise ValueError(f"quantization='gguf' needs a .gguf file; model={model!r} is a directory")
-    method = (cfg.get("quantization_config") or {}).get("quant_method")
-    if method:
-        raise ValueError(f"model={model!r} is quantised with {method!r} (config.json quantization_config), "
-                         "which this omniinfer does not load yet; it loads GGUF files and float "
-                         "checkpoints (quantization='int8' quantises one at load)")
-    return asked
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        if asked in CHECKPOINT_METHODS:
+            raise ValueError(f"quantization={asked!r}: model={model!r} has no quantization_config in its "
+                             "config.json (it is a float checkpoint; quantization='int8' quantises one at load)")
+        return asked
+    if not isinstance(qc, dict):
+        raise ValueError(f"model={model!r}: config.json's quantization_config must be an object, "
+                         f"got {type(qc).__name__}")
+    method = str(qc.get("quant_method", "")).lower().replace("_", "-")
+    if method not in CHECKPOINT_METHODS:
+        raise ValueError(f"model={model!r} is quantised with quant_method={qc.get('quant_method')!r} "
+                         f"(config.json quantization_config), which omniinfer does not load; it loads "
+                         f"{', '.join(CHECKPOINT_METHODS)} checkpoints, GGUF files and float checkpoints")
+    if asked not in (None, method):
+        raise ValueError(f"quantization={asked!r} with model={model!r}: the checkpoint is quantised with "
+                         f"{method!r} (its quantization_config); pass quantization=None or {method!r}")
+    from omniinfer.quantization.int_formats import parse_quantization_config
+
+    parse_quantization_config(qc)  # a bad or unsupported field fails here, before any weight is read
+    return method

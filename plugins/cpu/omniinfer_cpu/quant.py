@@ -1,6 +1,13 @@
 """The CPU plugin's products for quantised weights (quant.c's `omni_qlinear`): GGUF's Q8_0, Q4_0,
 Q4_K and Q6_K blocks, as the file stores them, and omniinfer's int8; decoded in registers at
-every ISA level, multiplied in float32. Other GGUF types run the core's reference."""
+every ISA level, multiplied in float32. Other GGUF types run the core's reference.
+
+Symmetric GPTQ / AWQ / compressed-tensors weights (wint4, wint8 without zero points or act-order)
+are the same numbers as Q4_0 / Q8_0 blocks when their scales are float16 values: `(code - 8) *
+scale` is Q4_0's `(q - 8) * d`, `(code - 128) * scale` Q8_0's `q * d`, a group of 32..128 inputs
+one to four blocks sharing a scale; they are repacked so, once, losslessly (a scale float16 cannot
+hold keeps the reference). compressed-tensors W8A8 runs as omniinfer's int8 with float
+activations (W8A16: the activations are not rounded to int8)."""
 
 from __future__ import annotations
 
@@ -10,24 +17,33 @@ from omniinfer.quantization.base import QuantKernel
 
 KIND_CODES = {"gguf:Q8_0": 0, "gguf:Q4_0": 1, "gguf:Q4_K": 2, "gguf:Q6_K": 3, "int8": 4}
 BLOCK = {"gguf:Q8_0": 32, "gguf:Q4_0": 32, "gguf:Q4_K": 256, "gguf:Q6_K": 256, "int8": 1}
+# symmetric n-bit weights of any group size the blocks divide, repacked as Q4_0 / Q8_0
+WINT = {f"wint{bits}:{group}": code for bits, code in ((4, 1), (8, 0)) for group in ("g32", "g64", "g128", "gc")}
+KIND_CODES.update({**WINT, "w8a8": 4, "w8a8:static": 4})
+BLOCK.update({**dict.fromkeys(WINT, 32), "w8a8": 1, "w8a8:static": 1})
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class CpuQuantKernel(QuantKernel):
     name = "cpu"
     device_types = ("cpu",)
-    kinds = tuple(KIND_CODES)
+    kinds = (*KIND_CODES, *(f"{k}{extra}" for k in WINT for extra in (":zp", ":act", ":zp:act")))
 
     @classmethod
     def unavailable(cls, kind: str, shape: tuple[int, int]) -> str | None:
         from omniinfer_cpu.kernels import build
 
+        if kind.startswith("wint") and kind not in WINT:
+            return ("asymmetric (zero points) or act-order (g_idx) weights: omni_qlinear runs symmetric "
+                    "int4/int8 in contiguous groups only")
+        if kind not in KIND_CODES:
+            return f"omni_qlinear has no {kind}"
         kernels = build.load()
         if kernels is None:
             return f"the CPU kernels are unavailable: {build.unavailable_reason()}"
         if not kernels.quant_supported(KIND_CODES[kind]):
             return f"omni_qlinear has no {kind} here"
-        if shape[1] % max(BLOCK[kind], 16 if kind != "int8" else 1):
+        if shape[1] % (max(BLOCK[kind], 16) if BLOCK[kind] > 1 else 1):
             return f"{shape[1]} columns are not whole blocks"
         return None
 
@@ -38,8 +54,11 @@ class CpuQuantKernel(QuantKernel):
         self.k = build.load()
         self.code = KIND_CODES[piece.kind]
         tensors = piece.tensors
-        self.w = tensors["q"] if piece.kind == "int8" else tensors["blocks"]
-        self.scale = tensors.get("scale")
+        if piece.kind in WINT:
+            self.w, self.scale = as_blocks(piece), None
+        else:
+            self.w = tensors["q"] if piece.kind.split(":")[0] in ("int8", "w8a8") else tensors["blocks"]
+            self.scale = tensors.get("scale")
         self.name = f"cpu ({self.k.level.name})"
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,3 +77,28 @@ class CpuQuantKernel(QuantKernel):
         if rc != 0:
             raise RuntimeError(f"omni_qlinear failed ({rc}) for a {self.piece.kind} weight of shape {self.piece.shape}")
         return out
+
+
+def as_blocks(piece) -> torch.Tensor:
+    """A symmetric wint4 / wint8 piece as Q4_0 / Q8_0 blocks, uint8 [rows, blocks * bytes]."""
+    from omniinfer.quantization.base import KernelRefused
+    from omniinfer.quantization.int_packing import unpack_int32
+    from omniinfer.quantization.int_pieces import parse_wint
+
+    bits, group, _, _ = parse_wint(piece.kind)
+    rows, cols = piece.shape
+    scales = piece.tensors["scales"]  # [groups, rows]
+    half = scales.to(torch.float16)
+    if not bool(torch.equal(half.to(scales.dtype), scales)) or not bool(torch.isfinite(half).all()):
+        raise KernelRefused(f"its {scales.dtype} scales are not all float16 values (Q4_0 / Q8_0 blocks "
+                            "hold float16 scales)")
+    nb = cols // 32
+    group = group or cols
+    d = half.t()[:, torch.arange(nb) * 32 // group].contiguous()  # [rows, blocks]
+    codes = unpack_int32(piece.tensors["qweight"], bits, 0, cols).t().reshape(rows, nb, 32)
+    if bits == 4:  # Q4_0: byte j holds weight j (low nibble) and weight j + 16 (high)
+        qs = (codes[..., :16] | (codes[..., 16:] << 4)).to(torch.uint8)
+    else:  # Q8_0: signed bytes
+        qs = (codes - 128).to(torch.int8).view(torch.uint8)
+    blocks = torch.cat([d.unsqueeze(-1).view(torch.uint8), qs], dim=-1)
+    return blocks.reshape(rows, -1).contiguous()

@@ -18,3 +18,10 @@ def omniinfer_attention_backends():
     from omniinfer_cuda.attention.xformers import XFormersBackend
 
     return [FlashAttentionBackend, XFormersBackend]
+
+
+@hookimpl
+def omniinfer_quantization_kernels():
+    from omniinfer.quantization.triton_kernel import TritonQuantKernel
+
+    return [TritonQuantKernel]

@@ -17,3 +17,10 @@ def omniinfer_attention_backends():
     from omniinfer_rocm.attention.rocm_flash import RocmFlashBackend
 
     return [RocmFlashBackend]
+
+
+@hookimpl
+def omniinfer_quantization_kernels():
+    from omniinfer.quantization.triton_kernel import TritonQuantKernel
+
+    return [TritonQuantKernel]

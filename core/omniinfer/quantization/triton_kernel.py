@@ -1,0 +1,51 @@
+"""The portable Triton products (kernels/triton/quant_gemm.py) as a QuantKernel, for the GPU
+plugins to declare (CUDA, ROCm and XPU all run Triton): GPTQ / AWQ / compressed-tensors n-bit
+weights (every wint kind), compressed-tensors W8A8 (activations quantised to int8 per token, or
+with the checkpoint's static scale) and omniinfer's int8 (W8A16). GGUF blocks are not among
+them: on a GPU they run the reference. Importing this module imports no Triton."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from omniinfer.quantization.base import QuantKernel
+
+WINT_KINDS = tuple(f"wint{bits}:{group}{extra}" for bits in (4, 8) for group in ("g32", "g64", "g128", "gc")
+                   for extra in ("", ":zp", ":act", ":zp:act"))
+
+
+class TritonQuantKernel(QuantKernel):
+    name = "triton"
+    device_types = ("cuda", "xpu")  # (ROCm's torch device type is "cuda")
+    kinds = (*WINT_KINDS, "w8a8", "w8a8:static", "int8")
+
+    @classmethod
+    def unavailable(cls, kind: str, shape: tuple[int, int]) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        return None
+
+    def __init__(self, piece):
+        super().__init__(piece)
+        family = piece.kind.split(":")[0]
+        if family.startswith("wint"):
+            from omniinfer.quantization.int_pieces import packed_weight
+
+            self.weight = packed_weight(piece)
+        else:
+            from omniinfer.quantization.int_pieces import int8_weight
+
+            self.weight = int8_weight(piece)
+        self.w8a8 = family == "w8a8"
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        from omniinfer.kernels.triton import quant_gemm
+        from omniinfer.quantization.int_layouts import PackedIntWeight
+
+        w = self.weight
+        if isinstance(w, PackedIntWeight):
+            return quant_gemm.wn_matmul(x, w.qweight, w.scales, w.zeros, w.g_idx, w.bits, w.group_size)
+        return quant_gemm.int8_matmul(x, w.weight, w.weight_scale, w.input_scale,
+                                      quantize_activations=self.w8a8)

@@ -1,0 +1,201 @@
+"""GPTQ, AWQ and compressed-tensors checkpoints end to end: every layer format loads into the
+quantisation contract and generates what transformers generates on the float weights the
+quantised ones stand for (their exact values; transformers cannot load these formats here without
+their CUDA packages), with chunked prefill and tensor parallelism; the symmetric ones take the CPU
+plugin's kernel, the others the reference; bad configs are clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from omniinfer import LLM, SamplingParams
+from omniinfer.testing.quant_checkpoints import Scheme, write_quantized
+from omniinfer.testing.tiny_models import build_tiny_checkpoint
+
+PROMPTS = [[1, 5, 9, 33, 7, 20], list(range(40, 75))]
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def float_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("intq")
+    return build_tiny_checkpoint(str(root / "float"), "qwen2", hidden_size=256, intermediate_size=512,
+                                 vocab_size=1000, seed=5)
+
+
+def checkpoint(float_model, scheme: Scheme) -> tuple[str, str]:
+    root = os.path.dirname(float_model)
+    out, ref = os.path.join(root, scheme.label), os.path.join(root, scheme.label + "-ref")
+    if not os.path.isdir(out):
+        write_quantized(float_model, out, scheme, ref)
+    return out, ref
+
+
+def run(llm):
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
+    return [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def hf_run(path: str):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    got = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=PARAMS.max_tokens, do_sample=False,
+                                 output_scores=True, return_dict_in_generate=True)
+            tokens = out.sequences[0, len(prompt):].tolist()
+            logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
+            got.append((tokens, logprobs))
+    return got
+
+
+def choices(llm) -> set[tuple[str, str]]:
+    model = llm.llm_engine.executor.worker.model_runner.model
+    return {(kind, kernel.split(" ")[0]) for m in model.modules()
+            for kind, kernel, _ in getattr(m, "quant_choices", [])}
+
+
+SCHEMES = [
+    (Scheme("gptq", 4, 128, sym=True), "cpu"),
+    (Scheme("gptq", 4, -1, sym=True), "cpu"),
+    (Scheme("gptq", 8, 32, sym=True), "cpu"),
+    (Scheme("gptq", 8, 32, sym=False), "reference"),
+    (Scheme("gptq", 4, 64, sym=False, act_order=True), "reference"),
+    (Scheme("gptq", 4, 128, sym=False, v1=False), "reference"),
+    (Scheme("awq", 4, 128, sym=False), "reference"),
+    (Scheme("awq", 4, 32, sym=False), "reference"),
+    (Scheme("ct", 4, 128, sym=True), "cpu"),
+    (Scheme("ct", 4, 32, sym=False, act_order=True), "reference"),
+    (Scheme("ct", 8, -1, sym=True), "cpu"),
+    (Scheme("ct-w8a8", 8, -1), "cpu"),
+    (Scheme("ct-w8a8", 8, -1, static=True), "cpu"),
+]
+
+
+@pytest.mark.parametrize("scheme,kernel", SCHEMES, ids=[s.label for s, _ in SCHEMES])
+def test_quantized_checkpoint_equals_transformers_on_its_values(float_model, scheme, kernel):
+    """The second prompt's 35 tokens go in chunks of 16; both decode together."""
+    path, ref = checkpoint(float_model, scheme)
+    llm = LLM(path, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        want_method = "compressed-tensors" if scheme.method.startswith("ct") else scheme.method
+        assert llm.llm_engine.config.model.quantization == want_method
+        model = llm.llm_engine.executor.worker.model_runner.model
+        layers = [m for m in model.modules() if getattr(m, "qweight", None) is not None]
+        assert len(layers) == 2 * 4 and all(m.weight.is_meta for m in layers)  # qkv, o, gate_up, down
+        assert {k for _, k in choices(llm)} == {kernel}, choices(llm)
+        got = run(llm)
+    finally:
+        llm.shutdown()
+    for (tokens, logprobs), (want, want_lp) in zip(got, hf_run(ref)):
+        assert tokens == want, scheme.label
+        assert max(abs(a - b) for a, b in zip(logprobs, want_lp)) < 1e-4, scheme.label
+
+
+@pytest.mark.parametrize("scheme", [Scheme("gptq", 4, 128, sym=False, act_order=True),
+                                    Scheme("awq", 4, 128, sym=False), Scheme("ct", 4, 128, sym=True)],
+                         ids=lambda s: s.label)
+def test_quantized_checkpoint_under_tensor_parallelism(float_model, scheme):
+    """Column-parallel layers split outputs, row-parallel ones inputs (on group boundaries; with
+    act-order every rank keeps every group)."""
+    path, _ = checkpoint(float_model, scheme)
+    single = LLM(path, num_kv_blocks=64)
+    try:
+        want = [t for t, _ in run(single)]
+    finally:
+        single.shutdown()
+    llm = LLM(path, num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        assert [t for t, _ in run(llm)] == want
+    finally:
+        llm.shutdown()
+
+
+def test_quantized_weights_hold_their_bytes_only(float_model):
+    """A GPTQ int4 model holds its packed codes and scales (the CPU kernel's Q4_0 repack is the
+    same bytes), not a float copy."""
+    path, _ = checkpoint(float_model, Scheme("gptq", 4, 128, sym=True))
+    llm = LLM(path, num_kv_blocks=64)
+    try:
+        model = llm.llm_engine.executor.worker.model_runner.model
+        for m in model.modules():
+            if getattr(m, "qweight", None) is None:
+                continue
+            rows, cols = m.qweight.shape
+            assert m.qweight.nbytes <= rows * cols // 2 * 1.05 + rows * cols // 128 * 2, m
+    finally:
+        llm.shutdown()
+
+
+def _with_config(float_model, tmp_path, qconfig) -> str:
+    path, _ = checkpoint(float_model, Scheme("gptq", 4, 128, sym=True))
+    out = tmp_path / "edited"
+    out.mkdir()
+    for name in os.listdir(path):
+        os.symlink(os.path.join(path, name), out / name)
+    os.unlink(out / "config.json")
+    with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+    config["quantization_config"] = qconfig
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+@pytest.mark.parametrize("qconfig,match", [
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, r"gptq.*bits=3 is not supported; supported: \(4, 8\)"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 100}, r"group_size=100 is not supported"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, r"version='gemv' is not supported"),
+    ({"quant_method": "bitsandbytes"}, r"quant_method='bitsandbytes'.*does not load"),
+])
+def test_unsupported_quantization_configs_are_named(float_model, tmp_path, qconfig, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(_with_config(float_model, tmp_path, qconfig), num_kv_blocks=64)
+
+
+def test_quantization_argument_must_match_the_checkpoint(float_model):
+    path, _ = checkpoint(float_model, Scheme("awq", 4, 128, sym=False))
+    with pytest.raises(ValueError, match=r"quantization='gptq'.*quantised with 'awq'"):
+        LLM(path, num_kv_blocks=64, quantization="gptq")
+    with pytest.raises(ValueError, match=r"quantization='awq'.*no quantization_config"):
+        LLM(float_model, num_kv_blocks=64, quantization="awq")
+
+
+@pytest.mark.parametrize("scheme", [Scheme("gptq", 4, 64, sym=False, act_order=True), Scheme("awq", 4, 32, sym=False),
+                                    Scheme("ct", 8, -1, sym=True), Scheme("ct-w8a8", 8, -1),
+                                    Scheme("ct-w8a8", 8, -1, static=True)], ids=lambda s: s.label)
+def test_the_triton_kernel_runs_each_piece_as_the_reference(scheme):
+    """The GPU plugins' kernel (interpreted here) on the pieces the loader makes, a decode-sized
+    and a prefill-sized batch; W8A8 quantises its activations as the torch reference does."""
+    pytest.importorskip("triton")
+    from omniinfer.quantization import int_reference
+    from omniinfer.quantization.base import ReferenceKernel
+    from omniinfer.quantization.int_pieces import int8_weight
+    from omniinfer.quantization.triton_kernel import TritonQuantKernel
+    from omniinfer.testing.quant_checkpoints import _layer
+
+    torch.manual_seed(0)
+    weight = torch.randn(96, 128) * 0.1
+    tensors, _ = _layer(weight, scheme, seed=1)
+    from omniinfer.quantization.int_formats import parse_quantization_config
+    from omniinfer.quantization.int_pieces import IntCheckpointTensor, _features, _Read
+
+    fmt = parse_quantization_config(scheme.config()).layer_format("model.layers.0.mlp.up_proj")
+    parts = {k: _Read(v) for k, v in tensors.items()}
+    piece = IntCheckpointTensor("up.weight", fmt, parts, _features(fmt, parts)).full()
+    assert TritonQuantKernel.kinds.count(piece.kind) == 1
+    kernel = TritonQuantKernel(piece)
+    for rows in (1, 20):
+        x = torch.randn(rows, 128)
+        got = kernel.apply(x)
+        if piece.kind.startswith("w8a8"):
+            want = int_reference.int8_linear_reference(x, int8_weight(piece))
+        else:
+            want = ReferenceKernel(piece).apply(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
