@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from omniinfer.benchmarks.gguf_export import FILE_TYPES as GGUF_TYPES
 from omniinfer.benchmarks.perf import (
     SHAPES,
     append_json,
@@ -29,8 +30,7 @@ def main() -> None:
                         help="another engine on the same weights (repeatable); llama.cpp: optional, "
                              "needs its llama-bench / llama-batched-bench")
     parser.add_argument("--llama-cpp-bin", help="the directory of llama.cpp's tools (else $LLAMA_CPP_BIN, PATH)")
-    parser.add_argument("--gguf", choices=["q8_0", "q4_0", "q4_k_m", "q4_k", "q6_k", "q5_k", "q4_1", "q5_0",
-                                           "q5_1", "f16", "bf16", "f32"],
+    parser.add_argument("--gguf", choices=GGUF_TYPES,
                         help="write the checkpoint as a GGUF file of this type and run that file")
     parser.add_argument("--model", help="an existing checkpoint instead of a random one")
     parser.add_argument("--json", help="append the result to this JSON file")

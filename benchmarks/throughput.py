@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 
+from omniinfer.benchmarks.gguf_export import FILE_TYPES as GGUF_TYPES
 from omniinfer.benchmarks.perf import (
     SHAPES,
     append_json,
@@ -41,6 +42,8 @@ def main() -> None:
                         help="another engine on the same weights (repeatable); llama.cpp: optional, "
                              "needs its llama-bench / llama-batched-bench")
     parser.add_argument("--llama-cpp-bin", help="the directory of llama.cpp's tools (else $LLAMA_CPP_BIN, PATH)")
+    parser.add_argument("--gguf", choices=GGUF_TYPES,
+                        help="write the checkpoint as a GGUF file of this type; omniinfer and llama.cpp run that file")
     parser.add_argument("--model", help="an existing checkpoint instead of a random one")
     parser.add_argument("--json", help="append the result to this JSON file")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -58,7 +61,7 @@ def main() -> None:
     unwind_on_sigterm()
     result = throughput(args.shape, args.dtype, args.num_prompts, args.input_len, args.output_len,
                         args.compare, args.model, args.max_num_batched_tokens, args.repeats,
-                        args.num_scheduler_steps, args.llama_cpp_bin)
+                        args.num_scheduler_steps, args.llama_cpp_bin, args.gguf)
     print(throughput_table(result))
     if args.json:
         append_json(args.json, result)

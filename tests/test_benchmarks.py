@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -288,3 +289,19 @@ def test_llama_cpp_comparison_without_its_tools_is_a_skipped_row(tmp_path):
     text = run("latency.py", "--shape", "tiny", "--input-len", "8", "--output-len", "4", "--repeats", "1",
                "--compare", "llama.cpp", LLAMA_CPP_BIN=str(tmp_path), PATH=path)
     assert "llama.cpp     skipped: llama-bench not found" in text
+
+
+def test_latency_of_a_gguf_file_reports_its_resident_memory():
+    """The model as a Q8_0 file: the weights held are the file's bytes (no float copy), measured
+    in a fresh process."""
+    text = run("latency.py", "--shape", "tiny", "--input-len", "8", "--output-len", "4", "--repeats", "1",
+               "--gguf", "q8_0")
+    assert "latency: tiny gguf q8_0" in text
+    match = re.search(r"weights held (\d+) MB = ([\d.]+)x the file's", text)
+    assert match and float(match.group(2)) <= 1.1, text
+
+
+def test_throughput_of_a_gguf_file():
+    text = run("throughput.py", "--shape", "tiny", "-n", "4", "--input-len", "8", "--output-len", "4",
+               "--gguf", "q4_0")
+    assert "gguf q4_0" in text and "out tok/s" in text, text

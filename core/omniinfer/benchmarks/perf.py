@@ -56,7 +56,8 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
                input_len: int | None = None, output_len: int | None = None,
                compare: str | None = None, model: str | None = None,
                max_num_batched_tokens: int = 2048, repeats: int = 1,
-               num_scheduler_steps: int | None = None, llama_cpp_bin: str | None = None) -> dict:
+               num_scheduler_steps: int | None = None, llama_cpp_bin: str | None = None,
+               gguf: str | None = None) -> dict:
     """N random prompts at once through LLM.generate; MFU against the measured matmul peak;
     with compare="transformers", transformers' best static batch and continuous batching.
     num_scheduler_steps defaults to the LLM class's (8); above 1 (multi-step decoding)
@@ -65,7 +66,8 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
     built and warmed up first (and run once on the whole workload, untimed), then all run in
     turns, `repeats` rounds of one run each, so that
     the ratios compare runs made minutes, not a quarter of an hour, apart; each reports its
-    median run, and the runs are kept under "runs_s"."""
+    median run, and the runs are kept under "runs_s". With gguf="q4_0" (a gguf_export file type)
+    omniinfer and llama.cpp run that GGUF file (transformers is left out)."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats!r}: expected a positive number of runs")
     compare = comparisons(compare)
@@ -84,8 +86,14 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
                            **PEAK_BUDGETS.get(shape_name or "", {}))
         flops = model_flops(shape, n, i, o)
 
+        file = None
+        if gguf is not None:
+            from omniinfer.benchmarks.gguf_export import export
+
+            file = export(path, os.path.join(tmp, f"model-{gguf}.gguf"), gguf)
+            compare = [c for c in compare if c != "transformers"]
         steps = [num_scheduler_steps] + ([1] if num_scheduler_steps > 1 else [])
-        engines, close = omniinfer_runs(path, prompts, o, dtype, [
+        engines, close = omniinfer_runs(file or path, prompts, o, "float32" if file else dtype, [
             {"max_num_batched_tokens": max_num_batched_tokens, "num_scheduler_steps": k} for k in steps])
         try:
             runs = {f"omniinfer_{k}": run for k, run in zip(steps, engines)}
@@ -94,7 +102,7 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
                 runs.update(transformers_runs(path, prompts, o, torch_dtype, batches))
             if "llama.cpp" in compare:
                 runs["llama.cpp"] = _llama_cpp(lambda lc: lc.throughput_run(
-                    lc.tool("llama-batched-bench", llama_cpp_bin), lc.gguf_of(path, dtype, tmp), n, i, o,
+                    lc.tool("llama-batched-bench", llama_cpp_bin), file or lc.gguf_of(path, dtype, tmp), n, i, o,
                     torch.get_num_threads()))
             # one round untimed: an engine's first run of the whole workload is the slow one
             # (bf16 on the small shape: 1.52 s, then 1.13-1.16), after warm-ups of 2 prompts
@@ -110,8 +118,8 @@ def throughput(shape_name: str | None, dtype: str, num_prompts: int | None = Non
                     "model_gflops": flops / elapsed / 1e9, "mfu": flops / elapsed / 1e9 / peak}
 
         result = {
-            "shape": shape_name or os.path.basename(os.path.normpath(path)), "dtype": dtype,
-            "machine": machine(), "num_prompts": n, "input_len": i, "output_len": o, "repeats": repeats,
+            "shape": shape_name or os.path.basename(os.path.normpath(path)),
+            "dtype": dtype if gguf is None else f"gguf {gguf}", "machine": machine(), "num_prompts": n, "input_len": i, "output_len": o, "repeats": repeats,
             "num_scheduler_steps": num_scheduler_steps,
             "threads": torch.get_num_threads(), "matmul_peak_gflops": peak,
             "omniinfer": ours(times[f"omniinfer_{steps[0]}"]),
@@ -199,6 +207,9 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
 
             file = export(path, os.path.join(tmp, f"model-{gguf}.gguf"), gguf)
             result["weight_bytes"] = gguf_bytes_per_token(file)
+            from omniinfer.benchmarks import resident
+
+            result["memory"] = {**resident.measure(file), "file_bytes": os.path.getsize(file)}
         ours, close = omniinfer_latency_run(file or path, prompt, output_len, "float32" if file else dtype)
         try:
             runs = {"omniinfer": ours}
@@ -284,6 +295,13 @@ def latency_table(r: dict) -> str:
     if "ttft_ms" in r.get("llama.cpp", {}):
         lines.append(f"  prompt of {r['input_len']}: omniinfer's TTFT is "
                      f"{r['omniinfer']['ttft_ms'] / r['llama.cpp']['ttft_ms']:.2f}x llama.cpp's prompt time")
+    mem = r.get("memory") or {}
+    if mem.get("file_bytes"):
+        held, file, kv = mem["model_bytes"], mem["file_bytes"], mem["kv_cache_bytes"]
+        lines.append(f"  resident memory (a fresh process): weights held {held / 1e6:.0f} MB = {held / file:.2f}x the "
+                     f"file's {file / 1e6:.0f} MB; the process grew {mem['rss_growth_bytes'] / 1e6:.0f} MB = "
+                     f"{mem['rss_growth_bytes'] / (file + kv):.2f}x the file plus its KV cache ({kv / 1e6:.0f} MB; "
+                     "the rest: the tokenizer, the loader's transient buffers)")
     return "\n".join(lines)
 
 
