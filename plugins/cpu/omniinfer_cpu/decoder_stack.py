@@ -34,11 +34,31 @@ SIZES = ("hidden", "num_heads", "num_kv_heads", "head_size", "intermediate", "bl
          "max_position")
 
 
+PRODUCTS = ("qkv", "o", "gate_up", "down")
+
+
 class Layer(ctypes.Structure):
     """decoder_stack.c's omni_layer."""
     _fields_ = ([(name, ctypes.c_void_p) for name in POINTERS]
                 + [(name, ctypes.c_float) for name in ("input_eps", "post_eps", "scale")]
-                + [(name, ctypes.c_int) for name in SIZES])
+                + [(name, ctypes.c_int) for name in SIZES]
+                + [(f"{p}_q", ctypes.c_void_p) for p in PRODUCTS]
+                + [(f"{p}_qscale", ctypes.c_void_p) for p in PRODUCTS]
+                + [(f"{p}_qkind", ctypes.c_int) for p in PRODUCTS])
+
+
+def quant_kernel(layer):
+    """The CpuQuantKernel running all of a quantised layer's rows, or None (not quantised, or
+    several formats in the layer, or the reference)."""
+    from omniinfer_cpu.quant import CpuQuantKernel
+
+    kernels = getattr(layer, "quant_kernels", None)
+    if getattr(layer, "qweight", None) is None or not kernels or len(kernels) != 1:
+        return None
+    row0, kernel = kernels[0]
+    if not isinstance(kernel, CpuQuantKernel) or row0 != 0 or kernel.piece.shape != tuple(layer.qweight.shape):
+        return None
+    return kernel
 
 
 def _products(spec: DecoderLayerSpec):
@@ -62,7 +82,11 @@ def unsupported(kernels, specs: list[DecoderLayerSpec], attention: str) -> str |
             return "a layer op is not the compiled one"
         for layer in _products(spec).values():
             method = layer.linear_method
-            if not isinstance(method, CpuLinearMethod) or method.linear is None:
+            if getattr(layer, "qweight", None) is not None:
+                if quant_kernel(layer) is None:
+                    return ("a quantised layer does not run one CPU kernel (its parts in several formats, "
+                            "or a format the reference runs)")
+            elif not isinstance(method, CpuLinearMethod) or method.linear is None:
                 return "a linear layer does not run the compiled kernel"
             if any(t is not None and t.dtype != dtype for t in (layer.weight, layer.bias)):
                 return "the layers' tensors differ in dtype"
@@ -70,8 +94,8 @@ def unsupported(kernels, specs: list[DecoderLayerSpec], attention: str) -> str |
             return "the layers' tensors differ in dtype"
         if spec.rotary.cos.dtype != torch.float32:
             return "the rotary table is not float32"
-    if len({layer.linear_method.layer_kernel_rows for spec in specs
-            for layer in _products(spec).values()}) != 1:
+    if len({layer.linear_method.layer_kernel_rows for spec in specs for layer in _products(spec).values()
+            if isinstance(layer.linear_method, CpuLinearMethod)}) > 1:
         return "the linear layers differ in how many rows go to the kernel"
     return None
 
@@ -81,9 +105,11 @@ class CpuDecoderStack:
         self.kernels = kernels
         self.specs = specs
         self.dtype = specs[0].qkv_proj.weight.dtype
-        methods = [layer.linear_method for spec in specs for layer in _products(spec).values()]
-        self.kernel_rows = methods[0].layer_kernel_rows
-        # more rows: omni_gemm, which needs every product packed for it
+        methods = [layer.linear_method for spec in specs for layer in _products(spec).values()
+                   if isinstance(layer.linear_method, CpuLinearMethod)]
+        # quantised products run omni_qlinear at any row count
+        self.kernel_rows = methods[0].layer_kernel_rows if methods else 1 << 30
+        # more rows: omni_gemm, which needs every float product packed for it
         self.has_gemm = all(m.gemm_weight is not None for m in methods)
         s = specs[0]
         self.hidden = s.qkv_proj.weight.shape[1]
@@ -101,7 +127,14 @@ class CpuDecoderStack:
             ptr = {"input_norm": spec.input_norm.weight, "post_norm": spec.post_norm.weight,
                    "cos": spec.rotary.cos, "sin": spec.rotary.sin}
             for name, layer in _products(spec).items():
-                ptr[name], ptr[name + "_bias"] = layer.weight, layer.bias
+                ptr[name + "_bias"] = layer.bias
+                kernel = quant_kernel(layer)
+                if kernel is not None:
+                    ptr[name] = ptr[name + "_packed"] = ptr[name + "_ec"] = None
+                    ptr[name + "_q"], ptr[name + "_qscale"] = kernel.w, kernel.scale
+                    setattr(struct, name + "_qkind", kernel.code)
+                    continue
+                ptr[name] = layer.weight
                 ptr[name + "_packed"] = layer.linear_method.gemm_weight  # the method's copies
                 ptr[name + "_ec"] = layer.linear_method.ec_weight
             for name, t in ptr.items():

@@ -131,3 +131,26 @@ def test_what_the_stack_leaves_to_the_model(monkeypatch, checkpoint_dir, hf_gree
     out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=5,
                                                                        ignore_eos=True), use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(path, PROMPTS[0], 5)
+
+
+@pytest.mark.parametrize("file_type", ["q4_0", "q8_0"])
+def test_quantized_layers_run_in_the_stack_bit_for_bit(isa_level, checkpoint_dir, tmp_path, file_type):
+    """A GGUF file whose products are all one CPU format (Q4_0, Q8_0; qwen2: q/k/v biases) runs
+    through the stack (omni_qlinear at every row count, prefills too), to the last bit the
+    quantised layers one by one."""
+    pytest.importorskip("gguf")
+    from omniinfer.benchmarks.gguf_export import export
+
+    path = export(checkpoint_dir("qwen2"), str(tmp_path / f"m-{file_type}.gguf"), file_type)
+    llm = LLM(path, num_kv_blocks=64)
+    try:
+        stack = model_of(llm).decoder_stack
+        assert isinstance(stack, CpuDecoderStack)
+        rows = record_rows(stack)
+        batches = [PROMPTS[:1], PROMPTS]
+        got = run(llm, batches)
+        assert max(rows) >= 20 and 1 in rows and 4 in rows
+        model_of(llm).decoder_stack = None
+        assert run(llm, batches) == got
+    finally:
+        llm.shutdown()

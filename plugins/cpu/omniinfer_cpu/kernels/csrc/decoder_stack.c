@@ -6,7 +6,8 @@
  *   h = x + o(attention(rotary(qkv(norm(x)))));  x' = h + down(silu(gate) * up), gate|up = gate_up(norm(h))
  * Each product with `*_packed` set (omni_gemm_pack; gate_up packed gated) runs omni_gemm above
  * `kernel_rows` rows; up to there omni_linear on the [out, in] weight, or omni_linear_ec on its
- * coded copy where `*_ec` is set. */
+ * coded copy where `*_ec` is set; a quantised product (`*_q` set: its blocks for omni_qlinear, with
+ * `*_qscale` and format `*_qkind`) runs omni_qlinear at any row count, then adds its bias. */
 typedef struct {
     const void *input_norm, *qkv, *qkv_packed, *qkv_ec, *qkv_bias, *o, *o_packed, *o_ec, *o_bias,
         *post_norm, *gate_up, *gate_up_packed, *gate_up_ec, *gate_up_bias, *down, *down_packed,
@@ -15,7 +16,24 @@ typedef struct {
     const float *cos, *sin;  /* float32 [max_position, head_size / 2] */
     float input_eps, post_eps, scale;
     int hidden, num_heads, num_kv_heads, head_size, intermediate, block_size, window, max_position;
+    const void *qkv_q, *o_q, *gate_up_q, *down_q;
+    const float *qkv_qscale, *o_qscale, *gate_up_qscale, *down_qscale;
+    int qkv_qkind, o_qkind, gate_up_qkind, down_qkind;
 } omni_layer;
+
+/* y [M, N] (row stride N) += bias [N] */
+static void add_bias(void *y, const void *bias, int M, int N, int dt) {
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++)
+            st1(y, dt, (size_t)m * N + n, ld1(y, dt, (size_t)m * N + n) + ld1(bias, dt, n));
+}
+
+static int quant_linear(const void *x, const void *q, const float *qscale, int qkind, const void *bias,
+                        void *y, int M, int N, int K, int dt, int nthreads) {
+    if (omni_qlinear(x, K, q, qscale, y, N, M, N, K, qkind, dt, nthreads)) return -4;
+    if (bias) add_bias(y, bias, M, N, dt);
+    return 0;
+}
 
 /* omni_linear, or omni_linear_ec where the weight has a coded copy */
 static void kernel_linear(const void *x, const void *w, const void *ec, const void *bias, void *y,
@@ -66,8 +84,10 @@ int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, 
         else
             omni_rms_norm(hidden, residual, residual, L->input_norm, normed, T, H, L->input_eps, dt,
                           nthreads);
-        if ((rc = stack_linear(normed, L->qkv, L->qkv_packed, L->qkv_ec, L->qkv_bias, qkv, T, QKV,
-                               H, 0, kernel_rows, dt, nthreads)))
+        if ((rc = L->qkv_q ? quant_linear(normed, L->qkv_q, L->qkv_qscale, L->qkv_qkind, L->qkv_bias, qkv,
+                                          T, QKV, H, dt, nthreads)
+                           : stack_linear(normed, L->qkv, L->qkv_packed, L->qkv_ec, L->qkv_bias, qkv, T, QKV,
+                                          H, 0, kernel_rows, dt, nthreads)))
             return rc;
         if (omni_rotary(qkv, QKV, qkv + (size_t)q_size * es, QKV, positions, L->cos, L->sin,
                         L->max_position, T, L->num_heads, L->num_kv_heads, D, dt, nthreads))
@@ -79,11 +99,18 @@ int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, 
                                        L->num_heads, L->num_kv_heads, D, L->block_size, L->scale,
                                        L->window, dt, nthreads)))
             return rc;
-        if ((rc = stack_linear(att, L->o, L->o_packed, L->o_ec, L->o_bias, hidden, T, H, q_size,
-                               0, kernel_rows, dt, nthreads)))
+        if ((rc = L->o_q ? quant_linear(att, L->o_q, L->o_qscale, L->o_qkind, L->o_bias, hidden, T, H,
+                                        q_size, dt, nthreads)
+                         : stack_linear(att, L->o, L->o_packed, L->o_ec, L->o_bias, hidden, T, H, q_size,
+                                        0, kernel_rows, dt, nthreads)))
             return rc;
         omni_rms_norm(hidden, residual, residual, L->post_norm, normed, T, H, L->post_eps, dt, nthreads);
-        if (T <= kernel_rows) {
+        if (L->gate_up_q) {
+            if ((rc = quant_linear(normed, L->gate_up_q, L->gate_up_qscale, L->gate_up_qkind, L->gate_up_bias,
+                                   gate_up, T, 2 * I, H, dt, nthreads)))
+                return rc;
+            omni_silu_and_mul(gate_up, act, T, I, dt, nthreads);
+        } else if (T <= kernel_rows) {
             kernel_linear(normed, L->gate_up, L->gate_up_ec, L->gate_up_bias, gate_up, T, 2 * I, H,
                           dt, nthreads);
             omni_silu_and_mul(gate_up, act, T, I, dt, nthreads);
@@ -92,8 +119,10 @@ int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, 
                                       nthreads))) {
             return rc;
         }
-        if ((rc = stack_linear(act, L->down, L->down_packed, L->down_ec, L->down_bias, hidden, T, H,
-                               I, 0, kernel_rows, dt, nthreads)))
+        if ((rc = L->down_q ? quant_linear(act, L->down_q, L->down_qscale, L->down_qkind, L->down_bias, hidden,
+                                           T, H, I, dt, nthreads)
+                            : stack_linear(act, L->down, L->down_packed, L->down_ec, L->down_bias, hidden, T, H,
+                                           I, 0, kernel_rows, dt, nthreads)))
             return rc;
     }
     return 0;
