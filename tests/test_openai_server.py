@@ -285,7 +285,13 @@ BAD_COMPLETIONS = [
     ({}, "prompt"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
-    ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": -100.5}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"100000": 1}}, "logit_bias"),  # past the vocabulary
+    ({"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": "much"}}, "logit_bias"),
+    ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "hi", "suffix": "!"}, "suffix"),
 ]

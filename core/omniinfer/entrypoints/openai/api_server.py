@@ -1,6 +1,7 @@
 """The FastAPI app behind `omniinfer serve` (`run.py` runs it under uvicorn).
 
 Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
+/v1/models/{id} (404 in OpenAI's shape for an id not served),
 /openapi.json, /health (503 while loading, while shutting down and once the engine or a
 worker has failed; 500 if loading failed), /metrics (Prometheus), /version. Every error is
 OpenAI's JSON shape (http_guard.py makes sure of it). With an API key, everything but
@@ -219,12 +220,19 @@ def _api_routes(state: ServerState, app: FastAPI) -> APIRouter:
 
     api = APIRouter(dependencies=[Depends(authorize)])
 
+    def model_card(ctx: ServingContext) -> dict:
+        return {"id": ctx.model_name, "object": "model", "created": now(), "owned_by": "omniinfer",
+                "root": ctx.model_path, "parent": None, "max_model_len": ctx.max_model_len}
+
     @api.get("/v1/models")
     async def models():
+        return {"object": "list", "data": [model_card(state.ready())]}
+
+    @api.get("/v1/models/{model_id:path}")  # ids may hold slashes ("org/name")
+    async def model(model_id: str):
         ctx = state.ready()
-        return {"object": "list", "data": [{
-            "id": ctx.model_name, "object": "model", "created": now(), "owned_by": "omniinfer",
-            "root": ctx.model_path, "parent": None, "max_model_len": ctx.max_model_len}]}
+        ctx.check_model(model_id)
+        return model_card(ctx)
 
     @api.get("/openapi.json", include_in_schema=False)
     async def openapi():
