@@ -53,6 +53,9 @@ def test_prompt_logprobs_through_prefix_cache_and_chunks(checkpoint_dir, hf_logp
     (out,) = llm.generate({"prompt_token_ids": prompt}, scored, use_tqdm=False)
     ref = hf_logprobs(path, prompt)
     check_prompt_entries(out.prompt_logprobs, prompt, ref, 3)
+    tokenizer = llm.get_tokenizer()
+    assert all(lp.decoded_token == tokenizer.decode([t]) for entry in out.prompt_logprobs[1:]
+               for t, lp in entry.items())
     stats = llm.llm_engine.stats()
     assert stats["num_free_kv_blocks"] == stats["num_total_kv_blocks"]
 
