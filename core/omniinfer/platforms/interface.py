@@ -42,13 +42,17 @@ def host_kv_budget(config: EngineConfig, max_bytes: int = 4 << 30) -> int:
 def accelerator_kv_budget(config: EngineConfig, free_bytes: int, total_bytes: int) -> int:
     """KV-cache bytes on an accelerator, measured after the model is loaded.
 
-    Use up to `OMNIINFER_GPU_MEMORY_UTILIZATION` (default 0.9) of the device's total memory,
+    Use up to `gpu_memory_utilization` (the engine argument; else
+    `OMNIINFER_GPU_MEMORY_UTILIZATION`; default 0.9) of the device's total memory,
     counting what is already taken (weights, other processes), and keep room for the
     step's activations: the largest batch's hidden and MLP tensors and the logits.
     """
     import os
 
-    utilization = float(os.environ.get(ENV_GPU_MEMORY_UTILIZATION, "0.9"))
+    utilization = config.cache.gpu_memory_utilization
+    name = "gpu_memory_utilization"
+    if utilization is None:
+        utilization, name = float(os.environ.get(ENV_GPU_MEMORY_UTILIZATION, "0.9")), ENV_GPU_MEMORY_UTILIZATION
     if not 0 < utilization <= 1:
         raise ValueError(f"{ENV_GPU_MEMORY_UTILIZATION}={utilization} is not allowed; it must be in (0, 1]")
     m, s = config.model, config.scheduler
@@ -60,7 +64,7 @@ def accelerator_kv_budget(config: EngineConfig, free_bytes: int, total_bytes: in
     budget = int(utilization * total_bytes) - used - activations - logits
     if budget <= 0:
         raise ValueError(f"no device memory left for the KV cache: {free_bytes / 2**30:.2f} GiB free of "
-                         f"{total_bytes / 2**30:.2f} GiB with {ENV_GPU_MEMORY_UTILIZATION}={utilization}; "
+                         f"{total_bytes / 2**30:.2f} GiB with {name}={utilization}; "
                          "lower max_num_batched_tokens / max_num_seqs or use a smaller model")
     return budget
 

@@ -44,8 +44,10 @@ class ServerState:
 
     def __init__(self, model_name: str, *, api_key: str | None = None,
                  chat_template: str | None = None, stats_interval_s: float = 10.0,
-                 limits: ServerLimits | None = None):
+                 limits: ServerLimits | None = None, metrics_prefix: str = "omniinfer",
+                 log_requests: bool = False):
         self.model_name = model_name
+        self.log_requests = log_requests
         self.api_key = api_key or None
         self.chat_template = chat_template
         self.stats_interval_s = stats_interval_s
@@ -55,19 +57,22 @@ class ServerState:
         self.is_draining = False  # a graceful shutdown has begun: no new requests
         self.on_engine_dead = None  # called from the engine thread once the engine has failed
         self.metrics = ServerMetrics(model_name, stats_fn=lambda: self.ctx.engine.stats()
-                                     if self.ctx else {}, health_fn=self.health_error)
+                                     if self.ctx else {}, health_fn=self.health_error,
+                                     prefix=metrics_prefix)
 
     def attach(self, engine) -> None:
         """Serve a loaded `LLMEngine` (starts its engine thread)."""
         from omniinfer.engine.llm_engine import load_tokenizer
         from omniinfer.entrypoints.openai.async_engine import AsyncLLMEngine
 
-        tokenizer = load_tokenizer(engine.config.model.tokenizer)
+        tokenizer = load_tokenizer(engine.config.model.tokenizer, engine.config.model.trust_remote_code)
         async_engine = AsyncLLMEngine(engine, metrics=self.metrics,
                                       stats_interval_s=self.stats_interval_s,
                                       on_dead=lambda: self.on_engine_dead and self.on_engine_dead())
+        self.metrics.bind(engine.config.model.max_model_len)
         self.ctx = ServingContext(async_engine, tokenizer, model_name=self.model_name,
-                                  chat_template=self.chat_template, limits=self.limits)
+                                  chat_template=self.chat_template, limits=self.limits,
+                                  log_requests=self.log_requests)
 
     def health_error(self) -> str | None:
         """Why the engine cannot serve (failed, or a worker died), or None."""

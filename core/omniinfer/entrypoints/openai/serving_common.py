@@ -17,7 +17,10 @@ from omniinfer.entrypoints.openai.async_engine import (
 )
 from omniinfer.entrypoints.openai.limits import ServerLimits
 from omniinfer.entrypoints.openai.protocol import GENERATION_DEFAULTS, APIError, usage
+from omniinfer.logger import init_logger
 from omniinfer.sampling.params import SamplingParams
+
+logger = init_logger(__name__)
 
 # Texts up to this many characters are tokenized on the event loop (well under a millisecond);
 # longer ones on the context's tokenizing thread, so that /health and the other requests never
@@ -38,8 +41,10 @@ class ServingContext:
     is ever used by two threads at once."""
 
     def __init__(self, engine: AsyncLLMEngine, tokenizer, *, model_name: str,
-                 chat_template: str | None = None, limits: ServerLimits | None = None):
+                 chat_template: str | None = None, limits: ServerLimits | None = None,
+                 log_requests: bool = False):
         self.engine = engine
+        self.log_requests = log_requests  # one log line per request (--enable-log-requests)
         self.tokenizer = tokenizer
         self.model_name = model_name
         config = engine.engine.config.model
@@ -168,7 +173,15 @@ class ServingContext:
 
     def generate(self, request_id: str, prompt_input: dict, params: SamplingParams,
                  ) -> AsyncIterator[RequestOutput]:
+        if self.log_requests:
+            ids = prompt_input["prompt_token_ids"]
+            logger.info("request %s: %d prompt tokens %s, params %s", request_id, len(ids),
+                        _head(ids), params)
         return self.engine.generate(request_id, prompt_input, params)
+
+
+def _head(ids: list[int], num: int = 16) -> str:
+    return repr(ids) if len(ids) <= num else repr(ids[:num])[:-1] + ", ...]"
 
 
 def output_error(out: RequestOutput) -> APIError | None:
