@@ -51,6 +51,13 @@ class CpuPlatform(Platform):
         """OMNIINFER_CPU_KVCACHE_GIB if set; else a quarter of available memory (shared by the
         ranks of a parallel run), at most 4 GiB, and never more than the running batch can use
         (max_num_seqs full-length sequences)."""
+        if config.cache.gpu_memory_utilization is not None:  # a vLLM launch line's flag
+            from omniinfer.logger import init_logger
+
+            init_logger(__name__).info(
+                "gpu_memory_utilization=%s is ignored on the CPU (host memory is shared with the "
+                "rest of the machine): the KV cache is sized by kv_cache_memory_bytes or %s",
+                config.cache.gpu_memory_utilization, ENV_KV_CACHE)
         if os.environ.get(ENV_KV_CACHE):
             return int(float(os.environ[ENV_KV_CACHE]) * GiB)
         return host_kv_budget(config, 4 * GiB)
