@@ -49,3 +49,28 @@ def test_primitives_use_the_device_module(fake, checkpoint_dir):
     assert 25 << 30 < budget < 26 << 30
     assert ("synchronize",) in calls
     assert FakePlatform.pin_memory_available()
+
+
+def test_gpu_memory_utilization_sets_the_share(fake, checkpoint_dir, monkeypatch):
+    """vLLM's --gpu-memory-utilization: the engine argument, over the environment variable; a
+    plain Platform on a device type whose module reports memory gets the same budget."""
+    from omniinfer.config import EngineArgs
+    from omniinfer.platforms.interface import Availability, Platform
+
+    monkeypatch.setenv("OMNIINFER_GPU_MEMORY_UTILIZATION", "0.9")
+    base = EngineArgs(model=checkpoint_dir("llama")).create_engine_config()
+    half = EngineArgs(model=checkpoint_dir("llama"), gpu_memory_utilization=0.5).create_engine_config()
+    full, low = (FakePlatform.kv_cache_memory_bytes(c, model_bytes=0) for c in (base, half))
+    assert full - low == int(0.9 * (40 << 30)) - int(0.5 * (40 << 30))  # 0.4 of 40 GiB less
+
+    class Plain(Platform):  # implements nothing about memory
+        name, device_type = "plain", "fake"
+
+        @classmethod
+        def is_available(cls):
+            return Availability(True, "")
+
+    assert Plain.kv_cache_memory_bytes(half, model_bytes=0) == low
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5 is not allowed; it must be "
+                                         r"in \(0, 1\]"):
+        EngineArgs(model=checkpoint_dir("llama"), gpu_memory_utilization=1.5).create_engine_config()

@@ -103,3 +103,23 @@ def test_serve_defaults_to_the_demo_model_and_its_chat_template(demo_llm):
         state.ctx.engine.stop()  # the engine itself belongs to demo_llm
     assert r.choices[0].message.content.strip()
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_demo_model_path_is_public_and_light():
+    """`omniinfer.demo_model_path()`: the demo checkpoint's directory, without importing torch."""
+    code = ("import sys, omniinfer; p = omniinfer.demo_model_path(); "
+            "d = omniinfer.demo_draft_model_path(); "
+            "print(p); print(d); print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    path, draft, has_torch = out.stdout.split()
+    assert Path(path) == Path(DEMO_MODEL) and Path(draft) == DEMO_ROOT / "draft"
+    assert (Path(path) / "config.json").is_file() and has_torch == "False"
+
+
+def test_the_conformance_kit_declares_pytest():
+    """`pip install omniinfer[conformance]` brings what the plugin conformance kit imports."""
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    (requirement,) = extras["project"]["optional-dependencies"]["conformance"]
+    assert requirement.startswith("pytest")

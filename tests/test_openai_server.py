@@ -285,7 +285,13 @@ BAD_COMPLETIONS = [
     ({}, "prompt"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
-    ({"prompt": "hi", "logit_bias": {"5": 1}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": -100.5}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"100000": 1}}, "logit_bias"),  # past the vocabulary
+    ({"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": "much"}}, "logit_bias"),
+    ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+    ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "hi", "suffix": "!"}, "suffix"),
 ]
@@ -514,7 +520,8 @@ def test_metrics_in_prometheus_format(server):
 
 
 def test_spec_decode_counters_and_the_stats_line(monkeypatch):
-    stats = {"num_running": 2, "num_waiting": 1, "num_swapped": 0, "kv_cache_usage": 0.25,
+    stats = {"num_running_requests": 2, "num_waiting_requests": 1, "num_swapped_requests": 0,
+             "num_running": 4, "num_waiting": 1, "num_swapped": 0, "kv_cache_usage": 0.25,
              "num_prompt_tokens": 100, "num_generation_tokens": 50, "num_spec_proposed_tokens": 40,
              "num_spec_accepted_tokens": 30, "num_spec_emitted_tokens": 36,
              "spec_acceptance_rate": 0.75, "num_spec_draft_steps": 10}
@@ -529,8 +536,8 @@ def test_spec_decode_counters_and_the_stats_line(monkeypatch):
     lines = []
     monkeypatch.setattr("omniinfer.entrypoints.openai.metrics.logger.info", lines.append)
     metrics.log_stats(stats, 10.0)
-    metrics.log_stats(stats | {"num_running": 0, "num_waiting": 0}, 10.0)  # idle: no new line
+    metrics.log_stats(stats | {"num_running_requests": 0, "num_waiting_requests": 0}, 10.0)  # idle
     (line,) = lines
     assert "prompt throughput: 10.0 tokens/s" in line and "generation throughput: 5.0" in line
-    assert "running: 2, waiting: 1" in line and "KV cache usage: 25.0%" in line
+    assert "running: 2, waiting: 1, swapped: 0 requests" in line and "KV cache usage: 25.0%" in line
     assert "draft acceptance rate: 75.0%" in line

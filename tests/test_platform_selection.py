@@ -293,7 +293,7 @@ def test_engine_start_logs_the_selected_platform(tmp_path, monkeypatch):
               "num_hidden_layers": 2, "vocab_size": 384, "max_position_embeddings": 128}
     (tmp_path / "config.json").write_text(json.dumps(config))
 
-    def stop(path):  # selection and its log line come before the tokenizer: stop there
+    def stop(path, *_):  # selection and its log line come before the tokenizer: stop there
         raise _StopAfterSelection
 
     monkeypatch.setattr(llm_engine, "load_tokenizer", stop)

@@ -126,6 +126,31 @@ def test_acme_is_selected_only_when_named(third_party, monkeypatch):
     assert select_attention_backend(acme, _spec(), registry.backends).name == "ACME_ATTN"
 
 
+def test_a_platform_that_does_not_size_its_kv_cache_starts(third_party, checkpoint_dir,
+                                                           hf_greedy, monkeypatch):
+    """acme implements no kv_cache_memory_bytes: the engine starts on the default (the host
+    rule, for a device type torch reports no memory for), says so, and generates right."""
+    from omniinfer import LLM, SamplingParams
+    from omniinfer.platforms.interface import host_kv_budget
+    from omniinfer.worker.cache_engine import block_bytes
+
+    lines = []
+    monkeypatch.setattr("omniinfer.logger.logging.Logger.info",
+                        lambda self, msg, *args, **kw: lines.append(msg % args if args else msg))
+    path = checkpoint_dir("llama")
+    llm = LLM(path, device="acme", max_num_seqs=4, max_model_len=256, block_size=16)
+    prompt = [5, 9, 33, 71, 2]
+    (out,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert out.outputs[0].token_ids == hf_greedy(path, prompt, 8)
+    config = llm.llm_engine.config
+    m = config.model
+    expected = host_kv_budget(config) // block_bytes(m.num_layers, 16, m.num_kv_heads, m.head_size,
+                                                     m.dtype)
+    assert llm.llm_engine.stats()["num_total_kv_blocks"] == expected == 4 * 256 // 16
+    assert any("platform acme does not size its KV cache" in line for line in lines), lines
+
+
 def test_acme_backend_joins_the_cpu_platform_after_its_preferences(third_party):
     registry = PluginRegistry()
     cpu = registry.platforms["cpu"]

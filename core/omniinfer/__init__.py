@@ -13,6 +13,8 @@ __all__ = [
     "CompletionOutput",
     "LLMEngine",
     "EngineArgs",
+    "demo_model_path",
+    "demo_draft_model_path",
     "__version__",
 ]
 
@@ -23,6 +25,8 @@ _LAZY = {
     "CompletionOutput": "omniinfer.engine.outputs",
     "LLMEngine": "omniinfer.engine.llm_engine",
     "EngineArgs": "omniinfer.config",
+    "demo_model_path": "omniinfer.demo",  # no torch: the path of the shipped demo checkpoint
+    "demo_draft_model_path": "omniinfer.demo",
 }
 
 

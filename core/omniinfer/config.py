@@ -1,15 +1,13 @@
 """Engine configuration: plain dataclasses, validated where they are built.
 
 `EngineArgs` is the flat, user-facing set of arguments (`LLM(...)` keywords, CLI flags).
-`EngineArgs.create_engine_config()` reads the checkpoint's config.json, resolves defaults
+`EngineArgs.create_engine_config()` reads the checkpoint's config.json (checkpoint_config.py), resolves defaults
 and returns an `EngineConfig` made of one dataclass per concern.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -62,6 +60,7 @@ class ModelConfig:
     generation_config: dict = field(default_factory=dict)
     max_logprobs: int = 20  # most log-probabilities a request may ask for per token (<= vocab_size)
     quantization: str | None = None  # "gguf" (a .gguf file), "int8" (made at load), or None
+    trust_remote_code: bool = False  # the tokenizer may run code shipped with the checkpoint
 
     @property
     def dtype_bytes(self) -> int:
@@ -83,8 +82,15 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # device bytes for the KV cache (else platform default)
     swap_space: float = 4.0  # GiB of host memory for swap preemption
     enable_prefix_caching: bool = False
+    # share of an accelerator's memory that weights, activations and the KV cache may take
+    # (vLLM's --gpu-memory-utilization); None: OMNIINFER_GPU_MEMORY_UTILIZATION, else 0.9
+    gpu_memory_utilization: float | None = None
 
     def __post_init__(self) -> None:
+        u = self.gpu_memory_utilization
+        if u is not None and (isinstance(u, bool) or not isinstance(u, (int, float))
+                              or not 0 < u <= 1):
+            raise ValueError(f"gpu_memory_utilization={u!r} is not allowed; it must be in (0, 1]")
         if self.block_size not in SUPPORTED_BLOCK_SIZES:
             raise ValueError(f"block_size={self.block_size!r} is not supported; "
                              f"allowed: {', '.join(map(str, SUPPORTED_BLOCK_SIZES))}")
@@ -200,103 +206,6 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
 
-def _read_json(path: str) -> dict:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _rope_theta(cfg: dict) -> float:
-    params = cfg.get("rope_parameters") or {}
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-
-
-def rope_scaling(cfg: dict) -> dict | None:
-    """The rope scaling dict in either spelling (transformers 4 `rope_scaling`, 5 `rope_parameters`)."""
-    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
-    if not params:
-        return None
-    params = dict(params)
-    kind = params.get("rope_type", params.get("type", "default"))
-    params["rope_type"] = kind
-    return None if kind == "default" else params
-
-
-def rope_theta(cfg: dict) -> float:
-    return _rope_theta(cfg)
-
-
-def _eos_ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
-
-
-def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.dtype,
-                      max_model_len: int | None, seed: int, quantization: str | None = None) -> ModelConfig:
-    from omniinfer.quantization.choice import resolve_quantization
-    from omniinfer.quantization.gguf_file import GGUFFile, is_gguf
-
-    gguf = is_gguf(model)
-    if not gguf and (not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model)):
-        raise ValueError(f"model={model!r} is not a checkpoint directory or a .gguf file (omniinfer "
-                         "loads local Hugging Face checkpoint directories, config.json + safetensors, "
-                         "and GGUF files)")
-    model = os.fspath(model)
-    if gguf:
-        config_path, cfg, gen = model, GGUFFile(model).hf_config(), {}
-    else:
-        config_path = os.path.join(model, "config.json")
-        if not os.path.isfile(config_path):
-            raise ValueError(f"model={model!r} has no config.json")
-        cfg = _read_json(config_path)
-        gen_path = os.path.join(model, "generation_config.json")
-        gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
-    archs = cfg.get("architectures") or []
-    if not archs:
-        raise ValueError(f"{config_path} names no architecture ('architectures' is empty)")
-    quantization = resolve_quantization(model, cfg, quantization, gguf)
-
-    if isinstance(dtype, torch.dtype):
-        resolved = dtype
-    elif dtype == "auto":
-        name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-        resolved = _DTYPES.get(str(name), torch.float32)
-    elif isinstance(dtype, str) and dtype in _DTYPES:
-        resolved = _DTYPES[dtype]
-    else:
-        raise ValueError(f"dtype={dtype!r} is not supported; allowed: 'auto', 'float32', "
-                         "'bfloat16', 'float16'")
-
-    derived_len = int(cfg.get("max_position_embeddings", 2048))
-    if max_model_len is None:
-        max_model_len = derived_len
-    _check_int("max_model_len", max_model_len, minimum=1)
-    if max_model_len > derived_len:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
-                         f"max_position_embeddings={derived_len} ({config_path})")
-
-    num_heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
-    return ModelConfig(
-        model=model,
-        tokenizer=os.fspath(tokenizer) if tokenizer else model,
-        dtype=resolved,
-        max_model_len=max_model_len,
-        seed=seed,
-        architecture=archs[0],
-        hf_config=cfg,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_size=int(cfg.get("head_dim") or hidden // num_heads),
-        eos_token_ids=_eos_ids(gen.get("eos_token_id", cfg.get("eos_token_id"))),
-        generation_config=gen,
-        quantization=quantization,
-    )
-
-
 @dataclass
 class EngineArgs:
     """Every engine argument, flat, with its default (the `LLM(...)` keywords)."""
@@ -327,18 +236,23 @@ class EngineArgs:
     num_scheduler_steps: int | None = None  # None: 1 (the offline LLM class picks 8)
     max_logprobs: int = 20  # a request's logprobs / prompt_logprobs at most; -1: the vocabulary
     quantization: str | None = None  # "int8": quantise a float checkpoint at load; a .gguf is "gguf"
+    gpu_memory_utilization: float | None = None  # accelerators' memory share (CacheConfig)
+    trust_remote_code: bool = False  # let the tokenizer run the checkpoint's code (models are ours)
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
     def create_engine_config(self) -> EngineConfig:
+        from omniinfer.checkpoint_config import load_model_config
+
         _check_int("seed", self.seed, minimum=0)
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("max_logprobs", self.max_logprobs, minimum=-1)
         model = load_model_config(self.model, tokenizer=self.tokenizer, dtype=self.dtype,
                                   max_model_len=self.max_model_len, seed=self.seed,
                                   quantization=self.quantization)
+        model.trust_remote_code = bool(self.trust_remote_code)
         model.max_logprobs = (model.vocab_size if self.max_logprobs == -1
                               else min(self.max_logprobs, model.vocab_size))
         speculative = self._speculative_config(model)
@@ -367,6 +281,7 @@ class EngineArgs:
                 kv_cache_memory_bytes=self.kv_cache_memory_bytes,
                 swap_space=self.swap_space,
                 enable_prefix_caching=bool(self.enable_prefix_caching),
+                gpu_memory_utilization=self.gpu_memory_utilization,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -393,6 +308,8 @@ class EngineArgs:
         if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} is not allowed; it "
                              f"must be <= {MAX_SPECULATIVE_TOKENS}")
+        from omniinfer.checkpoint_config import load_model_config
+
         draft = load_model_config(self.speculative_model, tokenizer=None, dtype=target.dtype,
                                   max_model_len=None, seed=self.seed)
         if draft.vocab_size != target.vocab_size:

@@ -31,14 +31,15 @@ from omniinfer.sampling.params import SamplingParams
 logger = init_logger(__name__)
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     from omniinfer.quantization.gguf_file import is_gguf
     from omniinfer.quantization.gguf_file import load_tokenizer as gguf_tokenizer
 
     try:
-        return gguf_tokenizer(path) if is_gguf(path) else AutoTokenizer.from_pretrained(path)
+        return (gguf_tokenizer(path) if is_gguf(path) else
+                AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code))
     except Exception as e:
         raise ValueError(f"tokenizer={path!r} could not be loaded: {type(e).__name__}: {e}") from e
 
@@ -81,7 +82,7 @@ class LLMEngine:
                     self.platform.name, self.platform.plugin_name, self.platform.plugin_version,
                     torch_build(self.platform), ", ".join(self.platform.device_names()) or "-",
                     self.attn_backend.name, dtype_name(m.dtype))
-        self.tokenizer = load_tokenizer(m.tokenizer)
+        self.tokenizer = load_tokenizer(m.tokenizer, m.trust_remote_code)
         if config.speculative is not None:
             from omniinfer.spec_decode.proposer import check_same_vocabulary
 
@@ -98,6 +99,7 @@ class LLMEngine:
         _freeze_loaded_objects()
         self.max_model_len = config.model.max_model_len
         self.num_prompt_tokens = 0
+        self.last_step_tokens = (0, 0)  # tokens the last step computed per forward pass, passes
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs) -> LLMEngine:
@@ -176,6 +178,7 @@ class LLMEngine:
         that finished, and the streamed ones that progressed."""
         sched = self.scheduler.schedule()
         results = [] if sched.is_empty else self.executor.execute_model(sched)
+        self.last_step_tokens = (sum(sched.num_scheduled_tokens), len(results))
         for result in results:  # one per decode step (several with multi-step decoding)
             self.output_processor.process(self.scheduler.update_from_output(sched, result))
         return self.output_processor.outputs()

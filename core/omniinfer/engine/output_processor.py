@@ -125,6 +125,16 @@ class OutputProcessor:
                 seq.output_text += detok.take()
         return seq.output_text
 
+    def _decode_prompt_logprobs(self, group: SequenceGroup) -> None:
+        """Each prompt log-prob's token text (`decoded_token`, as vLLM fills it), once all are in."""
+        entries = group.prompt_logprobs
+        if (not entries or len(entries) < len(group.prompt_token_ids)
+                or next(iter(entries[-1].values())).decoded_token is not None):
+            return
+        for entry in entries[1:]:
+            for tid, lp in entry.items():
+                lp.decoded_token = self.tokenizer.decode([tid])
+
     def output(self, group: SequenceGroup) -> RequestOutput:
         holdback = max((len(s) for s in group.params.stop), default=1) - 1
         completions = []
@@ -143,6 +153,7 @@ class OutputProcessor:
                 error=group.error if seq.status == SequenceStatus.FINISHED_ERROR else None,
             ))
         completions.sort(key=lambda c: c.index)
+        self._decode_prompt_logprobs(group)
         m = group.metrics
         return RequestOutput(
             request_id=group.request_id,

@@ -68,6 +68,10 @@ def check_params(config: EngineConfig, params: SamplingParams) -> None:
     if bad:
         raise ValueError(f"stop_token_ids holds token id {bad[0]}; allowed: 0 <= id < vocab size "
                          f"{vocab}")
+    bad = [t for t in params.logit_bias or () if t >= vocab]
+    if bad:
+        raise ValueError(f"logit_bias holds token id {bad[0]}; allowed: 0 <= id < vocab size "
+                         f"{vocab}")
 
 
 def resolve_max_tokens(config: EngineConfig, num_prompt_tokens: int, params: SamplingParams) -> int:

@@ -312,10 +312,17 @@ class Scheduler(ScheduleOutputs):
 
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> dict:
+        # requests (a request with n = 3 is one) where any sequence runs, else is swapped, else waits
+        running = {id(s.group) for s in self.running}
+        swapped = {id(s.group) for s in self.swapped} - running
+        waiting = {id(s.group) for s in self.waiting} - running - swapped
         return {
-            "num_running": len(self.running),
+            "num_running": len(self.running),  # sequences
             "num_waiting": len(self.waiting),
             "num_swapped": len(self.swapped),
+            "num_running_requests": len(running),
+            "num_waiting_requests": len(waiting),
+            "num_swapped_requests": len(swapped),
             "num_preemptions": self.num_preemptions,
             "num_total_kv_blocks": self.blocks.num_total_blocks,
             "num_free_kv_blocks": self.blocks.num_free_blocks,

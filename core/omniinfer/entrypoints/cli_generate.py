@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from omniinfer.demo import demo_model_path
 from omniinfer.entrypoints.engine_flags import add_engine_args, engine_kwargs
 
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "demo", "model")
@@ -14,7 +15,10 @@ DEMO_MODEL = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", 
 
 def default_model() -> str | None:
     """The shipped demo model, when this installation has it."""
-    return DEMO_MODEL if os.path.isfile(os.path.join(DEMO_MODEL, "config.json")) else None
+    try:
+        return demo_model_path()
+    except FileNotFoundError:
+        return None
 
 
 def register(sub) -> None:

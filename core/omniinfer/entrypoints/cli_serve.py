@@ -23,6 +23,8 @@ def register(sub) -> None:
                        "flag also reads OMNIINFER_<FLAG> (e.g. OMNIINFER_PORT, OMNIINFER_API_KEY).")
     p.add_argument("model", nargs="?", default=env_default("model", None),
                    help="checkpoint directory (default: the shipped demo model)")
+    p.add_argument("--model", dest="model_flag", default=None, metavar="MODEL",
+                   help="the same as the positional MODEL (vLLM's spelling)")
     p.add_argument("--host", default=env_default("host", "127.0.0.1"),
                    help="address to bind (default: %(default)s; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=env_default("port", 8000, int),
@@ -37,6 +39,17 @@ def register(sub) -> None:
                    help="seconds between stats log lines while busy; 0 disables (default: %(default)s)")
     p.add_argument("--uvicorn-log-level", default=env_default("uvicorn_log_level", "info"),
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--metrics-prefix", default=env_default("metrics_prefix", "omniinfer"),
+                   choices=["omniinfer", "vllm"],
+                   help="namespace of the /metrics series: 'vllm' names them as vLLM does, for "
+                   "its dashboards and alerts (default: %(default)s)")
+    p.add_argument("--enable-log-requests", nargs="?", const=True, type=_parse_bool,
+                   default=env_default("enable_log_requests", False, bool),
+                   help="log one line per request: its id, prompt length and parameters")
+    p.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                   help="no request log lines (the default; vLLM's older flag)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats log lines (the same as --stats-interval 0)")
     limits = p.add_argument_group("limits (see docs/serving.md)")
     limits.add_argument("--max-n", type=int, default=env_default("max_n", 128, int),
                         help="most choices (n) per prompt (default: %(default)s)")
@@ -70,6 +83,12 @@ def run(args: argparse.Namespace) -> int:
     from omniinfer.entrypoints.openai.run import run_server
 
     model, name = args.model, args.served_model_name
+    if args.model_flag is not None:
+        if model not in (None, env_default("model", None), args.model_flag):
+            print(f"error: two models given: {model!r} and --model {args.model_flag!r}",
+                  file=sys.stderr)
+            return 2
+        model = args.model_flag
     if not model:
         model = default_model()
         if model is None:
@@ -86,5 +105,7 @@ def run(args: argparse.Namespace) -> int:
     return run_server(model, engine_kwargs(args), host=args.host, port=args.port,
                       model_name=name or model, api_key=args.api_key,
                       chat_template=read_chat_template(args.chat_template),
-                      stats_interval_s=args.stats_interval, uvicorn_log_level=args.uvicorn_log_level,
-                      limits=limits, keep_alive_on_engine_death=args.keep_alive_on_engine_death)
+                      stats_interval_s=0 if args.disable_log_stats else args.stats_interval,
+                      uvicorn_log_level=args.uvicorn_log_level, limits=limits,
+                      keep_alive_on_engine_death=args.keep_alive_on_engine_death,
+                      metrics_prefix=args.metrics_prefix, log_requests=args.enable_log_requests)

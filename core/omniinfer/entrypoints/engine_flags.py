@@ -33,7 +33,13 @@ def env_name(field: str) -> str:
     return "OMNIINFER_" + field.upper()
 
 
+# vLLM's short spellings
+ALIASES = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",)}
+
+
 def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ("model",)) -> None:
+    """One flag per EngineArgs field (`--block-size`); a boolean also takes `--no-<flag>`
+    (vLLM's `--no-enable-prefix-caching`) and `--flag false`."""
     group = parser.add_argument_group("engine arguments (each also read from OMNIINFER_<NAME>)")
     for f in dataclasses.fields(EngineArgs):
         if f.name in skip:
@@ -49,9 +55,12 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
             except (ValueError, argparse.ArgumentTypeError) as e:
                 parser.error(f"{env_name(f.name)}={env!r}: {e}")
         extra = {"nargs": "?", "const": True} if base is bool else {}
-        group.add_argument(flag, dest=f.name, type=kind, default=default, metavar=f.name.upper()
-                           if base is not bool else None, **extra,
+        group.add_argument(flag, *ALIASES.get(f.name, ()), dest=f.name, type=kind, default=default,
+                           metavar=f.name.upper() if base is not bool else None, **extra,
                            help=f"default: {default!r}")
+        if base is bool:
+            group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false",
+                               help=argparse.SUPPRESS)
 
 
 def engine_kwargs(args: argparse.Namespace, *, skip: tuple[str, ...] = ("model",)) -> dict:

@@ -26,16 +26,33 @@ if TYPE_CHECKING:
 ENV_GPU_MEMORY_UTILIZATION = "OMNIINFER_GPU_MEMORY_UTILIZATION"
 
 
+def host_kv_budget(config: EngineConfig, max_bytes: int = 4 << 30) -> int:
+    """KV-cache bytes from host memory: what `max_num_seqs` full-length sequences need, at most a
+    quarter of available memory (shared by the ranks of a parallel run) and `max_bytes`."""
+    from omniinfer.platforms.host import available_memory_bytes
+    from omniinfer.worker.cache_engine import block_bytes
+
+    m = config.model
+    tokens = config.scheduler.max_num_seqs * m.max_model_len
+    useful = block_bytes(m.num_layers, 1, m.num_kv_heads, m.head_size, m.dtype) * tokens
+    share = available_memory_bytes() // 4 // config.parallel.world_size
+    return int(min(max_bytes, share, useful))
+
+
 def accelerator_kv_budget(config: EngineConfig, free_bytes: int, total_bytes: int) -> int:
     """KV-cache bytes on an accelerator, measured after the model is loaded.
 
-    Use up to `OMNIINFER_GPU_MEMORY_UTILIZATION` (default 0.9) of the device's total memory,
+    Use up to `gpu_memory_utilization` (the engine argument; else
+    `OMNIINFER_GPU_MEMORY_UTILIZATION`; default 0.9) of the device's total memory,
     counting what is already taken (weights, other processes), and keep room for the
     step's activations: the largest batch's hidden and MLP tensors and the logits.
     """
     import os
 
-    utilization = float(os.environ.get(ENV_GPU_MEMORY_UTILIZATION, "0.9"))
+    utilization = config.cache.gpu_memory_utilization
+    name = "gpu_memory_utilization"
+    if utilization is None:
+        utilization, name = float(os.environ.get(ENV_GPU_MEMORY_UTILIZATION, "0.9")), ENV_GPU_MEMORY_UTILIZATION
     if not 0 < utilization <= 1:
         raise ValueError(f"{ENV_GPU_MEMORY_UTILIZATION}={utilization} is not allowed; it must be in (0, 1]")
     m, s = config.model, config.scheduler
@@ -47,7 +64,7 @@ def accelerator_kv_budget(config: EngineConfig, free_bytes: int, total_bytes: in
     budget = int(utilization * total_bytes) - used - activations - logits
     if budget <= 0:
         raise ValueError(f"no device memory left for the KV cache: {free_bytes / 2**30:.2f} GiB free of "
-                         f"{total_bytes / 2**30:.2f} GiB with {ENV_GPU_MEMORY_UTILIZATION}={utilization}; "
+                         f"{total_bytes / 2**30:.2f} GiB with {name}={utilization}; "
                          "lower max_num_batched_tokens / max_num_seqs or use a smaller model")
     return budget
 
@@ -188,8 +205,31 @@ class Platform:
 
     @classmethod
     def kv_cache_memory_bytes(cls, config: EngineConfig, model_bytes: int) -> int:
-        """Bytes the KV cache may take on one device, given the loaded model's size."""
-        raise NotImplementedError(f"platform {cls.name!r} does not size its KV cache")
+        """Bytes the KV cache may take on one device, given the loaded model's size.
+
+        The default, for a platform that says nothing better: where torch's module for
+        `device_type` reports the device's memory (`mem_get_info`), the accelerator rule
+        (`accelerator_kv_budget`); otherwise the host rule (`host_kv_budget`). Either way the
+        log says which, and `kv_cache_memory_bytes=` / `num_kv_blocks=` override it."""
+        import torch
+
+        from omniinfer.logger import init_logger
+
+        try:
+            module = torch.get_device_module(cls.device_type)
+        except (RuntimeError, ValueError, AttributeError):
+            module = None
+        if cls.device_type != "cpu" and hasattr(module, "mem_get_info"):
+            module.synchronize()
+            free, total = module.mem_get_info()
+            budget, rule = accelerator_kv_budget(config, free, total), "the device's free memory"
+        else:
+            budget, rule = host_kv_budget(config), "the host rule (min of what max_num_seqs " \
+                "full-length sequences need, a quarter of available memory, 4 GiB)"
+        init_logger(__name__).info(
+            "platform %s does not size its KV cache: %.2f GiB from %s (set kv_cache_memory_bytes "
+            "or num_kv_blocks to choose)", cls.name, budget / (1 << 30), rule)
+        return budget
 
     @classmethod
     def verify_config(cls, config: EngineConfig) -> list[str]:

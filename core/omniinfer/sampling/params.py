@@ -21,6 +21,8 @@ SEED_RANGE = (-(1 << 63), (1 << 64) - 1)  # any signed or unsigned 64-bit seed
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias
+MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
 
 
 def _number(name: str, value) -> float:
@@ -49,12 +51,14 @@ class SamplingParams:
     min_p 0 disables min-p. `logprobs=N` returns the N most likely tokens plus the chosen
     one at every step (raw model log-probabilities, before any penalty or temperature);
     `prompt_logprobs=N` does the same for the prompt. `max_tokens=None` generates up to
-    the model's context length.
+    the model's context length. `logit_bias` {token id: bias} is added to those logits before
+    penalties and sampling, as OpenAI defines it (log-probs stay the raw model's).
 
     Ranges: n >= 1; temperature [0, 100]; top_p (0, 1]; top_k -1, 0 or [1, 2**31 - 1]; min_p
     [0, 1]; seed a 64-bit int; presence/frequency_penalty [-2, 2]; repetition_penalty
     [0.01, 100]; max_tokens >= 1; 0 <= min_tokens <= max_tokens; logprobs, prompt_logprobs >= 0;
-    at most 64 stop strings of at most 1024 characters; at most 1024 stop_token_ids >= 0.
+    at most 64 stop strings of at most 1024 characters; at most 1024 stop_token_ids >= 0;
+    logit_bias at most 1024 entries, token ids >= 0, biases in [-100, 100].
     """
 
     n: int = 1
@@ -75,6 +79,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.n = _int("n", self.n)
@@ -124,6 +129,7 @@ class SamplingParams:
                                  f"the engine's max_logprobs, {MAX_LOGPROBS} by default)")
             setattr(self, name, value)
         self._check_stops()
+        self._check_logit_bias()
         if self.temperature < 1e-5:  # greedy: sampling knobs do not apply
             self.temperature = 0.0
 
@@ -144,6 +150,29 @@ class SamplingParams:
                              f"at most {MAX_STOP_TOKEN_IDS} non-negative ints")
         self.stop_token_ids = [int(t) for t in ids]
 
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None or (isinstance(bias, dict) and not bias):
+            self.logit_bias = None
+            return
+        if not isinstance(bias, dict):
+            raise TypeError(f"logit_bias must be a dict of token id -> bias, got "
+                            f"{type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias holds {len(bias)} entries; at most {MAX_LOGIT_BIAS} "
+                             "are allowed")
+        checked = {}
+        for tid, value in bias.items():
+            if isinstance(tid, bool) or not isinstance(tid, numbers.Integral) or tid < 0:
+                raise ValueError(f"logit_bias holds the key {tid!r}; its keys must be token ids "
+                                 "(ints >= 0)")
+            value = _number("logit_bias", value)
+            if not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:
+                raise ValueError(f"logit_bias holds the bias {value:g} for token {tid}; a bias "
+                                 f"must be in [-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}]")
+            checked[int(tid)] = value
+        self.logit_bias = checked
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
@@ -152,7 +181,7 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Argmax and nothing else: the sampler's fast path."""
         return (self.temperature == 0.0 and self.logprobs is None and self.min_tokens == 0
-                and not self.has_penalties)
+                and not self.has_penalties and self.logit_bias is None)
 
     @property
     def has_penalties(self) -> bool:

@@ -120,9 +120,24 @@ def random_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     return probs
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Add each row's `logit_bias` to its logits (a copy if any row has one)."""
+    biased = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
+    if not biased:
+        return logits
+    logits = logits.clone()
+    row_index = torch.tensor([i for i, bias in biased for _ in bias], device=logits.device)
+    token_ids = torch.tensor([t for _, bias in biased for t in bias], device=logits.device)
+    values = torch.tensor([v for _, bias in biased for v in bias.values()], device=logits.device,
+                          dtype=logits.dtype)
+    logits.index_put_((row_index, token_ids), values, accumulate=True)
+    return logits
+
+
 def processed(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """min-tokens masking and penalties: the logits every row's choice is made from."""
-    return apply_penalties(apply_min_tokens(logits.float(), rows), rows)
+    """min-tokens masking, logit bias and penalties (vLLM's order): the logits every row's
+    choice is made from."""
+    return apply_penalties(apply_logit_bias(apply_min_tokens(logits.float(), rows), rows), rows)
 
 
 def sampling_probs(logits: torch.Tensor, rows: list[SampleRow], history: bool = True) -> torch.Tensor:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from omniinfer.platforms.host import available_memory_bytes, cpu_info, usable_cpus
-from omniinfer.platforms.interface import Availability, Platform
+from omniinfer.platforms.host import cpu_info, usable_cpus
+from omniinfer.platforms.interface import Availability, Platform, host_kv_budget
 
 GiB = 1 << 30
 ENV_KV_CACHE = "OMNIINFER_CPU_KVCACHE_GIB"
@@ -51,12 +51,13 @@ class CpuPlatform(Platform):
         """OMNIINFER_CPU_KVCACHE_GIB if set; else a quarter of available memory (shared by the
         ranks of a parallel run), at most 4 GiB, and never more than the running batch can use
         (max_num_seqs full-length sequences)."""
+        if config.cache.gpu_memory_utilization is not None:  # a vLLM launch line's flag
+            from omniinfer.logger import init_logger
+
+            init_logger(__name__).info(
+                "gpu_memory_utilization=%s is ignored on the CPU (host memory is shared with the "
+                "rest of the machine): the KV cache is sized by kv_cache_memory_bytes or %s",
+                config.cache.gpu_memory_utilization, ENV_KV_CACHE)
         if os.environ.get(ENV_KV_CACHE):
             return int(float(os.environ[ENV_KV_CACHE]) * GiB)
-        from omniinfer.worker.cache_engine import block_bytes
-
-        m = config.model
-        tokens = config.scheduler.max_num_seqs * m.max_model_len
-        useful = block_bytes(m.num_layers, 1, m.num_kv_heads, m.head_size, m.dtype) * tokens
-        share = available_memory_bytes() // 4 // config.parallel.world_size
-        return int(min(4 * GiB, share, useful))
+        return host_kv_budget(config, 4 * GiB)

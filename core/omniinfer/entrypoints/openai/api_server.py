@@ -1,6 +1,7 @@
 """The FastAPI app behind `omniinfer serve` (`run.py` runs it under uvicorn).
 
 Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize; GET /v1/models,
+/v1/models/{id} (404 in OpenAI's shape for an id not served),
 /openapi.json, /health (503 while loading, while shutting down and once the engine or a
 worker has failed; 500 if loading failed), /metrics (Prometheus), /version. Every error is
 OpenAI's JSON shape (http_guard.py makes sure of it). With an API key, everything but
@@ -43,8 +44,10 @@ class ServerState:
 
     def __init__(self, model_name: str, *, api_key: str | None = None,
                  chat_template: str | None = None, stats_interval_s: float = 10.0,
-                 limits: ServerLimits | None = None):
+                 limits: ServerLimits | None = None, metrics_prefix: str = "omniinfer",
+                 log_requests: bool = False):
         self.model_name = model_name
+        self.log_requests = log_requests
         self.api_key = api_key or None
         self.chat_template = chat_template
         self.stats_interval_s = stats_interval_s
@@ -54,19 +57,22 @@ class ServerState:
         self.is_draining = False  # a graceful shutdown has begun: no new requests
         self.on_engine_dead = None  # called from the engine thread once the engine has failed
         self.metrics = ServerMetrics(model_name, stats_fn=lambda: self.ctx.engine.stats()
-                                     if self.ctx else {}, health_fn=self.health_error)
+                                     if self.ctx else {}, health_fn=self.health_error,
+                                     prefix=metrics_prefix)
 
     def attach(self, engine) -> None:
         """Serve a loaded `LLMEngine` (starts its engine thread)."""
         from omniinfer.engine.llm_engine import load_tokenizer
         from omniinfer.entrypoints.openai.async_engine import AsyncLLMEngine
 
-        tokenizer = load_tokenizer(engine.config.model.tokenizer)
+        tokenizer = load_tokenizer(engine.config.model.tokenizer, engine.config.model.trust_remote_code)
         async_engine = AsyncLLMEngine(engine, metrics=self.metrics,
                                       stats_interval_s=self.stats_interval_s,
                                       on_dead=lambda: self.on_engine_dead and self.on_engine_dead())
+        self.metrics.bind(engine.config.model.max_model_len)
         self.ctx = ServingContext(async_engine, tokenizer, model_name=self.model_name,
-                                  chat_template=self.chat_template, limits=self.limits)
+                                  chat_template=self.chat_template, limits=self.limits,
+                                  log_requests=self.log_requests)
 
     def health_error(self) -> str | None:
         """Why the engine cannot serve (failed, or a worker died), or None."""
@@ -219,12 +225,19 @@ def _api_routes(state: ServerState, app: FastAPI) -> APIRouter:
 
     api = APIRouter(dependencies=[Depends(authorize)])
 
+    def model_card(ctx: ServingContext) -> dict:
+        return {"id": ctx.model_name, "object": "model", "created": now(), "owned_by": "omniinfer",
+                "root": ctx.model_path, "parent": None, "max_model_len": ctx.max_model_len}
+
     @api.get("/v1/models")
     async def models():
+        return {"object": "list", "data": [model_card(state.ready())]}
+
+    @api.get("/v1/models/{model_id:path}")  # ids may hold slashes ("org/name")
+    async def model(model_id: str):
         ctx = state.ready()
-        return {"object": "list", "data": [{
-            "id": ctx.model_name, "object": "model", "created": now(), "owned_by": "omniinfer",
-            "root": ctx.model_path, "parent": None, "max_model_len": ctx.max_model_len}]}
+        ctx.check_model(model_id)
+        return model_card(ctx)
 
     @api.get("/openapi.json", include_in_schema=False)
     async def openapi():

@@ -61,6 +61,10 @@ def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
         loop.call_soon_threadsafe(fn, *args)
 
 
+_IDLE = {f"num_{state}{unit}": 0 for state in ("running", "waiting", "swapped")
+         for unit in ("", "_requests")}
+
+
 def _deliver(batch: list[tuple[asyncio.Queue, RequestOutput | BaseException]]) -> None:
     for q, item in batch:
         q.put_nowait(item)
@@ -214,6 +218,8 @@ class AsyncLLMEngine:
                     _post(request.loop, _resolve, added, e)
                     continue
                 self._requests[request_id] = request
+                if self.metrics is not None:
+                    self.metrics.on_request_added(params)
                 _post(request.loop, _resolve, added, None)
             elif command[0] == "end_all":
                 self._end_all(RequestEndedError(command[1]))
@@ -226,6 +232,8 @@ class AsyncLLMEngine:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         self.last_stats = self.engine.stats()
         now = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.on_step(*self.engine.last_step_tokens)
         batches: dict[asyncio.AbstractEventLoop, list] = {}
         for out in outputs:
             request = self._requests.get(out.request_id)
@@ -254,11 +262,10 @@ class AsyncLLMEngine:
         self._fail_all(EngineDeadError(f"the engine stopped after an error: {self.dead_error}"))
         try:  # nothing runs any more: say so in the stats (and /metrics)
             self.engine.abort_request(list(self.engine.groups))
-            self.last_stats = dict(self.engine.stats(), num_running=0, num_waiting=0,
-                                   num_swapped=0)
+            self.last_stats = dict(self.engine.stats(), **_IDLE)
         except Exception as e:  # noqa: BLE001 - a broken engine may not even manage that
             logger.debug("could not release the failed engine's requests: %s", e)
-            self.last_stats = dict(self.last_stats, num_running=0, num_waiting=0, num_swapped=0)
+            self.last_stats = dict(self.last_stats, **_IDLE)
         if self.on_dead is not None:
             self.on_dead()
 

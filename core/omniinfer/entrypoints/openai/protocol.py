@@ -103,7 +103,8 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: Any = None  # not supported: refused when given
+    logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
+    prompt_logprobs: int | None = None  # vLLM's extra: log-probs of the prompt's tokens
     user: str | None = None
 
     @property
@@ -115,8 +116,9 @@ class SamplingRequest(OpenAIModel):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
     def check_unsupported(self) -> None:
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
+        if self.prompt_logprobs is not None and self.stream:
+            raise APIError("prompt_logprobs is not available with stream=true (as in vLLM)",
+                           param="prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
@@ -128,7 +130,7 @@ class SamplingRequest(OpenAIModel):
                            "choices per prompt (--max-n)", param="n")
 
     def sampling_params(self, *, max_tokens: int | None, logprobs: int | None,
-                        defaults: dict) -> SamplingParams:
+                        defaults: dict, prompt_logprobs: int | None = None) -> SamplingParams:
         picked = {}
         for name in GENERATION_DEFAULTS:
             value = getattr(self, name)
@@ -142,9 +144,25 @@ class SamplingRequest(OpenAIModel):
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
                 logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
+                prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+                logit_bias=_logit_bias(self.logit_bias),
                 include_stop_str_in_output=self.include_stop_str_in_output, **picked)
         except (ValueError, TypeError) as e:
             raise APIError.from_validation(e) from None
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's {"token id": bias} with its keys as ints (the values are checked by SamplingParams)."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise APIError(f"logit_bias holds the key {_short(key)}; its keys must be token ids "
+                           "(integers)", param="logit_bias") from None
+    return out
 
 
 class CompletionRequest(SamplingRequest):
@@ -162,6 +180,17 @@ class CompletionRequest(SamplingRequest):
         if self.best_of is not None and self.best_of != self.n:
             raise APIError(f"best_of={self.best_of} is not supported; leave it unset or equal to "
                            f"n={self.n}", param="best_of")
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its log-probs) alone, nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    def sampling_params(self, **kwargs) -> SamplingParams:
+        # echo + logprobs: the prompt's tokens are scored too (vLLM: prompt_logprobs = logprobs)
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            kwargs["prompt_logprobs"] = self.logprobs
+        return super().sampling_params(**kwargs)
 
     def prompts(self, max_prompt_tokens: int) -> list[str | list[int]]:
         """One entry per prompt: a string or a list of token ids. Lengths are checked before

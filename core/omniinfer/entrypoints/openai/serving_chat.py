@@ -20,6 +20,7 @@ from omniinfer.entrypoints.openai.serving_common import (
     engine_error,
     merge,
     output_error,
+    prompt_logprobs_json,
     sse,
 )
 
@@ -75,7 +76,8 @@ async def _full(ctx, req, request_id, num_prompt, stream) -> dict:
     num_completion = sum(len(c.token_ids) for c in final.outputs)
     return {"id": request_id, "object": "chat.completion", "created": now(),
             "model": ctx.model_name, "choices": choices,
-            "usage": usage(num_prompt, num_completion)}
+            "usage": usage(num_prompt, num_completion),
+            "prompt_logprobs": prompt_logprobs_json(ctx.tokenizer, final.prompt_logprobs)}
 
 
 async def _stream(ctx, req, request_id, num_prompt, stream) -> AsyncIterator[str]:

@@ -17,7 +17,10 @@ from omniinfer.entrypoints.openai.async_engine import (
 )
 from omniinfer.entrypoints.openai.limits import ServerLimits
 from omniinfer.entrypoints.openai.protocol import GENERATION_DEFAULTS, APIError, usage
+from omniinfer.logger import init_logger
 from omniinfer.sampling.params import SamplingParams
+
+logger = init_logger(__name__)
 
 # Texts up to this many characters are tokenized on the event loop (well under a millisecond);
 # longer ones on the context's tokenizing thread, so that /health and the other requests never
@@ -38,8 +41,10 @@ class ServingContext:
     is ever used by two threads at once."""
 
     def __init__(self, engine: AsyncLLMEngine, tokenizer, *, model_name: str,
-                 chat_template: str | None = None, limits: ServerLimits | None = None):
+                 chat_template: str | None = None, limits: ServerLimits | None = None,
+                 log_requests: bool = False):
         self.engine = engine
+        self.log_requests = log_requests  # one log line per request (--enable-log-requests)
         self.tokenizer = tokenizer
         self.model_name = model_name
         config = engine.engine.config.model
@@ -168,7 +173,15 @@ class ServingContext:
 
     def generate(self, request_id: str, prompt_input: dict, params: SamplingParams,
                  ) -> AsyncIterator[RequestOutput]:
+        if self.log_requests:
+            ids = prompt_input["prompt_token_ids"]
+            logger.info("request %s: %d prompt tokens %s, params %s", request_id, len(ids),
+                        _head(ids), params)
         return self.engine.generate(request_id, prompt_input, params)
+
+
+def _head(ids: list[int], num: int = 16) -> str:
+    return repr(ids) if len(ids) <= num else repr(ids[:num])[:-1] + ", ...]"
 
 
 def output_error(out: RequestOutput) -> APIError | None:
@@ -285,21 +298,47 @@ def token_text(tokenizer, tid: int, lp) -> str:
     return lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tid])
 
 
-def completion_logprobs(tokenizer, token_ids: list[int], steps: list[dict], num: int,
+def clamped(logprob: float) -> float:
+    """-inf as the JSON-safe -9999.0 OpenAI uses for "very unlikely"."""
+    return max(logprob, -9999.0)
+
+
+def completion_logprobs(tokenizer, token_ids: list[int], steps: list[dict | None], num: int,
                         offset: int) -> dict:
-    """The legacy completions `logprobs` object for these tokens (text offsets from `offset`)."""
+    """The legacy completions `logprobs` object for these tokens (text offsets from `offset`),
+    as OpenAI and vLLM write it: a step without log-probs (the first prompt token under
+    `echo`) is null; `top_logprobs` holds the chosen token and the `num` most likely (at most
+    num + 1 entries, keyed by their text: tokens that print alike keep the likeliest)."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tid, entry in zip(token_ids, steps):
-        text = token_text(tokenizer, tid, entry[tid])
-        out["tokens"].append(text)
-        out["token_logprobs"].append(entry[tid].logprob)
-        top = {}
-        for t, lp in reversed(top_entries(entry, num)):  # tokens that print alike: the likeliest wins
-            top[token_text(tokenizer, t, lp)] = lp.logprob
-        out["top_logprobs"].append(dict(reversed(top.items())) if num else None)
+        if entry is None:
+            text = tokenizer.decode([tid])
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+        else:
+            text = token_text(tokenizer, tid, entry[tid])
+            out["tokens"].append(text)
+            out["token_logprobs"].append(clamped(entry[tid].logprob))
+            top: dict[str, float] = {}
+            for t, lp in list(entry.items())[: num + 1]:  # the chosen token first, then by rank
+                key = token_text(tokenizer, t, lp)
+                top[key] = max(top.get(key, -float("inf")), clamped(lp.logprob))
+            out["top_logprobs"].append(top)
         out["text_offset"].append(offset)
         offset += len(text)
     return out
+
+
+def prompt_logprobs_json(tokenizer, entries: list[dict | None] | None) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token, {token id: {logprob, rank,
+    decoded_token}} (null for the first token)."""
+    if entries is None:
+        return None
+    return [None if entry is None else
+            {str(t): {"logprob": clamped(lp.logprob), "rank": lp.rank,
+                      "decoded_token": token_text(tokenizer, t, lp)} for t, lp in entry.items()}
+            for entry in entries]
 
 
 def chat_logprobs(tokenizer, token_ids: list[int], steps: list[dict], num: int) -> dict:

@@ -13,6 +13,7 @@ from omniinfer.entrypoints.openai.serving_common import (
     engine_error,
     merge,
     output_error,
+    prompt_logprobs_json,
     sse,
 )
 
@@ -23,8 +24,10 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> dict
     Everything that can be checked is checked before any prompt is queued, so a bad request
     is a 400 that never reaches the engine."""
     ctx.check_request(req)
-    params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
-                                 defaults=ctx.generation_defaults)
+    # echo with max_tokens 0 returns the prompt alone (OpenAI's and vLLM's way of scoring a
+    # text): the engine generates one token, which is dropped
+    params = req.sampling_params(max_tokens=1 if req.echo_only else req.max_tokens,
+                                 logprobs=req.logprobs, defaults=ctx.generation_defaults)
     inputs = [await ctx.prompt_input(p) for p in req.prompts(ctx.max_prompt_tokens)]
     for prompt_input in inputs:
         ctx.check_length(prompt_input, params)
@@ -40,6 +43,19 @@ def _echo(ctx: ServingContext, prompt_input: dict) -> str:
     return text if text is not None else ctx.tokenizer.decode(prompt_input["prompt_token_ids"])
 
 
+def _logprobs(ctx, req, prompt_input: dict, out, ids: list[int], steps: list, offset: int,
+              echoed: bool) -> dict | None:
+    """The choice's `logprobs`; `echoed`: the prompt's tokens come first (their log-probs
+    from the request's prompt log-probs, the first null)."""
+    if req.logprobs is None:
+        return None
+    if echoed:
+        prompt_ids = prompt_input["prompt_token_ids"]
+        ids = prompt_ids + ids
+        steps = list(out.prompt_logprobs or [None] * len(prompt_ids)) + steps
+    return completion_logprobs(ctx.tokenizer, ids, steps, req.logprobs, offset)
+
+
 async def _full(ctx, req, request_id, inputs, streams) -> dict:
     final = [None] * len(streams)
     try:
@@ -49,20 +65,20 @@ async def _full(ctx, req, request_id, inputs, streams) -> dict:
     except Exception as e:  # noqa: BLE001 - answered as an OpenAI error
         raise engine_error(e) from None
     choices = []
+    num_completion = 0
     for i, out in enumerate(final):
         if (error := output_error(out)) is not None:
             raise error
         prefix = _echo(ctx, inputs[i]) if req.echo else ""
         for c in out.outputs:
-            logprobs = None
-            if req.logprobs is not None:
-                logprobs = completion_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [],
-                                               req.logprobs, len(prefix))
-            choices.append({"index": i * req.n + c.index, "text": prefix + c.text,
-                            "logprobs": logprobs, "finish_reason": c.finish_reason,
-                            "stop_reason": c.stop_reason})
+            ids, steps = ([], []) if req.echo_only else (c.token_ids, c.logprobs or [])
+            num_completion += len(ids)
+            choices.append({
+                "index": i * req.n + c.index, "text": prefix + ("" if req.echo_only else c.text),
+                "logprobs": _logprobs(ctx, req, inputs[i], out, ids, steps, 0, req.echo),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "prompt_logprobs": prompt_logprobs_json(ctx.tokenizer, out.prompt_logprobs)})
     num_prompt = sum(len(p["prompt_token_ids"]) for p in inputs)
-    num_completion = sum(len(c.token_ids) for out in final for c in out.outputs)
     return {"id": request_id, "object": "text_completion", "created": now(),
             "model": ctx.model_name, "choices": choices, "usage": usage(num_prompt, num_completion)}
 
@@ -80,17 +96,24 @@ async def _stream(ctx, req, request_id, inputs, streams) -> AsyncIterator[str]:
                     raise error
                 for c in out.outputs:
                     index = i * req.n + c.index
+                    if req.echo_only:  # the prompt alone, once the request is over
+                        if c.finish_reason is None or index in progress.finished:
+                            continue
+                        progress.finished.add(index)
+                        yield chunk([{"index": index, "text": _echo(ctx, inputs[i]),
+                                      "logprobs": _logprobs(ctx, req, inputs[i], out, [], [], 0, True),
+                                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}],
+                                    req.continuous_usage)
+                        continue
                     news = progress.news(index, c, req.logprobs is not None)
                     if news is None:
                         continue
                     text, new_ids, start_text, start_tokens = news
-                    prefix = _echo(ctx, inputs[i]) if req.echo and index not in progress.sent_text else ""
-                    logprobs = None
-                    if req.logprobs is not None:
-                        steps = (c.logprobs or [])[start_tokens:start_tokens + len(new_ids)]
-                        offset = start_text + (len(_echo(ctx, inputs[i])) if req.echo else 0)
-                        logprobs = completion_logprobs(ctx.tokenizer, new_ids, steps, req.logprobs,
-                                                       offset)
+                    first = req.echo and index not in progress.sent_text
+                    prefix = _echo(ctx, inputs[i]) if first else ""
+                    steps = (c.logprobs or [])[start_tokens:start_tokens + len(new_ids)]
+                    offset = 0 if first else start_text + (len(_echo(ctx, inputs[i])) if req.echo else 0)
+                    logprobs = _logprobs(ctx, req, inputs[i], out, new_ids, steps, offset, first)
                     progress.sent(index, c)
                     yield chunk([{"index": index, "text": prefix + text, "logprobs": logprobs,
                                   "finish_reason": c.finish_reason,

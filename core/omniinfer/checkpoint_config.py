@@ -1,0 +1,108 @@
+"""A checkpoint's config.json (or a GGUF file's metadata) -> `ModelConfig`."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from omniinfer.config import _DTYPES, ModelConfig, _check_int
+
+
+def _read_json(path: str) -> dict:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _rope_theta(cfg: dict) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+
+
+def rope_scaling(cfg: dict) -> dict | None:
+    """The rope scaling dict in either spelling (transformers 4 `rope_scaling`, 5 `rope_parameters`)."""
+    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
+    if not params:
+        return None
+    params = dict(params)
+    kind = params.get("rope_type", params.get("type", "default"))
+    params["rope_type"] = kind
+    return None if kind == "default" else params
+
+
+def rope_theta(cfg: dict) -> float:
+    return _rope_theta(cfg)
+
+
+def _eos_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.dtype,
+                      max_model_len: int | None, seed: int, quantization: str | None = None) -> ModelConfig:
+    from omniinfer.quantization.choice import resolve_quantization
+    from omniinfer.quantization.gguf_file import GGUFFile, is_gguf
+
+    gguf = is_gguf(model)
+    if not gguf and (not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model)):
+        raise ValueError(f"model={model!r} is not a checkpoint directory or a .gguf file (omniinfer "
+                         "loads local Hugging Face checkpoint directories, config.json + safetensors, "
+                         "and GGUF files)")
+    model = os.fspath(model)
+    if gguf:
+        config_path, cfg, gen = model, GGUFFile(model).hf_config(), {}
+    else:
+        config_path = os.path.join(model, "config.json")
+        if not os.path.isfile(config_path):
+            raise ValueError(f"model={model!r} has no config.json")
+        cfg = _read_json(config_path)
+        gen_path = os.path.join(model, "generation_config.json")
+        gen = _read_json(gen_path) if os.path.isfile(gen_path) else {}
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ValueError(f"{config_path} names no architecture ('architectures' is empty)")
+    quantization = resolve_quantization(model, cfg, quantization, gguf)
+
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif dtype == "auto":
+        name = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+        resolved = _DTYPES.get(str(name), torch.float32)
+    elif isinstance(dtype, str) and dtype in _DTYPES:
+        resolved = _DTYPES[dtype]
+    else:
+        raise ValueError(f"dtype={dtype!r} is not supported; allowed: 'auto', 'float32', "
+                         "'bfloat16', 'float16'")
+
+    derived_len = int(cfg.get("max_position_embeddings", 2048))
+    if max_model_len is None:
+        max_model_len = derived_len
+    _check_int("max_model_len", max_model_len, minimum=1)
+    if max_model_len > derived_len:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
+                         f"max_position_embeddings={derived_len} ({config_path})")
+
+    num_heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return ModelConfig(
+        model=model,
+        tokenizer=os.fspath(tokenizer) if tokenizer else model,
+        dtype=resolved,
+        max_model_len=max_model_len,
+        seed=seed,
+        architecture=archs[0],
+        hf_config=cfg,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_size=int(cfg.get("head_dim") or hidden // num_heads),
+        eos_token_ids=_eos_ids(gen.get("eos_token_id", cfg.get("eos_token_id"))),
+        generation_config=gen,
+        quantization=quantization,
+    )
