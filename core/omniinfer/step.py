@@ -38,6 +38,7 @@ class NewSeq:
     params: SamplingParams
     prompt_token_ids: list[int]
     eos_token_ids: list[int]
+    grammar: object = None  # a structured output's compiled grammar (omniinfer/structured/)
 
 
 @dataclass(slots=True)
