@@ -62,12 +62,10 @@ class GrammarCompiler:
 
     def _compile(self, spec: StructuredOutputsParams, kind: str):
         c = self._compiler
-        if kind == "json_object":
-            return c.compile_builtin_json_grammar()
-        if kind == "json":
-            schema = spec.json
+        if kind in ("json", "json_object"):
+            schema = {"type": "object"} if kind == "json_object" else spec.json
             if schema is True or schema == {}:
-                return c.compile_builtin_json_grammar()
+                return c.compile_builtin_json_grammar()  # any JSON value
             _check_schema(schema)
             any_ws = not spec.disable_any_whitespace and spec.whitespace_pattern is None
             return c.compile_json_schema(json.dumps(schema), any_whitespace=any_ws,

@@ -15,6 +15,7 @@ from omniinfer.entrypoints.openai.serving_common import (
     output_error,
     sse,
 )
+from omniinfer.entrypoints.openai.structured import constrain
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest) -> dict | AsyncIterator[str]:
@@ -25,6 +26,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> dict
     ctx.check_request(req)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs,
                                  defaults=ctx.generation_defaults)
+    constrain(ctx, req, params)
     inputs = [await ctx.prompt_input(p) for p in req.prompts(ctx.max_prompt_tokens)]
     for prompt_input in inputs:
         ctx.check_length(prompt_input, params)
