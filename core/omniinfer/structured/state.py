@@ -22,8 +22,6 @@ import torch
 
 from omniinfer.structured.mask import unpack_keep
 
-MAX_ROLLBACK_TOKENS = 64  # speculative decoding walks at most this many drafts ahead
-
 
 class GrammarState:
     __slots__ = ("matcher", "num_accepted", "_compiled", "_eos")
@@ -37,7 +35,7 @@ class GrammarState:
     def _new_matcher(self):
         from omniinfer.structured.engine import import_xgrammar
 
-        return import_xgrammar().GrammarMatcher(self._compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+        return import_xgrammar().GrammarMatcher(self._compiled)  # (rolls back any number)
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Take the generated tokens the matcher has not seen (replaying all of them when the

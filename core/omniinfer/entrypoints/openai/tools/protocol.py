@@ -46,9 +46,10 @@ class ToolFields(BaseModel):
                 raise _error(f"tools[{i}].type={tool.type!r} is not supported; only 'function' "
                                "tools are", param="tools")
         choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise _error(f"tool_choice={str(choice)[:80]} is only allowed when tools are given",
+                         param="tool_choice")
         if choice is None or choice in ("none", "auto", "required"):
-            if choice == "required" and not self.tools:
-                raise _error("tool_choice='required' needs tools", param="tool_choice")
             return
         name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
         if not isinstance(name, str) or choice.get("type", "function") != "function":
