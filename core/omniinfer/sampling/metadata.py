@@ -64,7 +64,6 @@ class SeqStates(dict):
         """Forget the finished, add the new (a known id comes back after a preemption: its state
         is made again, its request's generators kept); take this step's token histories.
         Returns the ids made again or forgotten (whatever else is held for them is stale)."""
-        self.prefetch.join()  # it reads the matchers that the token histories advance
         stale = list(sched.finished_seq_ids)
         for seq_id in sched.finished_seq_ids:
             state = self.pop(seq_id, None)
@@ -82,7 +81,8 @@ class SeqStates(dict):
         for seq_id, token_ids in sched.token_history.items():
             state = self[seq_id]
             state.token_ids = token_ids
-            if state.grammar is not None:
+            if state.grammar is not None and state.grammar.num_accepted != state.num_output_tokens:
+                self.prefetch.join()  # (it reads the matchers; usually they are current)
                 state.grammar.sync(state.output_token_ids)
         return stale
 

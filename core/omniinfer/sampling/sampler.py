@@ -111,7 +111,7 @@ class Sampler:
                 return self.greedy_output(tokens, md), tokens
             tokens = self._sample(part, md, draws)
         if md.spec_rows:
-            self._verify(logits, md.spec_rows, draws)
+            self._verify(logits, md.spec_rows, draws, md.prefetch)
         for rows in md.prompt_rows:
             draws.prompt_logprobs[rows.seq.seq_id] = (rows.first_target, self._prompt_logprobs(logits, rows))
         return draws.output(ModelRunnerOutput()), tokens
@@ -208,13 +208,14 @@ class Sampler:
             return False
         return all(seq.plain_greedy for seq in md.seqs)
 
-    def _verify(self, logits: torch.Tensor, spec: list[SpecRows], out: _Draws) -> None:
+    def _verify(self, logits: torch.Tensor, spec: list[SpecRows], out: _Draws,
+                prefetch=None) -> None:
         """Rejection-sample the drafted tokens of speculatively scored sequences."""
         k = len(spec[0].draft_tokens)
         assert all(len(s.draft_tokens) == k for s in spec), "one k per step"
         index = torch.tensor([s.start_row + j for s in spec for j in range(k + 1)],
                              device=logits.device)
-        scored = mask_spec_rows(logits[index], spec)  # structured outputs: the grammar's tokens
+        scored = mask_spec_rows(logits[index], spec, prefetch)  # structured outputs: the grammar's
         if all(s.seq.params.is_plain_greedy for s in spec):  # prefix matching, no probs
             targets = self.argmax_rows(scored).tolist()
             for i, s in enumerate(spec):

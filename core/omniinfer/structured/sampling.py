@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from omniinfer.structured.mask import unpack_keep
+from omniinfer.structured.mask import apply_bias, unpack_bias
 from omniinfer.structured.state import bitmask_for, fill_masks
 
 
@@ -22,30 +22,33 @@ def mask_rows(logits: torch.Tensor, md, row_seqs: list[int] | None) -> torch.Ten
     if all(s is None for s in states):
         return logits
     vocab = logits.shape[1]
-    keep = fill_masks(states, vocab) if md.prefetch is None else md.prefetch.masks(states, vocab)
+    bias = fill_masks(states, vocab) if md.prefetch is None else md.prefetch.masks(states, vocab)
     if row_seqs is not None:
-        keep = keep[torch.tensor(row_seqs)]
-    return logits.masked_fill(~keep.to(logits.device), float("-inf"))
+        bias = bias[torch.tensor(row_seqs)]
+    return apply_bias(logits, bias)
 
 
-def mask_spec_rows(scored: torch.Tensor, spec) -> torch.Tensor:
+def mask_spec_rows(scored: torch.Tensor, spec, prefetch) -> torch.Tensor:
     """The k + 1 scored rows of each drafted sequence masked by its grammar walked along its
     drafts (so a draft the grammar refuses has probability 0 and is rejected)."""
     if all(s.seq.grammar is None for s in spec):
         return scored
+    if prefetch is not None:
+        prefetch.join()  # the walk moves the matchers
     k = len(spec[0].draft_tokens)
     bitmask = bitmask_for(scored.shape[0], scored.shape[1])
     for i, s in enumerate(spec):
         if s.seq.grammar is not None:
             s.seq.grammar.fill_along(s.draft_tokens, bitmask, i * (k + 1))
-    keep = unpack_keep(bitmask, scored.shape[1]).to(scored.device)
-    return scored.masked_fill(~keep, float("-inf"))
+    return apply_bias(scored, unpack_bias(bitmask, scored.shape[1]))
 
 
 def after_sampling(md, out, vocab_size: int) -> None:
     """Each constrained sequence's matcher takes the tokens it drew (a row that forked its
     request drew for n new sequences, which replay their own token), then the masks of the
     next step start on the helper thread."""
+    if md.prefetch is not None:
+        md.prefetch.join()
     drawn = dict(zip(out.seq_ids, out.token_ids))
     for seq, n in zip(md.seqs, md.num_samples):
         if seq.grammar is not None and n == 1 and seq.seq_id not in out.failed:

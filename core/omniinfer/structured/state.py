@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from omniinfer.structured.mask import unpack_keep
+from omniinfer.structured.mask import unpack_bias
 
 
 class GrammarState:
@@ -82,12 +82,13 @@ def bitmask_for(num_rows: int, vocab_size: int) -> torch.Tensor:
 
 
 def fill_masks(states: list[GrammarState | None], vocab_size: int) -> torch.Tensor:
-    """[rows, vocab] bool keep-mask, one row per state (None: everything allowed)."""
+    """[rows, vocab] float32 bias (0 allowed, -inf refused); one row per state (None: nothing
+    refused)."""
     bitmask = bitmask_for(len(states), vocab_size)
     for row, state in enumerate(states):
         if state is not None:
             state.fill(bitmask, row)
-    return unpack_keep(bitmask, vocab_size)
+    return unpack_bias(bitmask, vocab_size)
 
 
 class MaskPrefetch:
