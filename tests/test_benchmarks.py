@@ -288,3 +288,15 @@ def test_llama_cpp_comparison_without_its_tools_is_a_skipped_row(tmp_path):
     text = run("latency.py", "--shape", "tiny", "--input-len", "8", "--output-len", "4", "--repeats", "1",
                "--compare", "llama.cpp", LLAMA_CPP_BIN=str(tmp_path), PATH=path)
     assert "llama.cpp     skipped: llama-bench not found" in text
+
+
+def test_structured_mask_cost_and_grammar_engines(tmp_path):
+    pytest.importorskip("xgrammar")
+    out = tmp_path / "s.json"
+    text = run("structured_mask.py", "--batch", "4", "--output-len", "8", "--repeats", "1",
+               "--json", str(out), OMP_NUM_THREADS="1")
+    assert "% of a decode step" in text
+    result = json.loads(out.read_text())
+    assert result["plain_step_ms"] > 0 and result["critical_path_ms"] > 0
+    text = run("grammar_engines.py", "--batch", "2", "--steps", "3")
+    assert "xgrammar: vocabulary" in text and "us per row" in text

@@ -25,12 +25,14 @@ class ToolPlan:
     choice: str
     parser: ToolParser | None
     function_name: str | None = None  # the named function
+    parallel: bool = True  # parallel_tool_calls: false keeps the first call of an 'auto' reply
 
     @classmethod
     def of(cls, req, config: ToolConfig) -> ToolPlan:
         choice = req.resolved_tool_choice(config.enable_auto_tool_choice and config.parser is not None)
         name = req.named_function.name if choice == "named" else None
-        return cls(choice, config.parser if choice == "auto" else None, name)
+        return cls(choice, config.parser if choice == "auto" else None, name,
+                   req.parallel_tool_calls)
 
     @property
     def calls_tools(self) -> bool:
@@ -51,7 +53,8 @@ class ToolPlan:
             calls = parse_required(text)
             return (None, calls) if calls else (text, [])
         if self.choice == "auto":
-            return self.parser.parse(text)
+            content, calls = self.parser.parse(text)
+            return content, calls if self.parallel else calls[:1]
         return text, []
 
 
