@@ -22,9 +22,10 @@ from pydantic import BaseModel, Field
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
 
+from test_serve_socket import free_port  # noqa: E402
+
 from omniinfer.entrypoints.cli_generate import DEMO_MODEL  # noqa: E402
 from omniinfer.testing.schemas import random_schema  # noqa: E402
-from test_serve_socket import free_port  # noqa: E402
 
 TEMPLATE = Path(__file__).parent / "fixtures" / "hermes_tools.jinja"
 CONSOLE_SCRIPT = Path(sys.executable).with_name("omniinfer")
