@@ -305,3 +305,15 @@ def test_throughput_of_a_gguf_file():
     text = run("throughput.py", "--shape", "tiny", "-n", "4", "--input-len", "8", "--output-len", "4",
                "--gguf", "q4_0")
     assert "gguf q4_0" in text and "out tok/s" in text, text
+
+
+def test_structured_mask_cost_and_grammar_engines(tmp_path):
+    pytest.importorskip("xgrammar")
+    out = tmp_path / "s.json"
+    text = run("structured_mask.py", "--batch", "4", "--output-len", "8", "--repeats", "1",
+               "--json", str(out), OMP_NUM_THREADS="1")
+    assert "% of a decode step" in text
+    result = json.loads(out.read_text())
+    assert result["plain_step_ms"] > 0 and result["critical_path_ms"] > 0
+    text = run("grammar_engines.py", "--batch", "2", "--steps", "3")
+    assert "xgrammar: vocabulary" in text and "us per row" in text

@@ -38,6 +38,10 @@ class NewSeq:
     params: SamplingParams
     prompt_token_ids: list[int]
     eos_token_ids: list[int]
+    # a structured output's compiled grammar (omniinfer/structured/): an xgrammar object, which
+    # does not pickle; it reaches only the driver worker, which every executor keeps in the
+    # engine's process (xgrammar's serialize_json would carry it elsewhere)
+    grammar: object = None
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ from omniinfer.executor.base import executor_class
 from omniinfer.logger import init_logger
 from omniinfer.platforms.registry import get_registry
 from omniinfer.sampling.params import SamplingParams
+from omniinfer.structured.engine import compile_grammar
 
 logger = init_logger(__name__)
 
@@ -145,7 +146,8 @@ class LLMEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         text, ids = self.tokenize_prompt(prompt)
         max_tokens = self.check_request(len(ids), params)
-        group = SequenceGroup(request_id, text, ids, params,
+        grammar = compile_grammar(self, params)
+        group = SequenceGroup(request_id, text, ids, params, grammar=grammar,
                               arrival_time=arrival_time or time.monotonic(),
                               max_tokens=max_tokens, eos_token_ids=self.eos_token_ids,
                               stream=stream)

@@ -92,7 +92,7 @@ class ScheduleOutputs:
             return
         group = seq.group
         out.new_seqs.append(NewSeq(seq_id, group.request_id, seq.index, group.params,
-                                   group.prompt_token_ids, group.eos_token_ids))
+                                   group.prompt_token_ids, group.eos_token_ids, group.grammar))
         self._sent.add(seq_id)
         self._resend.discard(seq_id)
 

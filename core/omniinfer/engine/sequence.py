@@ -155,12 +155,14 @@ class SequenceGroup:
     # its sampling reads the tokens generated so far (penalties, min_tokens): sent each step
     reads_history: bool = field(init=False, default=False)
     metrics: RequestMetrics | None = None
+    grammar: object = None  # the compiled grammar of a structured output (structured/engine.py)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(self.arrival_time)
         self.decodes_plainly = self.params.n == 1 and self.params.prompt_logprobs is None
         self.watches_tokens = bool(self.params.stop) or self.params.logprobs is not None
-        self.reads_history = self.params.has_penalties or self.params.min_tokens > 0
+        self.reads_history = (self.params.has_penalties or self.params.min_tokens > 0
+                              or self.params.structured_outputs is not None)
 
     def mark_forked(self) -> None:
         self.is_forked = True

@@ -13,6 +13,7 @@ from omniinfer.entrypoints.engine_flags import (
     engine_kwargs,
     env_default,
 )
+from omniinfer.entrypoints.openai.tools.serving import add_tool_flags, tool_config
 
 DEMO_MODEL_NAME = "omniinfer-demo"
 
@@ -67,6 +68,7 @@ def register(sub) -> None:
                         default=env_default("keep_alive_on_engine_death", False, bool),
                         help="keep serving (503 on /health, 500 on requests) after the engine "
                         "failed, instead of exiting with status 1 for a supervisor to restart")
+    add_tool_flags(p, env_default)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -99,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
         limits = ServerLimits(max_n=args.max_n, max_prompt_tokens=args.max_prompt_tokens,
                               max_body_bytes=args.max_body_bytes,
                               shutdown_timeout_s=args.shutdown_timeout)
+        tools = tool_config(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -108,4 +111,5 @@ def run(args: argparse.Namespace) -> int:
                       stats_interval_s=0 if args.disable_log_stats else args.stats_interval,
                       uvicorn_log_level=args.uvicorn_log_level, limits=limits,
                       keep_alive_on_engine_death=args.keep_alive_on_engine_death,
-                      metrics_prefix=args.metrics_prefix, log_requests=args.enable_log_requests)
+                      metrics_prefix=args.metrics_prefix, log_requests=args.enable_log_requests,
+                      tools=tools)

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 import torch
 
 from omniinfer.step import NewSeq, SchedulerOutput
+from omniinfer.structured.state import GrammarState, MaskPrefetch
 
 
 class SeqState:
     """One running sequence, as sampling and drafting see it."""
 
     __slots__ = ("seq_id", "request_id", "index", "params", "prompt_token_ids", "eos_token_ids",
-                 "generators", "plain_greedy", "token_ids")
+                 "generators", "plain_greedy", "token_ids", "grammar")
 
     def __init__(self, new: NewSeq, generators: dict):
         self.seq_id = new.seq_id
@@ -29,10 +30,14 @@ class SeqState:
         self.prompt_token_ids = new.prompt_token_ids
         self.eos_token_ids = new.eos_token_ids
         self.generators = generators  # sample index -> torch.Generator, shared by the request
-        self.plain_greedy = new.params.is_plain_greedy  # argmax and nothing else
+        # argmax and nothing else (a grammar's mask is something else)
+        self.plain_greedy = new.params.is_plain_greedy and new.grammar is None
         # every token so far; current only in a step whose `token_history` holds it (the
         # sequences whose sampling reads it: penalties, min_tokens, drafting)
         self.token_ids = new.prompt_token_ids
+        # a structured output's matcher (omniinfer/structured/state.py), caught up from each
+        # step's token_history and advanced by the sampler
+        self.grammar = None if new.grammar is None else GrammarState(new.grammar, new.eos_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -53,6 +58,7 @@ class SeqStates(dict):
     def __init__(self):
         super().__init__()
         self.requests: dict[str, tuple[dict, set[int]]] = {}  # id -> (generators, its seq ids)
+        self.prefetch = MaskPrefetch()  # grammar masks computed while the model runs
 
     def update(self, sched: SchedulerOutput) -> list[int]:
         """Forget the finished, add the new (a known id comes back after a preemption: its state
@@ -73,7 +79,11 @@ class SeqStates(dict):
             ids.add(new.seq_id)
             self[new.seq_id] = SeqState(new, generators)
         for seq_id, token_ids in sched.token_history.items():
-            self[seq_id].token_ids = token_ids
+            state = self[seq_id]
+            state.token_ids = token_ids
+            if state.grammar is not None and state.grammar.num_accepted != state.num_output_tokens:
+                self.prefetch.join()  # (it reads the matchers; usually they are current)
+                state.grammar.sync(state.output_token_ids)
         return stale
 
 
@@ -105,6 +115,7 @@ class SamplingMetadata:
     num_samples: list[int] = field(default_factory=list)  # n where the row forks its request, else 1
     spec_rows: list[SpecRows] = field(default_factory=list)
     prompt_rows: list[PromptLogprobRows] = field(default_factory=list)
+    prefetch: MaskPrefetch | None = None  # the states' grammar-mask prefetch (structured output)
 
     @property
     def num_sampling_rows(self) -> int:

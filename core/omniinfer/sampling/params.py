@@ -13,6 +13,8 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from omniinfer.structured.params import StructuredOutputsParams
+
 MAX_LOGPROBS = 20  # the default of the engine's max_logprobs
 MAX_TEMPERATURE = 100.0  # far past the point where the distribution is already flat
 MAX_TOP_K = (1 << 31) - 1  # top_k above the vocabulary size keeps every token
@@ -80,8 +82,15 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # the output follows a JSON schema, regex, choice or grammar (docs/structured_output.md);
+    # a dict of StructuredOutputsParams' fields is accepted; `guided_decoding` is vLLM's old name
+    structured_outputs: StructuredOutputsParams | dict | None = None
+    guided_decoding: StructuredOutputsParams | dict | None = None
 
     def __post_init__(self) -> None:
+        if self.guided_decoding is not None and self.structured_outputs is None:
+            self.structured_outputs, self.guided_decoding = self.guided_decoding, None
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         self.n = _int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n={self.n} is not allowed; it must be >= 1")

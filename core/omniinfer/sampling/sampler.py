@@ -25,6 +25,7 @@ from omniinfer.sampling.processing import (
 )
 from omniinfer.sampling.rejection import rejection_sample
 from omniinfer.step import Logprob, ModelRunnerOutput
+from omniinfer.structured.sampling import after_sampling, has_grammar, mask_rows, mask_spec_rows
 
 # errors of the device itself: never blamed on a request
 _DEVICE_ERRORS = (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError))
@@ -87,11 +88,14 @@ class Sampler:
         (`ModelRunnerOutput.failed`); a device failure (out of memory, an accelerator error) is
         raised."""
         try:
-            return self._sample_all(logits, md)
+            out, tokens = self._sample_all(logits, md)
         except _DEVICE_ERRORS:
             raise
         except Exception:  # noqa: BLE001 - sorted out request by request below
-            return self._sample_each(logits, md)
+            out, tokens = self._sample_each(logits, md)
+        if md.prefetch is not None and has_grammar(md):
+            after_sampling(md, out, self.vocab_size)
+        return out, tokens
 
     def _sample_all(self, logits: torch.Tensor, md: SamplingMetadata):
         draws = _Draws()
@@ -107,7 +111,7 @@ class Sampler:
                 return self.greedy_output(tokens, md), tokens
             tokens = self._sample(part, md, draws)
         if md.spec_rows:
-            self._verify(logits, md.spec_rows, draws)
+            self._verify(logits, md.spec_rows, draws, md.prefetch)
         for rows in md.prompt_rows:
             draws.prompt_logprobs[rows.seq.seq_id] = (rows.first_target, self._prompt_logprobs(logits, rows))
         return draws.output(ModelRunnerOutput()), tokens
@@ -181,7 +185,9 @@ class Sampler:
         logits = logits.float()
         want_logprobs = any(row.params.logprobs is not None for row in rows)
         raw = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = processed(logits, rows)
+        row_seqs = None if len(rows) == len(md.seqs) else [
+            i for i, n in enumerate(md.num_samples) for _ in range(n)]
+        logits = processed(mask_rows(logits, md, row_seqs), rows)
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         random = [i for i, row in enumerate(rows) if not row.params.is_greedy]
@@ -202,14 +208,16 @@ class Sampler:
             return False
         return all(seq.plain_greedy for seq in md.seqs)
 
-    def _verify(self, logits: torch.Tensor, spec: list[SpecRows], out: _Draws) -> None:
+    def _verify(self, logits: torch.Tensor, spec: list[SpecRows], out: _Draws,
+                prefetch=None) -> None:
         """Rejection-sample the drafted tokens of speculatively scored sequences."""
         k = len(spec[0].draft_tokens)
         assert all(len(s.draft_tokens) == k for s in spec), "one k per step"
         index = torch.tensor([s.start_row + j for s in spec for j in range(k + 1)],
                              device=logits.device)
-        if all(s.seq.plain_greedy for s in spec):  # prefix matching, no probs
-            targets = self.argmax_rows(logits[index]).tolist()
+        scored = mask_spec_rows(logits[index], spec, prefetch)  # structured outputs: the grammar's
+        if all(s.seq.params.is_plain_greedy for s in spec):  # prefix matching, no probs
+            targets = self.argmax_rows(scored).tolist()
             for i, s in enumerate(spec):
                 row = targets[i * (k + 1): (i + 1) * (k + 1)]
                 accepted = 0
@@ -219,14 +227,13 @@ class Sampler:
             return
         rows = [SampleRow(s.seq, s.seq.index, tuple(s.draft_tokens[:j]))
                 for s in spec for j in range(k + 1)]
-        scored = logits[index].float()
-        p = sampling_probs(scored, rows).view(len(spec), k + 1, -1)
+        p = sampling_probs(scored.float(), rows).view(len(spec), k + 1, -1)
         drafts = torch.tensor([s.draft_tokens for s in spec], device=logits.device)
         q = torch.stack([s.draft_probs for s in spec]).to(p.device, p.dtype)
         result = rejection_sample(p, drafts, q, [SampleRow(s.seq, s.seq.index) for s in spec],
                                   self.generator)
         want_logprobs = any(s.seq.params.logprobs is not None for s in spec)
-        raw = torch.log_softmax(scored, dim=-1) if want_logprobs else None
+        raw = torch.log_softmax(logits[index].float(), dim=-1) if want_logprobs else None
         for i in range(len(spec)):
             tokens = result.tokens[i]
             emitted = [rows[i * (k + 1) + j] for j in range(len(tokens))]

@@ -42,6 +42,7 @@ class ModelRunnerInputBuilder:
             md.seq_ids = [batch.seq_ids[i] for i in sampling]
             md.num_samples = [batch.num_samples[i] for i in sampling]
         md.seqs = [states[i] for i in md.seq_ids]
+        md.prefetch = states.prefetch
         rows = [ends[sampling]]
         num_rows = len(sampling)
         for i, seq_id, tokens, probs in batch.spec:  # the real token, then the drafts

@@ -45,9 +45,10 @@ class ServerState:
     def __init__(self, model_name: str, *, api_key: str | None = None,
                  chat_template: str | None = None, stats_interval_s: float = 10.0,
                  limits: ServerLimits | None = None, metrics_prefix: str = "omniinfer",
-                 log_requests: bool = False):
+                 log_requests: bool = False, tools=None):
         self.model_name = model_name
         self.log_requests = log_requests
+        self.tools = tools  # ToolConfig: --enable-auto-tool-choice, --tool-call-parser
         self.api_key = api_key or None
         self.chat_template = chat_template
         self.stats_interval_s = stats_interval_s
@@ -73,6 +74,8 @@ class ServerState:
         self.ctx = ServingContext(async_engine, tokenizer, model_name=self.model_name,
                                   chat_template=self.chat_template, limits=self.limits,
                                   log_requests=self.log_requests)
+        if self.tools is not None:
+            self.ctx.tools = self.tools
 
     def health_error(self) -> str | None:
         """Why the engine cannot serve (failed, or a worker died), or None."""

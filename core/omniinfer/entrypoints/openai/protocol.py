@@ -21,6 +21,8 @@ from omniinfer.entrypoints.openai.limits import (
     MAX_PROMPTS,
     ServerLimits,
 )
+from omniinfer.entrypoints.openai.structured import StructuredFields
+from omniinfer.entrypoints.openai.tools.protocol import ToolFields
 from omniinfer.sampling.params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 # sampling defaults a checkpoint's generation_config.json may set (applied when a request omits them)
@@ -79,7 +81,7 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False  # usage in every chunk, not only the last
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(StructuredFields, OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     max_lengths: ClassVar[dict[str, int]] = {"stop": MAX_STOP_STRINGS,
@@ -139,8 +141,9 @@ class SamplingRequest(OpenAIModel):
             if value is not None:
                 picked[name] = value
         try:
+            spec, self._structured_param = self.structured_spec()
             return SamplingParams(
-                n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                structured_outputs=spec, n=self.n, seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
                 logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
@@ -242,6 +245,8 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls, in the history
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def as_template_input(self) -> dict:
         content = self.content
@@ -256,14 +261,15 @@ class ChatMessage(OpenAIModel):
         message = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [dict(c, function=dict(c.get("function") or {}))
+                                     for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
 
 
-class ResponseFormat(OpenAIModel):
-    type: Literal["text", "json_object", "json_schema"] = "text"
-
-
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(ToolFields, SamplingRequest):
     max_lengths: ClassVar[dict[str, int]] = {**SamplingRequest.max_lengths,
                                              "messages": MAX_MESSAGES}
 
@@ -287,29 +293,18 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
-    response_format: ResponseFormat | None = None
-    tools: Any = None  # not supported: refused when given
-    tool_choice: Any = None
     functions: Any = None  # the deprecated spelling of tools
     function_call: Any = None  # ... and of tool_choice
 
     def check_unsupported(self) -> None:
         super().check_unsupported()
-        if self.tools:
-            raise APIError("tools are not supported", param="tools")
-        # "none" asks for what happens anyway; anything else asks for a tool call this server
-        # cannot make, and silently answering in plain text would mislead the client
-        if self.tool_choice is not None and self.tool_choice != "none":
-            raise APIError(f"tool_choice={_short(self.tool_choice)} is not supported (this server "
-                           "has no tool calling); leave it unset or 'none'", param="tool_choice")
+        self.check_tools()
         if self.functions:
-            raise APIError("functions are not supported", param="functions")
+            raise APIError("functions are not supported (the deprecated spelling); use tools",
+                           param="functions")
         if self.function_call is not None and self.function_call != "none":
             raise APIError(f"function_call={_short(self.function_call)} is not supported; leave it "
                            "unset or 'none'", param="function_call")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise APIError(f"response_format type {self.response_format.type!r} is not "
-                           "supported; only 'text' is", param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:

@@ -23,17 +23,28 @@ from omniinfer.entrypoints.openai.serving_common import (
     prompt_logprobs_json,
     sse,
 )
+from omniinfer.entrypoints.openai.structured import constrain
+from omniinfer.entrypoints.openai.tools.serving import (
+    ToolPlan,
+    ToolStream,
+    finish_reason,
+    template_messages,
+)
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest,
                                  ) -> dict | AsyncIterator[str]:
     """The response body, or (stream=true) an iterator of SSE events ending with [DONE]."""
     ctx.check_request(req)
+    plan = ToolPlan.of(req, ctx.tools)
     params = req.sampling_params(max_tokens=req.token_limit, logprobs=req.num_logprobs,
                                  defaults=ctx.generation_defaults)
+    constrain(ctx, req, params, req.tool_constraint(plan.choice), plan.choice)
+    kwargs = req.chat_template_kwargs
+    if req.tools:
+        kwargs = {**(kwargs or {}), "tools": req.template_tools()}
     text = await render_messages(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
-                                 continue_final_message=req.continue_final_message,
-                                 kwargs=req.chat_template_kwargs)
+                                 continue_final_message=req.continue_final_message, kwargs=kwargs)
     # the template writes the special tokens it wants (a BOS, role markers): add none
     prompt_input = await ctx.prompt_input(text, add_special_tokens=False, param="messages")
     ctx.check_length(prompt_input, params, prompt_param="messages")
@@ -41,20 +52,20 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     stream = ctx.generate(request_id, prompt_input, params)
     num_prompt = len(prompt_input["prompt_token_ids"])
     if req.stream:
-        return _stream(ctx, req, request_id, num_prompt, stream)
-    return await _full(ctx, req, request_id, num_prompt, stream)
+        return _stream(ctx, req, request_id, num_prompt, stream, plan)
+    return await _full(ctx, req, request_id, num_prompt, stream, plan)
 
 
 async def render_messages(ctx: ServingContext, messages, **kwargs) -> str:
     """The chat template applied to `messages` (off the event loop when they are long)."""
-    inputs = [m.as_template_input() for m in messages]
+    inputs = template_messages([m.as_template_input() for m in messages])
     size = sum(len(m["content"]) for m in inputs)
     if size <= SMALL_TEXT_CHARS:
         return ctx.render_chat(inputs, **kwargs)
     return await ctx.off_loop(functools.partial(ctx.render_chat, inputs, **kwargs))
 
 
-async def _full(ctx, req, request_id, num_prompt, stream) -> dict:
+async def _full(ctx, req, request_id, num_prompt, stream, plan) -> dict:
     final = None
     try:
         async with aclosing(merge([stream])) as merged:
@@ -70,8 +81,9 @@ async def _full(ctx, req, request_id, num_prompt, stream) -> dict:
         if req.logprobs:
             logprobs = chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [],
                                      req.top_logprobs or 0)
-        choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": logprobs, "finish_reason": c.finish_reason,
+        message, has_calls = plan.message(c.text)
+        choices.append({"index": c.index, "message": message, "logprobs": logprobs,
+                        "finish_reason": finish_reason(c.finish_reason, has_calls),
                         "stop_reason": c.stop_reason})
     num_completion = sum(len(c.token_ids) for c in final.outputs)
     return {"id": request_id, "object": "chat.completion", "created": now(),
@@ -80,10 +92,11 @@ async def _full(ctx, req, request_id, num_prompt, stream) -> dict:
             "prompt_logprobs": prompt_logprobs_json(ctx.tokenizer, final.prompt_logprobs)}
 
 
-async def _stream(ctx, req, request_id, num_prompt, stream) -> AsyncIterator[str]:
+async def _stream(ctx, req, request_id, num_prompt, stream, plan) -> AsyncIterator[str]:
     progress = StreamProgress(request_id, "chat.completion.chunk", ctx.model_name, num_prompt,
                               req.include_usage, now())
     chunk = progress.chunk
+    tool_streams = [ToolStream(plan) for _ in range(req.n)]
 
     try:
         for index in range(req.n):  # the role first, as OpenAI does
@@ -103,12 +116,22 @@ async def _stream(ctx, req, request_id, num_prompt, stream) -> AsyncIterator[str
                         steps = (c.logprobs or [])[start_tokens:start_tokens + len(new_ids)]
                         logprobs = chat_logprobs(ctx.tokenizer, new_ids, steps, req.top_logprobs or 0)
                     progress.sent(c.index, c)
-                    yield chunk([{"index": c.index, "delta": {"content": text} if text else {},
-                                  "logprobs": logprobs, "finish_reason": c.finish_reason,
-                                  "stop_reason": c.stop_reason if c.finish_reason else None}],
-                                req.continuous_usage)
+                    tools = tool_streams[c.index]
+                    deltas = tools.feed(text or "", c.finish_reason is not None)
+                    if not deltas and not logprobs and c.finish_reason is None:
+                        continue  # (held back: the text of a tool call still being written)
+                    deltas = deltas or [{}]
+                    reason = finish_reason(c.finish_reason, tools.num_calls_sent > 0)
+                    for i, delta in enumerate(deltas):
+                        last = i == len(deltas) - 1
+                        yield chunk([{"index": c.index, "delta": delta,
+                                      "logprobs": logprobs if i == 0 else None,
+                                      "finish_reason": reason if last else None,
+                                      "stop_reason": c.stop_reason if last and reason else None}],
+                                    req.continuous_usage)
         if req.include_usage:
             yield chunk([], True)
     except Exception as e:  # noqa: BLE001 - the stream has started: report it in-band
         yield sse(engine_error(e).body())
     yield sse("[DONE]")
+

@@ -17,6 +17,7 @@ from omniinfer.entrypoints.openai.async_engine import (
 )
 from omniinfer.entrypoints.openai.limits import ServerLimits
 from omniinfer.entrypoints.openai.protocol import GENERATION_DEFAULTS, APIError, usage
+from omniinfer.entrypoints.openai.tools.serving import ToolConfig
 from omniinfer.logger import init_logger
 from omniinfer.sampling.params import SamplingParams
 
@@ -59,6 +60,7 @@ class ServingContext:
         gen = config.generation_config or {}
         self.generation_defaults = {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
         self._bulk_tokenizer = None
+        self.tools = ToolConfig()  # the server's tool flags (set by ServerState.attach)
         self._bulk = ThreadPoolExecutor(1, thread_name_prefix="omniinfer-tokenize")
 
     def close(self) -> None:

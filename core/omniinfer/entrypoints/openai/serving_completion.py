@@ -16,6 +16,7 @@ from omniinfer.entrypoints.openai.serving_common import (
     prompt_logprobs_json,
     sse,
 )
+from omniinfer.entrypoints.openai.structured import constrain
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest) -> dict | AsyncIterator[str]:
@@ -28,6 +29,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> dict
     # text): the engine generates one token, which is dropped
     params = req.sampling_params(max_tokens=1 if req.echo_only else req.max_tokens,
                                  logprobs=req.logprobs, defaults=ctx.generation_defaults)
+    constrain(ctx, req, params)
     inputs = [await ctx.prompt_input(p) for p in req.prompts(ctx.max_prompt_tokens)]
     for prompt_input in inputs:
         ctx.check_length(prompt_input, params)
