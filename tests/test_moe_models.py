@@ -13,14 +13,27 @@ from test_distributed import STRESS, STRESS_PROMPTS, generate, tokens
 from test_parity import check_parity, make_prompts
 
 from omniinfer import LLM, SamplingParams
-from omniinfer.models.layers.moe import reference_moe, select_experts
+from omniinfer.models.layers.moe import FusedMoE, reference_moe, select_experts
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 
 @pytest.mark.parametrize("name", FAMILIES)
-def test_greedy_matches_transformers(name, checkpoint_dir, hf_greedy):
-    check_parity(checkpoint_dir(name), hf_greedy, make_prompts(300), num_kv_blocks=128)
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_greedy_matches_transformers(name, kernels, checkpoint_dir, hf_greedy, monkeypatch):
+    """With the CPU plugin's compiled MoE kernel (decode steps) and without (the torch reference)."""
+    from omniinfer_cpu.kernels import build
+
+    monkeypatch.setenv("OMNIINFER_CPU_KERNELS", kernels)
+    build.reset()
+    try:
+        llm = check_parity(checkpoint_dir(name), hf_greedy, make_prompts(300), num_kv_blocks=128)
+    finally:
+        monkeypatch.undo()
+        build.reset()
+    model = llm.llm_engine.executor.worker.model_runner.model
+    methods = {m.moe_method.name for m in model.modules() if isinstance(m, FusedMoE)}
+    assert methods == ({"omni_moe"} if kernels == "1" and build.load() is not None else {"torch reference"})
 
 
 @pytest.mark.parametrize("name", FAMILIES)
