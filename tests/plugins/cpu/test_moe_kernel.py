@@ -36,7 +36,8 @@ def test_moe_kernel_matches_reference(isa_level, dtype, tokens, experts, top_k, 
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:  # no further from the float32 sum than torch's own bfloat16 reference is
         torch_bf16 = reference_moe(x, layer.w13_weight, layer.w2_weight, weights, ids).float()
-        assert (got.float() - want).abs().max() <= 1.5 * (torch_bf16 - want).abs().max() + 1e-3
+        err, torch_err = (got.float() - want).abs(), (torch_bf16 - want).abs()
+        assert err.mean() <= 1.5 * torch_err.mean() + 1e-4 and err.max() <= 3 * torch_err.max() + 1e-3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

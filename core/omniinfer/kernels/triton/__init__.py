@@ -1,8 +1,8 @@
-"""Portable Triton kernels for the paged KV cache: the cache write and paged attention.
+"""Portable Triton kernels: the paged KV cache's write and paged attention; fused MoE.
 
 Importing this package does not import triton; :func:`unavailable_reasons` answers whether the
 kernels can run on a device type, and the kernels live in :mod:`.reshape_and_cache` and
-:mod:`.paged_attention` (importing those imports triton).
+:mod:`.paged_attention`, :mod:`.fused_moe` (importing those imports triton).
 
 Triton decides between compiling for a GPU and interpreting on the CPU when a kernel is
 *defined*, from ``TRITON_INTERPRET``: set ``TRITON_INTERPRET=1`` before the first import of the
@@ -18,7 +18,8 @@ import sys
 
 ENV_INTERPRET = "TRITON_INTERPRET"
 _KERNEL_MODULES = ("omniinfer.kernels.triton.paged_attention",
-                   "omniinfer.kernels.triton.reshape_and_cache")
+                   "omniinfer.kernels.triton.reshape_and_cache",
+                   "omniinfer.kernels.triton.fused_moe")
 
 
 def interpret_requested() -> bool:
