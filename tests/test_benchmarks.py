@@ -288,3 +288,10 @@ def test_llama_cpp_comparison_without_its_tools_is_a_skipped_row(tmp_path):
     text = run("latency.py", "--shape", "tiny", "--input-len", "8", "--output-len", "4", "--repeats", "1",
                "--compare", "llama.cpp", LLAMA_CPP_BIN=str(tmp_path), PATH=path)
     assert "llama.cpp     skipped: llama-bench not found" in text
+
+
+def test_moe_decode_reports_bytes_read_against_active_bytes():
+    out = run("moe_decode.py", "--shape", "tiny", "--output-len", "3", "--repeats", "1")
+    assert "active parameters' bytes a token" in out
+    assert "compiled (omni_moe)" in out and "torch reference (torch reference)" in out
+    assert out.count("= 1.000x the active bytes") == 2  # batch 1: top-k distinct experts a layer
