@@ -36,7 +36,7 @@ def test_greedy_matches_transformers(name, kernels, checkpoint_dir, hf_greedy, m
     assert methods == ({"omni_moe"} if kernels == "1" and build.load() is not None else {"torch reference"})
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("name", [*FAMILIES, "mixtral_window"])
 def test_chunked_prefill_prefix_caching_and_preemption(name, checkpoint_dir, hf_greedy):
     path = checkpoint_dir(name)
     rng = random.Random(2)

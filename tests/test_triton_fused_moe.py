@@ -75,3 +75,19 @@ def test_accelerator_transform_installs_it_where_triton_runs(monkeypatch):
     assert isinstance(method, moe_triton.TritonMoEMethod)
     monkeypatch.setattr("omniinfer.kernels.triton.unavailable_reasons", lambda device: ["no triton"])
     assert moe_triton.TritonModelTransform("cuda").moe_method(layer) is None
+
+
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral"])
+def test_models_on_the_triton_method_match_transformers(name, checkpoint_dir, hf_greedy, monkeypatch):
+    """Every MoE layer on fused_moe (interpreted), prefills and decodes: transformers' tokens."""
+    from test_parity import check_parity, make_prompts
+
+    from omniinfer.models.layers.moe import FusedMoE
+    from omniinfer.models.layers.moe_triton import TritonMoEMethod
+    from omniinfer_cpu.transform import CpuModelTransform
+
+    monkeypatch.setattr(CpuModelTransform, "moe_method", lambda self, layer: TritonMoEMethod())
+    llm = check_parity(checkpoint_dir(name), hf_greedy, make_prompts(300, [1, 9, 33]), max_tokens=8,
+                       num_kv_blocks=64)
+    model = llm.llm_engine.executor.worker.model_runner.model
+    assert {m.moe_method.name for m in model.modules() if isinstance(m, FusedMoE)} == {"triton fused_moe"}
