@@ -32,6 +32,15 @@ CHECKPOINTS = {
     "llama_bf16": dict(arch="llama", dtype="bfloat16"),
     # tensor parallelism: 1 KV head (replicated across ranks), vocabulary not divisible by 2 or 4
     "llama_kv1": dict(arch="llama", num_key_value_heads=1, vocab_size=389),
+    # mixtures of experts (tests/test_moe_models.py): 8 experts, 2 or 3 routed per token
+    "mixtral": dict(arch="mixtral", num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    "mixtral_window": dict(arch="mixtral", num_local_experts=8, num_experts_per_tok=2, intermediate_size=64,
+                           sliding_window=24),
+    "qwen2_moe": dict(arch="qwen2_moe", num_hidden_layers=3, num_experts=8, num_experts_per_tok=3,
+                      moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      decoder_sparse_step=1, mlp_only_layers=[1]),
+    "qwen3_moe": dict(arch="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, head_dim=32),
 }
 
 

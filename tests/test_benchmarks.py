@@ -317,3 +317,10 @@ def test_structured_mask_cost_and_grammar_engines(tmp_path):
     assert result["plain_step_ms"] > 0 and result["critical_path_ms"] > 0
     text = run("grammar_engines.py", "--batch", "2", "--steps", "3")
     assert "xgrammar: vocabulary" in text and "us per row" in text
+
+
+def test_moe_decode_reports_bytes_read_against_active_bytes():
+    out = run("moe_decode.py", "--shape", "tiny", "--output-len", "3", "--repeats", "1")
+    assert "active parameters' bytes a token" in out
+    assert "compiled (omni_moe)" in out and "torch reference (torch reference)" in out
+    assert out.count("= 1.000x the active bytes") == 2  # batch 1: top-k distinct experts a layer

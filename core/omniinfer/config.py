@@ -69,7 +69,7 @@ class ModelConfig:
     @property
     def sliding_window(self) -> int | None:
         cfg = self.hf_config
-        if cfg.get("model_type") == "qwen2" and not cfg.get("use_sliding_window", False):
+        if cfg.get("model_type") in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             return None
         window = cfg.get("sliding_window")
         return int(window) if window else None
@@ -163,7 +163,6 @@ class ParallelConfig:
 def check_parallel_sizes(model: ModelConfig, parallel: ParallelConfig) -> None:
     """Refuse, before any process starts, a split the model's shapes do not allow."""
     tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
-    intermediate = int(model.hf_config.get("intermediate_size", 0))
     if model.num_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the model's "
                          f"num_attention_heads={model.num_heads}")
@@ -172,9 +171,11 @@ def check_parallel_sizes(model: ModelConfig, parallel: ParallelConfig) -> None:
         raise ValueError(f"tensor_parallel_size={tp} and the model's num_key_value_heads={kv} "
                          "must divide one another (KV heads are split, or replicated when "
                          "there are fewer than ranks)")
-    if intermediate % tp:
-        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's "
-                         f"intermediate_size={intermediate}")
+    for field_name in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        size = int(model.hf_config.get(field_name) or 0)
+        if size % tp:
+            raise ValueError(f"tensor_parallel_size={tp} does not divide the model's "
+                             f"{field_name}={size}")
     if pp > model.num_layers:
         raise ValueError(f"pipeline_parallel_size={pp} exceeds the model's "
                          f"num_hidden_layers={model.num_layers}: every stage needs a layer")

@@ -106,7 +106,7 @@ class LlamaForCausalLM(nn.Module):
         if self.is_first_stage or (self.is_last_stage and self.tie_word_embeddings):
             self.model.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.model.layers = nn.ModuleDict({
-            str(i): LlamaDecoderLayer(config, attn_backend)
+            str(i): self.make_layer(config, attn_backend, i)
             for i in range(self.start_layer, self.end_layer)
         })
         if self.is_last_stage:
@@ -115,6 +115,10 @@ class LlamaForCausalLM(nn.Module):
             if self.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
         self.decoder_stack: DecoderStack | None = None  # the platform's, set after loading
+
+    def make_layer(self, config: ModelConfig, attn_backend, index: int) -> nn.Module:
+        """Decoder layer `index` (a family whose layers differ overrides this)."""
+        return LlamaDecoderLayer(config, attn_backend)
 
     @property
     def num_local_layers(self) -> int:

@@ -8,6 +8,9 @@ _MODELS = {
     "LlamaForCausalLM": ("omniinfer.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("omniinfer.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("omniinfer.models.llama", "LlamaForCausalLM"),
+    "MixtralForCausalLM": ("omniinfer.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("omniinfer.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("omniinfer.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 

@@ -8,6 +8,8 @@ runs as loaded, on torch ops). The core runner calls it while it loads the model
 * `linear_method(layer)` for every linear layer and the LM head (`models/layers/linear.py`):
   the layer's `LinearMethod`, or None for torch's `F.linear`; it then processes the loaded
   weights once;
+* `moe_method(layer)` for every mixture-of-experts layer (`models/layers/moe.py`): its
+  `MoEMethod` (a fused kernel), or None for the torch reference; it then processes the weights;
 * `layer_ops()`: norm, rotary, SiLU-and-multiply and the greedy argmax (`LayerOps`), or None;
 * `decoder_stack(layers)`: all decoder layers in one call (`DecoderStack`), or None;
 * `after_install(model)`: the last word (the CPU plugin moves the weights to huge pages).
@@ -24,6 +26,7 @@ from torch import nn
 from omniinfer.models.layers.decoder_stack import DecoderLayerSpec, DecoderStack
 from omniinfer.models.layers.layer_ops import LayerOps
 from omniinfer.models.layers.linear import LinearMethod
+from omniinfer.models.layers.moe import MoEMethod
 
 
 class ModelTransform:
@@ -35,6 +38,10 @@ class ModelTransform:
 
     def linear_method(self, layer: nn.Module) -> LinearMethod | None:
         """This layer's `LinearMethod` (a fresh one per layer may hold that layer's copies)."""
+        return None
+
+    def moe_method(self, layer: nn.Module) -> MoEMethod | None:
+        """This `FusedMoE` layer's `MoEMethod` (a fresh one per layer may hold its copies)."""
         return None
 
     def layer_ops(self) -> LayerOps | None:

@@ -36,6 +36,14 @@ class AcceleratorPlatform(Platform):
         cls.device_module().synchronize()
 
     @classmethod
+    def model_transform(cls, config, attn_backend):
+        """Mixture-of-experts layers on the core's Triton fused-MoE kernel where triton runs
+        on this device (models/layers/moe_triton.py); everything else as loaded."""
+        from omniinfer.models.layers.moe_triton import TritonModelTransform
+
+        return TritonModelTransform(cls.device_type)
+
+    @classmethod
     def pin_memory_available(cls) -> bool:
         return True
 

@@ -20,6 +20,9 @@ ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -41,7 +44,7 @@ def build_tokenizer(vocab_size: int = 384):
 
 def build_tiny_checkpoint(path: str, arch: str = "llama", *, dtype: str = "float32",
                           max_shard_size: str | None = None, seed: int = 0, **overrides) -> str:
-    """Write a tiny model of `arch` ("llama", "mistral", "qwen2") and its tokenizer to `path`."""
+    """Write a tiny model of `arch` (a key of ARCHITECTURES) and its tokenizer to `path`."""
     import torch
     import transformers
 

@@ -15,6 +15,7 @@ from omniinfer.logger import init_logger
 from omniinfer.models.intermediate import IntermediateTensors
 from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS, install_layer_ops
 from omniinfer.models.layers.linear import install_linear_methods
+from omniinfer.models.layers.moe import install_moe_methods
 from omniinfer.models.loader import load_model
 from omniinfer.models.transform import ModelTransform
 from omniinfer.sampling.metadata import SeqStates
@@ -66,6 +67,8 @@ class ModelRunner:
                                 quant_kernels=get_registry().quant_kernels)
         transform.after_load(self.model)
         install_linear_methods(self.model, transform.linear_method)
+        if hasattr(transform, "moe_method"):  # (a 1.x runner's hooks have none)
+            install_moe_methods(self.model, transform.moe_method)
         ops = transform.layer_ops()
         if ops is not None:
             install_layer_ops(self.model, ops)

@@ -31,7 +31,7 @@ def kernel_report() -> dict:
 
     if kernels is None:
         for name in ("packed GEMM", "coded weight copies", "int8 LM head", "decoder stack",
-                     "paged attention", "layer ops"):
+                     "paged attention", "layer ops", "mixture of experts"):
             family(name, False, f"no compiled kernels: {why}; torch's ops run instead")
         report["cpu_kernel_families"] = families
         return report
@@ -67,5 +67,11 @@ def kernel_report() -> dict:
            "all decoder layers in one omni_decoder_layers call (prefills need the packed GEMM)")
     family("paged attention", True, "CPU_PAGED: omni_paged_attention (prefill, chunked, decode)")
     family("layer ops", True, "RMS norm, rotary, SiLU-and-multiply, greedy argmax")
+    from omniinfer_cpu.moe import MAX_ROWS as MOE_ROWS
+
+    family("mixture of experts", True,
+           f"omni_moe for up to {MOE_ROWS} tokens a step: each token reads only its routed experts' "
+           "weights (float32, bfloat16); prefills run the torch reference (oneDNN per expert); MoE "
+           "layers are not in the decoder stack")
     report["cpu_kernel_families"] = families
     return report

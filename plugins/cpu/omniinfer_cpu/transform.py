@@ -1,7 +1,8 @@
 """The CPU plugin's model transform (the platform's one load-time hook, models/transform.py):
 the thread count settled before loading; after loading, the CPU linear method (compiled kernel,
 packed and coded copies of the weights) for every linear layer and the LM head, the compiled
-layer ops, the decoder layers as one compiled stack, and the weights moved to huge pages.
+mixture-of-experts kernel for every MoE layer, the compiled layer ops, the decoder layers as one
+compiled stack, and the weights moved to huge pages.
 
 Everything it makes lives here and in the objects it installs (each layer's `CpuLinearMethod`
 holds that layer's copies; the stack holds its structs): nothing is added to the core's layers.
@@ -55,6 +56,14 @@ class CpuModelTransform(ModelTransform):
         if layer.weight.dtype not in DTYPE_CODES or (self.kernels is None and not self.pack):
             return None
         return CpuLinearMethod(self.kernels, self.pack)
+
+    def moe_method(self, layer):
+        from omniinfer_cpu.linear import DTYPE_CODES
+        from omniinfer_cpu.moe import CpuMoEMethod
+
+        if self.kernels is None or layer.w13_weight.dtype not in DTYPE_CODES:
+            return None
+        return CpuMoEMethod(self.kernels)
 
     def layer_ops(self):
         from omniinfer_cpu.layer_ops import CpuLayerOps

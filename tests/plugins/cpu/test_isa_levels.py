@@ -81,8 +81,9 @@ def test_env_reports_the_level_and_the_kernel_families(isa_level):
     assert report["cpu_kernels"].startswith(f"{name} (capped by {isa.ENV_ISA}={name})")
     families = report["cpu_kernel_families"]
     assert set(families) == {"packed GEMM", "coded weight copies", "int8 LM head", "decoder stack",
-                             "paged attention", "layer ops"}
+                             "paged attention", "layer ops", "mixture of experts"}
     assert families["packed GEMM"]["active"] and families["decoder stack"]["active"]
+    assert families["mixture of experts"]["active"] and "routed experts" in families["mixture of experts"]["why"]
     coded = name in ("avx512_vbmi", "avx512_bf16")
     assert families["coded weight copies"]["active"] == coded
     if not coded:

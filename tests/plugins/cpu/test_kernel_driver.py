@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from omniinfer.models.layers.moe import reference_moe
 from omniinfer_cpu.kernels import build, isa
 
 DRIVER = os.path.join(os.path.dirname(__file__), "kernel_driver", "driver.c")
@@ -169,6 +170,16 @@ def product_cases(gen):
             want = (x.double() @ w.double().T).argmax(-1)
             out.append((("linear_argmax_q8", [m, 500, 64, dt, 2], [], [x, w, torch.full((m,), -7, dtype=torch.int64)]),
                         lambda a, want=want: torch.testing.assert_close(a[2], want)))
+        for t, experts, top_k, hidden, inter in ((1, 8, 2, 40, 24), (5, 6, 3, 33, 20)):
+            x = rand(gen, t, hidden, dt=dt)
+            w13 = rand(gen, experts, 2 * inter, hidden, dt=dt, scale=0.2)
+            w2 = rand(gen, experts, hidden, inter, dt=dt, scale=0.2)
+            weights, ids = torch.rand(t, experts, generator=gen).softmax(-1).topk(top_k, dim=-1)
+            want = reference_moe(x.double(), w13.double(), w2.double(), weights.double(), ids)
+            out.append((("moe", [t, top_k, experts, hidden, inter, dt, 2], [],
+                         [x, w13, w2, ids, weights, torch.zeros(t, hidden, dtype=TORCH_DTYPE[dt])]),
+                        lambda a, want=want, dt=dt: torch.testing.assert_close(
+                            a[5].double(), want, **(TOL[dt] if dt == F32 else dict(atol=5e-2, rtol=5e-2)))))
     return out
 
 

@@ -286,8 +286,61 @@ def quant_launches() -> list[KernelLaunch]:
     return launches
 
 
+# ---- mixture of experts (kernels/triton/fused_moe.py) -------------------------------------------
+@dataclass(frozen=True, slots=True)
+class MoEShape:
+    """One MoE layer on one rank (each expert's intermediate size already split)."""
+
+    model: str
+    dtype: torch.dtype
+    num_experts: int
+    top_k: int
+    hidden_size: int
+    intermediate_size: int  # per rank
+    num_tokens: int  # of the step: decode-sized steps take BLOCK_M 16, larger ones 64
+
+    def label(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.").replace("bfloat", "bf").replace("float", "fp")
+        return (f"{dtype} e{self.num_experts}k{self.top_k} {self.hidden_size}x{self.intermediate_size} "
+                f"t{self.num_tokens} ({self.model})")
+
+
+# Mixtral 8x7B at a decode step and a prefill chunk (BLOCK_M 16 / 64), Qwen3-30B-A3B's many small
+# experts, and float32 (plain FMA dots). TOP_K, MUL_WEIGHT and the dtype are constexprs, so each
+# shape compiles the kernel twice (gate/up, then down).
+_MOE_SHAPES = (
+    MoEShape("mixtral-8x7b", torch.bfloat16, 8, 2, 4096, 14336, 1),
+    MoEShape("mixtral-8x7b", torch.bfloat16, 8, 2, 4096, 14336, 512),
+    MoEShape("qwen3-30b-a3b", torch.float16, 128, 8, 2048, 768, 4),
+    MoEShape("qwen2-moe tiny", torch.float32, 8, 4, 512, 256, 64),
+)
+
+
+def _fused_moe(shape: MoEShape) -> None:
+    from omniinfer.kernels.triton import fused_moe as ops
+
+    meta = dict(device="meta")
+    e, k, h, i, t = (shape.num_experts, shape.top_k, shape.hidden_size, shape.intermediate_size,
+                     shape.num_tokens)
+    block_m = ops.block_m_for(t * k)
+    capacity = -(-(t * k + e * (block_m - 1)) // block_m) * block_m
+    ops.fused_moe_sorted(
+        torch.empty(t, h, dtype=shape.dtype, **meta), torch.empty(e, 2 * i, h, dtype=shape.dtype, **meta),
+        torch.empty(e, h, i, dtype=shape.dtype, **meta), torch.empty(t, k, dtype=torch.float32, **meta),
+        torch.empty(capacity, dtype=torch.int32, **meta),
+        torch.empty(capacity // block_m, dtype=torch.int32, **meta),
+        torch.empty(1, dtype=torch.int32, **meta), k, block_m)
+
+
+def moe_launches() -> list[KernelLaunch]:
+    """What `TritonMoEMethod` launches through `fused_moe` (both grouped GEMMs of a layer)."""
+    return [KernelLaunch("fused_moe", shape.label(), shape, partial(_fused_moe, shape))
+            for shape in _MOE_SHAPES]
+
+
 # Every source of catalogued launches; a new kernel family appends its function here.
-SOURCES: tuple[Callable[[], list[KernelLaunch]], ...] = (attention_launches, quant_launches)
+SOURCES: tuple[Callable[[], list[KernelLaunch]], ...] = (attention_launches, quant_launches,
+                                                          moe_launches)
 
 
 def catalogue() -> list[KernelLaunch]:

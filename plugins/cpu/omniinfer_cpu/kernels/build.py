@@ -95,6 +95,9 @@ SIGNATURES = {
     "omni_ec_pack": ([_P, _I32, _I32, _I32, _I64, _P, _I32], _I32),
     # x, ldx, ec, bias, y, ldy, M, N, K, dtype, nthreads
     "omni_linear_ec": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32], _I32),
+    # x, ldx, w13 [E, 2I, H], w2 [E, H, I], topk_ids (int64 [T, K]), topk_weights (float32 [T, K]),
+    # out, ldo, T, K, E, H, I, dtype, nthreads
+    "omni_moe": ([_P, _I64, _P, _P, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
     # layers (omni_layer[]), num_layers, hidden, residual, has_residual, positions, slot_mapping, T,
     # block_tables, table_stride, query_start_loc, seq_lens, num_seqs, work, kernel_rows, dtype,
     # nthreads

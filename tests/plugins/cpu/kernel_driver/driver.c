@@ -42,6 +42,9 @@ int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scal
 int omni_linear_argmax_q8(const void *x, int64_t ldx, const void *w, const int8_t *q,
                           const float *scale, const float *coef, int64_t *out, int M, int N, int K,
                           int dt, int max_candidates, int nthreads);
+int omni_moe(const void *x, int64_t ldx, const void *w13, const void *w2, const int64_t *topk_ids,
+             const float *topk_weights, void *out, int64_t ldo, int T, int K, int E, int H, int I,
+             int dt, int nthreads);
 
 #define MAX_ARGS 32
 
@@ -148,6 +151,10 @@ static int run(Case *c) {
         int rc = omni_linear_argmax_q8(A(0), K, A(1), q, scale, coef, A(2), M, N, K, dt, N, nt);
         free(q), free(scale), free(coef);
         return rc;
+    }
+    if (!strcmp(k, "moe")) {  /* T K E H I dt threads; x w13 w2 topk_ids topk_weights out */
+        return omni_moe(A(0), I(3), A(1), A(2), A(3), A(4), A(5), I(3), I(0), I(1), I(2), I(3), I(4),
+                        I(5), I(6));
     }
     fprintf(stderr, "driver: no kernel %.32s\n", k);
     return -100;
