@@ -134,7 +134,7 @@ def test_routing_and_experts_match_transformers(arch, kw, renormalize):
 
 
 def test_qwen2_moe_dense_layers_follow_mlp_only_layers_and_sparse_step(checkpoint_dir, tmp_path):
-    from omniinfer.config import load_model_config
+    from omniinfer.checkpoint_config import load_model_config
     from omniinfer.models.moe_decoder import sparse_layers
 
     cfg = load_model_config(checkpoint_dir("qwen2_moe"), tokenizer=None, dtype="auto", max_model_len=None,

@@ -1,6 +1,6 @@
 """What a loaded model costs in resident memory, measured in a fresh process: `python -m
 omniinfer.benchmarks.resident MODEL` prints JSON with the process's resident set before the model
-(after importing the engine, selecting the platform and loading its kernels) and after loading it
+(after importing the engine and selecting the platform) and after loading it
 and serving one request, the KV cache's bytes and the weights the model holds. A fresh process,
 because a benchmark that built a checkpoint first keeps that memory in its heap."""
 
@@ -28,11 +28,7 @@ def main(model: str, dtype: str) -> dict:
     from omniinfer import LLM, SamplingParams
     from omniinfer.platforms.registry import select_platform
 
-    platform = select_platform()
-    if platform.name == "cpu":
-        from omniinfer_cpu.kernels import build
-
-        build.load()
+    select_platform()  # the plugins loaded (a platform's kernels load with the model: counted)
     before = resident_bytes()
     llm = LLM(model, dtype=dtype, max_num_seqs=1, max_model_len=MAX_MODEL_LEN,
               num_kv_blocks=MAX_MODEL_LEN // 16 + 1)  # one sequence's cache (zero-filled: resident)

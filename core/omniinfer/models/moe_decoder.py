@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from omniinfer.attention.layer import Attention
-from omniinfer.config import ModelConfig, rope_scaling, rope_theta
+from omniinfer.checkpoint_config import rope_scaling, rope_theta
+from omniinfer.config import ModelConfig
 from omniinfer.distributed import parallel_state as ps
 from omniinfer.models.layers.layer_ops import SiluAndMul
 from omniinfer.models.layers.linear import (
