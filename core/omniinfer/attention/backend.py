@@ -34,7 +34,8 @@ class AttentionSpec:
     num_heads: int  # query heads on one rank
     num_kv_heads: int  # KV heads on one rank
     block_size: int
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the model's sliding layers' window (None: none slide)
+    logits_soft_cap: float | None = None  # attention-score soft-capping some layers need (Gemma 2)
     device_capability: tuple[int, int] | None = None  # e.g. (9, 0) for an H100; None off-GPU
     min_triton_capability: tuple[int, int] | None = None  # the platform's floor for Triton kernels
     device_arch: str | None = None  # what device 0's code is compiled for: "sm_90", "gfx942"
@@ -51,6 +52,8 @@ class AttentionBackend:
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     supports_sliding_window: ClassVar[bool] = True
+    # True when the impl applies `logits_soft_cap` (cap * tanh(scores / cap) before the softmax)
+    supports_logits_soft_cap: ClassVar[bool] = False
     # True when a decode-only step can be captured in a device graph and replayed: the write
     # path skips slot -1 (padding rows), and decode reads per-step data only from the metadata's
     # tensors (never from its host lists or max_* ints, which a replay does not refresh).
@@ -70,6 +73,8 @@ class AttentionBackend:
                            f"(supports {', '.join(map(str, cls.supported_head_sizes))})")
         if spec.sliding_window and not cls.supports_sliding_window:
             reasons.append("sliding-window attention not supported")
+        if spec.logits_soft_cap and not cls.supports_logits_soft_cap:
+            reasons.append(f"attention logit soft-capping ({spec.logits_soft_cap}) not supported")
         if cls.supported_platforms is not None and spec.platform_name not in cls.supported_platforms:
             reasons.append(f"serves the {'/'.join(cls.supported_platforms)} platform only, not "
                            f"{spec.platform_name}")
@@ -281,12 +286,13 @@ class AttentionImpl:
     """One layer's attention computation for a backend."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
