@@ -288,3 +288,15 @@ def test_llama_cpp_comparison_without_its_tools_is_a_skipped_row(tmp_path):
     text = run("latency.py", "--shape", "tiny", "--input-len", "8", "--output-len", "4", "--repeats", "1",
                "--compare", "llama.cpp", LLAMA_CPP_BIN=str(tmp_path), PATH=path)
     assert "llama.cpp     skipped: llama-bench not found" in text
+
+
+def test_sliding_kv(tmp_path):
+    out = tmp_path / "skv.json"
+    text = run("sliding_kv.py", "--tokens", "640", "--window", "64", "--layers", "6", "--chunk", "64",
+               "--json", str(out))
+    assert "sliding layers keep their window" in text and "full attention in every layer" in text
+    result = json.loads(out.read_text())
+    assert result["sliding"]["window_pool"] and not result["full"]["window_pool"]
+    assert result["sliding"]["tokens"] == result["full"]["tokens"] == 639
+    # 1 full layer of 6 holds 40 blocks, 5 sliding ones at most 4 + 4 + 1 each: <= (40 + 45) / 240
+    assert result["held_ratio"] <= 0.36 and result["last_held_ratio"] < result["held_ratio"]

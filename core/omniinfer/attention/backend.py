@@ -14,7 +14,7 @@ tokens of the step are flattened into one dimension in that order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -52,6 +52,10 @@ class AttentionBackend:
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     supports_sliding_window: ClassVar[bool] = True
+    # True when its metadata is made from `block_tables` and `slot_mapping` alone (nothing derived
+    # from them at build time), so a sliding layer can read the window pool's through
+    # `AttentionMetadata.for_window` (engine/kv_groups.py); otherwise every layer keeps all blocks
+    supports_window_pool: ClassVar[bool] = False
     # True when the impl applies `logits_soft_cap` (cap * tanh(scores / cap) before the softmax)
     supports_logits_soft_cap: ClassVar[bool] = False
     # True when a decode-only step can be captured in a device graph and replayed: the write
@@ -147,6 +151,21 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
     max_query_len: int
     max_seq_len: int
+    # the sliding layers' block table and slots where the model keeps its windows in a pool of
+    # their own (engine/kv_groups.py); None otherwise. `for_window()` is their view.
+    window_block_tables: torch.Tensor | None = field(default=None, kw_only=True)
+    window_slot_mapping: torch.Tensor | None = field(default=None, kw_only=True)
+
+    @cached_property
+    def for_window(self) -> AttentionMetadata:
+        """This step as a sliding-window layer sees it: the window pool's block table and slots
+        (the metadata itself when the model has no window pool)."""
+        if self.window_block_tables is None:
+            return self
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(block_tables=self.window_block_tables, slot_mapping=self.window_slot_mapping,
+                      window_block_tables=None, window_slot_mapping=None)
+        return type(self)(**values)
 
     @property
     def num_seqs(self) -> int:
@@ -201,6 +220,8 @@ class AttentionMetadata:
             context_lens_tensor=self.context_lens_tensor[s0:s1],
             query_start_loc=qsl - qsl[0],
             block_tables=self.block_tables[s0:s1],
+            window_block_tables=None if self.window_block_tables is None else self.window_block_tables[s0:s1],
+            window_slot_mapping=None if self.window_slot_mapping is None else self.window_slot_mapping[t0:t1],
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
         )
@@ -256,7 +277,8 @@ def common_fields(common: CommonAttentionMetadata) -> dict[str, Any]:
         seq_lens=common.seq_lens_host, seq_lens_tensor=common.seq_lens,
         query_lens=common.query_lens_host, context_lens_tensor=common.context_lens,
         query_start_loc=common.query_start_loc, block_tables=common.block_table,
-        max_query_len=common.max_query_len, max_seq_len=common.max_seq_len)
+        max_query_len=common.max_query_len, max_seq_len=common.max_seq_len,
+        window_block_tables=common.window_block_table, window_slot_mapping=common.window_slot_mapping)
 
 
 @dataclass

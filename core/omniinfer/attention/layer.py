@@ -27,4 +27,6 @@ class Attention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        if self.sliding_window:  # its blocks come from the window pool, where there is one
+            attn_metadata = attn_metadata.for_window
         return self.impl.forward(query, key, value, kv_cache, attn_metadata)

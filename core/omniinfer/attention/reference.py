@@ -56,6 +56,7 @@ class ReferenceBackend(AttentionBackend):
     name: ClassVar[str] = "REFERENCE"
     supported_device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda", "xpu")
     supports_logits_soft_cap: ClassVar[bool] = True
+    supports_window_pool: ClassVar[bool] = True
 
     @classmethod
     def get_impl_cls(cls):

@@ -174,6 +174,8 @@ class LlamaForCausalLM(nn.Module):
         (the spec's formula is this layer's)."""
         if ps.get_tp_size() > 1 or self.layer_cls is not LlamaDecoderLayer:
             return None
+        if len(set(self.config.layer_windows)) > 1:  # sliding and full layers read different tables
+            return None
         return [DecoderLayerSpec(layer.input_layernorm, layer.self_attn.qkv_proj,
                                  layer.self_attn.rotary_emb, layer.self_attn.attn, layer.self_attn.o_proj,
                                  layer.post_attention_layernorm, layer.mlp.gate_up_proj,

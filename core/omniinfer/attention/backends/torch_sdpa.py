@@ -83,6 +83,7 @@ class TorchSDPABackend(AttentionBackend):
     name: ClassVar[str] = "TORCH_SDPA"
     supported_device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda", "xpu")
     supports_logits_soft_cap: ClassVar[bool] = True
+    supports_window_pool: ClassVar[bool] = True
 
 
     @classmethod
