@@ -30,6 +30,10 @@ CHECKPOINTS = {
     "llama_sharded": dict(arch="llama", max_shard_size="100KB"),
     "mistral_window": dict(arch="mistral", sliding_window=24),
     "llama_bf16": dict(arch="llama", dtype="bfloat16"),
+    "qwen3": dict(arch="qwen3"),
+    "gemma2": dict(arch="gemma2"),
+    "gemma3": dict(arch="gemma3"),
+    "phi3": dict(arch="phi3"),
     # tensor parallelism: 1 KV head (replicated across ranks), vocabulary not divisible by 2 or 4
     "llama_kv1": dict(arch="llama", num_key_value_heads=1, vocab_size=389),
     # mixtures of experts (tests/test_moe_models.py): 8 experts, 2 or 3 routed per token

@@ -324,3 +324,15 @@ def test_moe_decode_reports_bytes_read_against_active_bytes():
     assert "active parameters' bytes a token" in out
     assert "compiled (omni_moe)" in out and "torch reference (torch reference)" in out
     assert out.count("= 1.000x the active bytes") == 2  # batch 1: top-k distinct experts a layer
+
+
+def test_sliding_kv(tmp_path):
+    out = tmp_path / "skv.json"
+    text = run("sliding_kv.py", "--tokens", "640", "--window", "64", "--layers", "6", "--chunk", "64",
+               "--json", str(out))
+    assert "sliding layers keep their window" in text and "full attention in every layer" in text
+    result = json.loads(out.read_text())
+    assert result["sliding"]["window_pool"] and not result["full"]["window_pool"]
+    assert result["sliding"]["tokens"] == result["full"]["tokens"] == 639
+    # 1 full layer of 6 holds 40 blocks, 5 sliding ones at most 4 + 4 + 1 each: <= (40 + 45) / 240
+    assert result["held_ratio"] <= 0.36 and result["last_held_ratio"] < result["held_ratio"]

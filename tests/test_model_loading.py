@@ -80,15 +80,19 @@ def test_no_safetensors(checkpoint_dir, tmp_path):
         LLM(path, num_kv_blocks=8)
 
 
-def test_unsupported_rope_scaling(checkpoint_dir, tmp_path):
+@pytest.mark.parametrize("scaling,message", [
+    ({"type": "mrope", "factor": 2.0}, "rope scaling type 'mrope' is not supported; supported: default"),
+    ({"type": "yarn", "factor": 2.0}, "rope scaling 'yarn' needs 'original_max_position_embeddings'"),
+])
+def test_unsupported_rope_scaling(scaling, message, checkpoint_dir, tmp_path):
     path = copy_checkpoint(checkpoint_dir("llama"), tmp_path / "m")
 
-    def yarn(config):
+    def edit(config):
         config.pop("rope_parameters", None)
-        config["rope_scaling"] = {"type": "yarn", "factor": 2.0}
+        config["rope_scaling"] = scaling
 
-    edit_config(path, yarn)
-    with pytest.raises(ValueError, match="rope scaling type 'yarn' is not supported"):
+    edit_config(path, edit)
+    with pytest.raises(ValueError, match=message):
         LLM(path, num_kv_blocks=8)
 
 

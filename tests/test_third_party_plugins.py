@@ -325,7 +325,7 @@ def test_env_report_json_lists_failed_plugins(third_party):
     plugins = {p["name"]: p for p in collect()["plugins"]}
     assert plugins["broken"] == {"name": "broken", "distribution": "omniinfer-broken",
                                  "version": "0.0.1", "loaded": False, "error": BROKEN_ERROR,
-                                 "platforms": [], "attention_backends": []}
+                                 "platforms": [], "attention_backends": [], "models": []}
     assert plugins["acme"]["loaded"] and plugins["acme"]["attention_backends"] == ["ACME_ATTN"]
 
 

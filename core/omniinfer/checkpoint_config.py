@@ -9,31 +9,12 @@ from typing import Any
 import torch
 
 from omniinfer.config import _DTYPES, ModelConfig, _check_int
+from omniinfer.hf_config import rope_scaling, rope_theta  # noqa: F401 - re-exported (models import them here)
 
 
 def _read_json(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
-
-
-def _rope_theta(cfg: dict) -> float:
-    params = cfg.get("rope_parameters") or {}
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-
-
-def rope_scaling(cfg: dict) -> dict | None:
-    """The rope scaling dict in either spelling (transformers 4 `rope_scaling`, 5 `rope_parameters`)."""
-    params = cfg.get("rope_scaling") or cfg.get("rope_parameters") or None
-    if not params:
-        return None
-    params = dict(params)
-    kind = params.get("rope_type", params.get("type", "default"))
-    params["rope_type"] = kind
-    return None if kind == "default" else params
-
-
-def rope_theta(cfg: dict) -> float:
-    return _rope_theta(cfg)
 
 
 def _eos_ids(value: Any) -> list[int]:

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from omniinfer.hf_config import layer_kinds, rope_scaling, rope_theta  # noqa: F401 - re-exported
+
 SUPPORTED_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 PREEMPTION_MODES = ("recompute", "swap")
 EXECUTOR_BACKENDS = ("uniprocess", "mp", "ray")
@@ -68,11 +70,27 @@ class ModelConfig:
 
     @property
     def sliding_window(self) -> int | None:
+        """The window of the model's sliding-window layers (None: every layer attends fully)."""
         cfg = self.hf_config
-        if cfg.get("model_type") in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
+        if cfg.get("model_type") in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             return None
         window = cfg.get("sliding_window")
-        return int(window) if window else None
+        if not window or not any(w is not None for w in layer_kinds(cfg, self.num_layers, True)):
+            return None
+        return int(window)
+
+    @property
+    def attention_soft_cap(self) -> float | None:
+        """Gemma 2's attention-score soft cap (transformers applies it for Gemma 2 only)."""
+        cap = self.hf_config.get("attn_logit_softcapping")
+        return float(cap) if cap and self.hf_config.get("model_type") == "gemma2" else None
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Per layer: the keys a query sees (itself included) in a sliding-window layer, None in
+        a full-attention one (config.json's `layer_types`, else each family's pattern)."""
+        window = self.sliding_window
+        return [window if sliding else None for sliding in layer_kinds(self.hf_config, self.num_layers)]
 
 
 @dataclass(slots=True)

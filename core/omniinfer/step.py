@@ -54,6 +54,9 @@ class SchedulerOutput:
     num_scheduled_tokens: list[int] = field(default_factory=list)  # per sequence: its new tokens
     num_computed_tokens: list[int] = field(default_factory=list)  # per sequence: cached before
     block_tables: list[list[int]] = field(default_factory=list)  # per sequence: device block ids
+    # per sequence, where the sliding layers have a pool of their own (engine/kv_groups.py):
+    # their block ids, aligned with block_tables, -1 for blocks given back; empty otherwise
+    window_block_tables: list[list[int]] = field(default_factory=list)
     # per sequence: 0 (a prompt chunk short of its end samples nothing), 1, or n on the step
     # whose logits a request with n > 1 samples all its n first tokens from
     num_samples: list[int] = field(default_factory=list)
@@ -69,6 +72,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device
+    window_blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # in the window pool
     num_steps: int = 1  # decode steps to run back to back (multi-step decoding)
 
     @property

@@ -14,7 +14,7 @@ tokens of the step are flattened into one dimension in that order.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -34,7 +34,8 @@ class AttentionSpec:
     num_heads: int  # query heads on one rank
     num_kv_heads: int  # KV heads on one rank
     block_size: int
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the model's sliding layers' window (None: none slide)
+    logits_soft_cap: float | None = None  # attention-score soft-capping some layers need (Gemma 2)
     device_capability: tuple[int, int] | None = None  # e.g. (9, 0) for an H100; None off-GPU
     min_triton_capability: tuple[int, int] | None = None  # the platform's floor for Triton kernels
     device_arch: str | None = None  # what device 0's code is compiled for: "sm_90", "gfx942"
@@ -51,6 +52,12 @@ class AttentionBackend:
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16, torch.float16)
     supported_head_sizes: ClassVar[tuple[int, ...] | None] = None  # None: any
     supports_sliding_window: ClassVar[bool] = True
+    # True when its metadata is made from `block_tables` and `slot_mapping` alone (nothing derived
+    # from them at build time), so a sliding layer can read the window pool's through
+    # `AttentionMetadata.for_window` (engine/kv_groups.py); otherwise every layer keeps all blocks
+    supports_window_pool: ClassVar[bool] = False
+    # True when the impl applies `logits_soft_cap` (cap * tanh(scores / cap) before the softmax)
+    supports_logits_soft_cap: ClassVar[bool] = False
     # True when a decode-only step can be captured in a device graph and replayed: the write
     # path skips slot -1 (padding rows), and decode reads per-step data only from the metadata's
     # tensors (never from its host lists or max_* ints, which a replay does not refresh).
@@ -70,6 +77,8 @@ class AttentionBackend:
                            f"(supports {', '.join(map(str, cls.supported_head_sizes))})")
         if spec.sliding_window and not cls.supports_sliding_window:
             reasons.append("sliding-window attention not supported")
+        if spec.logits_soft_cap and not cls.supports_logits_soft_cap:
+            reasons.append(f"attention logit soft-capping ({spec.logits_soft_cap}) not supported")
         if cls.supported_platforms is not None and spec.platform_name not in cls.supported_platforms:
             reasons.append(f"serves the {'/'.join(cls.supported_platforms)} platform only, not "
                            f"{spec.platform_name}")
@@ -142,6 +151,21 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
     max_query_len: int
     max_seq_len: int
+    # the sliding layers' block table and slots where the model keeps its windows in a pool of
+    # their own (engine/kv_groups.py); None otherwise. `for_window()` is their view.
+    window_block_tables: torch.Tensor | None = field(default=None, kw_only=True)
+    window_slot_mapping: torch.Tensor | None = field(default=None, kw_only=True)
+
+    @cached_property
+    def for_window(self) -> AttentionMetadata:
+        """This step as a sliding-window layer sees it: the window pool's block table and slots
+        (the metadata itself when the model has no window pool)."""
+        if self.window_block_tables is None:
+            return self
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values.update(block_tables=self.window_block_tables, slot_mapping=self.window_slot_mapping,
+                      window_block_tables=None, window_slot_mapping=None)
+        return type(self)(**values)
 
     @property
     def num_seqs(self) -> int:
@@ -196,6 +220,8 @@ class AttentionMetadata:
             context_lens_tensor=self.context_lens_tensor[s0:s1],
             query_start_loc=qsl - qsl[0],
             block_tables=self.block_tables[s0:s1],
+            window_block_tables=None if self.window_block_tables is None else self.window_block_tables[s0:s1],
+            window_slot_mapping=None if self.window_slot_mapping is None else self.window_slot_mapping[t0:t1],
             max_query_len=max(query_lens, default=0),
             max_seq_len=max(seq_lens, default=0),
         )
@@ -251,7 +277,8 @@ def common_fields(common: CommonAttentionMetadata) -> dict[str, Any]:
         seq_lens=common.seq_lens_host, seq_lens_tensor=common.seq_lens,
         query_lens=common.query_lens_host, context_lens_tensor=common.context_lens,
         query_start_loc=common.query_start_loc, block_tables=common.block_table,
-        max_query_len=common.max_query_len, max_seq_len=common.max_seq_len)
+        max_query_len=common.max_query_len, max_seq_len=common.max_seq_len,
+        window_block_tables=common.window_block_table, window_slot_mapping=common.window_slot_mapping)
 
 
 @dataclass
@@ -281,12 +308,13 @@ class AttentionImpl:
     """One layer's attention computation for a backend."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:

@@ -81,6 +81,10 @@ class CommonAttentionMetadata:
     # [sum of the prefills' seq_lens] int64: the slot of every key of every prefill, in order;
     # only for builders that set `needs_prefill_key_slots` (kernels taking contiguous keys)
     prefill_key_slots: torch.Tensor | None = None
+    # models mixing sliding-window and full-attention layers (the window pool, engine/kv_groups.py):
+    # the sliding layers' own block table and slots (None: every layer uses block_table)
+    window_block_table: torch.Tensor | None = None  # [num_seqs, max_blocks] int32, 0 where freed
+    window_slot_mapping: torch.Tensor | None = None  # [num_tokens] int64
 
     @property
     def num_seqs(self) -> int:
@@ -109,6 +113,10 @@ class CommonAttentionMetadata:
         positions = self.seq_lens.long()  # the next position of each sequence
         rows = self.block_table.gather(1, (positions // self.block_size)[:, None])[:, 0].long()
         seq_lens_host = [n + 1 for n in self.seq_lens_host]
+        window_slots = None
+        if self.window_block_table is not None:
+            window_rows = self.window_block_table.gather(1, (positions // self.block_size)[:, None])[:, 0]
+            window_slots = window_rows.long() * self.block_size + positions % self.block_size
         return CommonAttentionMetadata(
             query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
             seq_lens=self.seq_lens + 1, context_lens=self.seq_lens.clone(), positions=positions,
@@ -116,7 +124,8 @@ class CommonAttentionMetadata:
             block_table=self.block_table, num_prefills=0, num_prefill_tokens=0,
             seq_lens_host=seq_lens_host, query_lens_host=[1] * num_seqs, max_query_len=1,
             max_seq_len=self.max_seq_len + 1, block_size=self.block_size,
-            prefill_key_slots=None if self.prefill_key_slots is None else self.prefill_key_slots[:0])
+            prefill_key_slots=None if self.prefill_key_slots is None else self.prefill_key_slots[:0],
+            window_block_table=self.window_block_table, window_slot_mapping=window_slots)
 
     def to(self, device: torch.device | str) -> CommonAttentionMetadata:
         def move(t):
@@ -126,14 +135,16 @@ class CommonAttentionMetadata:
             move(self.query_start_loc), move(self.seq_lens), move(self.context_lens),
             move(self.positions), move(self.slot_mapping), move(self.block_table),
             self.num_prefills, self.num_prefill_tokens, self.seq_lens_host, self.query_lens_host,
-            self.max_query_len, self.max_seq_len, self.block_size, move(self.prefill_key_slots))
+            self.max_query_len, self.max_seq_len, self.block_size, move(self.prefill_key_slots),
+            move(self.window_block_table), move(self.window_slot_mapping))
 
 
 def build_common(context_lens: list[int], query_lens: list[int], block_tables: list[list[int]],
-                 num_prefills: int, block_size: int, prefill_key_slots: bool = False
-                 ) -> CommonAttentionMetadata:
+                 num_prefills: int, block_size: int, prefill_key_slots: bool = False,
+                 window_block_tables: list[list[int]] | None = None) -> CommonAttentionMetadata:
     """The batch's description, with every tensor on the CPU: per sequence (prefills first) the
-    tokens cached before the step, the new tokens, and the block table."""
+    tokens cached before the step, the new tokens, and the block table (and the sliding
+    layers' block table, where the model keeps its windows apart: -1 marks a freed block)."""
     ctx = np.asarray(context_lens, dtype=np.int64)
     q = np.asarray(query_lens, dtype=np.int64)
     seq_lens = ctx + q
@@ -148,6 +159,12 @@ def build_common(context_lens: list[int], query_lens: list[int], block_tables: l
         n = num_prefills
         key_slots = torch.from_numpy(key_slots_for(tables[:n], seq_lens[:n], block_size))
     seq_lens_host = seq_lens.tolist()
+    window_table = window_slots = None
+    if window_block_tables:
+        wt = np.maximum(padded_block_tables(window_block_tables, tables.shape[1]), 0)
+        window_slots = torch.from_numpy(wt[seq_index, positions // block_size].astype(np.int64) * block_size
+                                        + positions % block_size)
+        window_table = torch.from_numpy(wt)
     return CommonAttentionMetadata(
         query_start_loc=torch.from_numpy(qsl), seq_lens=torch.from_numpy(seq_lens.astype(np.int32)),
         context_lens=torch.from_numpy(ctx.astype(np.int32)), positions=torch.from_numpy(positions),
@@ -155,7 +172,8 @@ def build_common(context_lens: list[int], query_lens: list[int], block_tables: l
         num_prefills=num_prefills, num_prefill_tokens=int(qsl[num_prefills]),
         seq_lens_host=seq_lens_host, query_lens_host=list(query_lens),
         max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens_host, default=0),
-        block_size=block_size, prefill_key_slots=key_slots)
+        block_size=block_size, prefill_key_slots=key_slots, window_block_table=window_table,
+        window_slot_mapping=window_slots)
 
 
 def common_for(seqs: list[tuple[int, int, list[int]]], block_size: int,

@@ -56,6 +56,6 @@ def backend_for_model(platform: type, model, config, tp_size: int = 1) -> type[A
     spec = platform.attention_spec(
         dtype=model.dtype, head_size=model.head_size, num_heads=model.num_heads // tp_size,
         num_kv_heads=max(1, model.num_kv_heads // tp_size), block_size=config.cache.block_size,
-        sliding_window=model.sliding_window)
+        sliding_window=model.sliding_window, logits_soft_cap=model.attention_soft_cap)
     return select_attention_backend(platform, spec, get_registry().backends,
                                     config.device.attention_backend)

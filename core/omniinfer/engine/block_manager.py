@@ -97,6 +97,15 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def blocks_short(self, num_tokens: int) -> tuple[int, int] | None:
+        """(blocks needed, blocks there are) when one sequence of `num_tokens` could never fit."""
+        need = self.blocks_for(num_tokens)
+        return (need, self.num_total_blocks) if need > self.num_total_blocks else None
+
+    def can_grow(self, seqs: list[Sequence], num_tokens: int) -> bool:
+        """Whether every sequence of `seqs` can get room for `num_tokens` more at once."""
+        return sum(self.num_blocks_to_add(seq, num_tokens) for seq in seqs) <= self.num_free_blocks
+
     def block_table(self, seq: Sequence) -> list[int]:
         return self.tables[seq.seq_id]
 
@@ -124,7 +133,8 @@ class BlockManager:
         table = self.tables[seq.seq_id]
         done = min(seq.num_computed_tokens // self.block_size, len(seq.block_hashes))
         for i in range(self.num_registered.get(seq.seq_id, 0), done):
-            self.pool.register(table[i], seq.block_hashes[i])
+            if table[i] >= 0:  # (-1: a block a window pool gave back, engine/kv_groups.py)
+                self.pool.register(table[i], seq.block_hashes[i])
         self.num_registered[seq.seq_id] = max(done, self.num_registered.get(seq.seq_id, 0))
 
     # ---- allocation ---------------------------------------------------------------------------------
@@ -145,13 +155,14 @@ class BlockManager:
         have = len(table) + (len(computed) if is_new else 0)
         need_total = self.blocks_for(seq.num_computed_tokens + num_new_tokens)
         num_new_blocks = max(0, need_total - have)
-        revive = sum(1 for b in computed if self.pool.ref_counts[b] == 0) if is_new else 0
+        revive = sum(1 for b in computed if b >= 0 and self.pool.ref_counts[b] == 0) if is_new else 0
         cow = self._needs_cow(table, seq.num_computed_tokens) if not is_new else False
         if num_new_blocks + revive + int(cow) > self.pool.num_free:
             return False
         if is_new:
             for b in computed:
-                self.pool.acquire(b)
+                if b >= 0:
+                    self.pool.acquire(b)
             table = list(computed)
             self.tables[seq.seq_id] = table
             self.num_registered[seq.seq_id] = len(computed)
@@ -194,14 +205,16 @@ class BlockManager:
         blocks reserved past them, which only the parent may write)."""
         table = self.tables[parent.seq_id][: self.blocks_for(parent.num_computed_tokens)]
         for b in table:
-            self.pool.acquire(b)
+            if b >= 0:
+                self.pool.acquire(b)
         self.tables[child.seq_id] = table
         self.num_registered[child.seq_id] = self.num_registered.get(parent.seq_id, 0)
 
     def free(self, seq: Sequence) -> None:
         """Give back everything the sequence holds (device and host). Unknown ids are a no-op."""
         for b in reversed(self.tables.pop(seq.seq_id, [])):
-            self.pool.release(b)
+            if b >= 0:
+                self.pool.release(b)
         self.host_free.extend(self.host_tables.pop(seq.seq_id, []))
         self.num_registered.pop(seq.seq_id, None)
 

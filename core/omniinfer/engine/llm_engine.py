@@ -24,6 +24,7 @@ from omniinfer.engine.outputs import RequestOutput
 from omniinfer.engine.scheduler import Scheduler
 from omniinfer.engine.sequence import SequenceGroup, SequenceStatus
 from omniinfer.executor.base import executor_class
+from omniinfer.kv_window import window_pool_plan, window_pool_refusal
 from omniinfer.logger import init_logger
 from omniinfer.platforms.registry import get_registry
 from omniinfer.sampling.params import SamplingParams
@@ -93,8 +94,15 @@ class LLMEngine:
             self.eos_token_ids = [self.tokenizer.eos_token_id]
         self.executor = executor_class(config)(config, self.platform, self.attn_backend,
                                                progress=progress)
+        window_pool = window_pool_plan(config, self.attn_backend, self.executor.num_device_blocks)
+        if window_pool is not None:
+            logger.info("sliding-window layers keep only their window: a pool of %d blocks beside "
+                        "the full layers' %d", window_pool[1], self.executor.num_device_blocks)
+        elif len(set(m.layer_windows)) > 1:
+            logger.info("sliding-window layers keep every block: %s",
+                        window_pool_refusal(config, self.attn_backend))
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_device_blocks,
-                                   self.executor.num_host_blocks)
+                                   self.executor.num_host_blocks, window_pool)
         self.groups: dict[str, SequenceGroup] = {}  # the unfinished requests
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.groups)
         _freeze_loaded_objects()

@@ -49,6 +49,7 @@ class ScheduleOutputs:
         self.scheduled = prefills + decodes + plain
         out.num_prefills = len(prefills)
         tables, k = self.blocks.tables, self.config.num_lookahead_slots
+        window_tables = getattr(self.blocks, "window_tables", None)  # a window pool's (kv_groups.py)
         for s in prefills + decodes:
             self._describe_one(s, out, tables)
         seqs = [s.seq for s in plain]
@@ -57,6 +58,8 @@ class ScheduleOutputs:
         out.token_ids += [seq.token_ids[-1] for seq in seqs]
         out.num_computed_tokens += [seq.num_computed_tokens for seq in seqs]
         out.block_tables += [tables[i] for i in ids]
+        if window_tables is not None:
+            out.window_block_tables = [window_tables[i] for i in out.seq_ids]
         out.num_scheduled_tokens += [1] * len(ids)
         out.num_samples += [1] * len(ids)
         if not self._sent.issuperset(ids) or not self._resend.isdisjoint(ids):

@@ -28,8 +28,10 @@ from dataclasses import dataclass, field
 
 from omniinfer.config import CacheConfig, SchedulerConfig
 from omniinfer.engine.block_manager import BlockManager
+from omniinfer.engine.kv_groups import HybridBlockManager
 from omniinfer.engine.schedule_outputs import ScheduleOutputs
 from omniinfer.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from omniinfer.kv_window import max_step_tokens
 from omniinfer.logger import init_logger
 from omniinfer.step import SchedulerOutput
 
@@ -51,11 +53,19 @@ class ScheduledSeq:
 
 class Scheduler(ScheduleOutputs):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_device_blocks: int, num_host_blocks: int):
+                 num_device_blocks: int, num_host_blocks: int,
+                 window_pool: tuple[int, int] | None = None):
+        """`window_pool`: (window, blocks) of the sliding layers' own pool (engine/kv_groups.py)."""
         self.config = scheduler_config
         self.block_size = cache_config.block_size
-        self.blocks = BlockManager(cache_config.block_size, num_device_blocks, num_host_blocks,
-                                   cache_config.enable_prefix_caching)
+        if window_pool is None:
+            self.blocks = BlockManager(cache_config.block_size, num_device_blocks, num_host_blocks,
+                                       cache_config.enable_prefix_caching)
+        else:
+            window, num_window_blocks = window_pool
+            self.blocks = HybridBlockManager(
+                cache_config.block_size, num_device_blocks, num_window_blocks, window,
+                cache_config.enable_prefix_caching, max_step_tokens(scheduler_config))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in arrival order
         self.swapped: deque[Sequence] = deque()
@@ -187,6 +197,8 @@ class Scheduler(ScheduleOutputs):
         if self._num_preempted == 0 and not self.swapped:
             self._schedule_waiting(scheduled, budget)
         out.blocks_to_copy = [c for copies in self._copies.values() for c in copies]
+        if isinstance(self.blocks, HybridBlockManager):
+            out.window_blocks_to_copy, self.blocks.window_copies = self.blocks.window_copies, []
         self.describe(scheduled.values(), out)
         now = time.monotonic()
         for s in self.scheduled:
@@ -214,8 +226,7 @@ class Scheduler(ScheduleOutputs):
             steps = min(steps, seq.group.max_tokens - num_output, max_len - num_tokens)
         if steps <= 1:
             return 1
-        need = sum(self.blocks.num_blocks_to_add(seq, steps) for seq in self.running)
-        return steps if need <= self.blocks.num_free_blocks else 1
+        return steps if self.blocks.can_grow(self.running, steps) else 1
 
     def _allocate(self, seq: Sequence, num_tokens: int, computed: list[int] | None = None) -> bool:
         copies: list[tuple[int, int]] = []
@@ -300,10 +311,10 @@ class Scheduler(ScheduleOutputs):
     def never_fits(self, num_prompt_tokens: int, max_tokens: int) -> str | None:
         """Why a request of this size could never be scheduled, or None."""
         most = num_prompt_tokens + max_tokens + self.config.num_lookahead_slots
-        need = self.blocks.blocks_for(min(most, self.config.max_model_len + self.config.num_lookahead_slots))
-        if need > self.blocks.num_total_blocks:
-            return (f"the request needs up to {need} KV-cache blocks ({most} tokens of "
-                    f"{self.block_size}) but the cache has only {self.blocks.num_total_blocks} "
+        short = self.blocks.blocks_short(min(most, self.config.max_model_len + self.config.num_lookahead_slots))
+        if short:
+            return (f"the request needs up to {short[0]} KV-cache blocks ({most} tokens of "
+                    f"{self.block_size}) but the cache has only {short[1]} "
                     "blocks; raise num_kv_blocks / kv_cache_memory_bytes or lower max_tokens")
         if not self.config.enable_chunked_prefill and num_prompt_tokens > self.config.max_num_batched_tokens:
             return (f"a prompt of {num_prompt_tokens} tokens exceeds max_num_batched_tokens="

@@ -26,6 +26,8 @@ def collect() -> dict:
         "selected_platform": None,
         "selected_attention_backend": None,
         "attention_backends": [],
+        "models": {},
+        "model_conflicts": [],
         "cpu": cpu_info(),
         "memory": memory_info(),
         "environment": {k: v for k, v in os.environ.items() if k.startswith("OMNIINFER_")},
@@ -37,10 +39,14 @@ def collect() -> dict:
         return report
     verdicts = registry.availability()
     report["attention_backends"] = sorted(registry.backends)
+    report["models"] = {name: {"class": e.target, "provider": e.provider, "overrides": e.overrides,
+                               "ignored": e.ignored} for name, e in sorted(registry.models.items())}
+    report["model_conflicts"] = list(registry.model_conflicts)
     for r in registry.records:
         report["plugins"].append({"name": r.name, "distribution": r.distribution, "version": r.version,
                                   "loaded": r.is_loaded, "error": r.error or None,
-                                  "platforms": r.platform_names, "attention_backends": r.backend_names})
+                                  "platforms": r.platform_names, "attention_backends": r.backend_names,
+                                  "models": r.model_names})
     for name, cls in sorted(registry.platforms.items()):
         try:
             build = cls.build_info()
@@ -126,6 +132,14 @@ def format_report(r: dict) -> str:
         for kind, entry in r["quantized_formats"].items():
             lines.append(f"  {kind:<15} {entry['why']}")
     lines.append(f"attention backends installed: {', '.join(r['attention_backends'])}")
+    lines.append("model architectures (provider):")
+    for name, m in r.get("models", {}).items():
+        note = f"; overrides {', '.join(m['overrides'])}" if m["overrides"] else ""
+        note += (f"; also offered by {', '.join(m['ignored'])} (ignored: not marked override)"
+                 if m["ignored"] else "")
+        lines.append(f"  {name:<28} {m['provider']}  {m['class']}{note}")
+    for conflict in r.get("model_conflicts", []):
+        lines.append(f"  conflict: {conflict}")
     cpu = r["cpu"]
     lines.append(f"cpu: {cpu['model'] or cpu['machine']}, {cpu['usable_cpus']}/{cpu['logical_cpus']} "
                  f"usable CPUs, ISA: {' '.join(cpu['isa_flags']) or '-'}")

@@ -41,8 +41,22 @@ class LlamaMLP(nn.Module):
         return self.down_proj(self.gate_up_proj(x))
 
 
+def make_rotary(config: ModelConfig, theta: float | None = None, scaling: dict | None = None,
+                use_config_scaling: bool = True) -> RotaryEmbedding:
+    """The rotary embedding the config describes (theta / scaling given: those instead)."""
+    cfg = config.hf_config
+    if use_config_scaling and scaling is None:
+        scaling = rope_scaling(cfg)
+    if scaling is not None and "original_max_position_embeddings" not in scaling \
+            and cfg.get("original_max_position_embeddings"):
+        scaling = {**scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
+    return RotaryEmbedding(config.head_size, int(cfg.get("max_position_embeddings", 2048)),
+                           rope_theta(cfg) if theta is None else theta, scaling,
+                           num_positions=config.max_model_len)
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend):
+    def __init__(self, config: ModelConfig, attn_backend, layer_index: int = 0):
         super().__init__()
         cfg = config.hf_config
         bias = bool(cfg.get("attention_bias", False)) or cfg.get("model_type") == "qwen2"
@@ -52,11 +66,10 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.qkv_proj.num_kv_heads * config.head_size
         self.o_proj = RowParallelLinear(config.num_heads * config.head_size, config.hidden_size,
                                         bias=bool(cfg.get("attention_bias", False)))
-        self.rotary_emb = RotaryEmbedding(config.head_size, int(cfg.get("max_position_embeddings", 2048)),
-                                          rope_theta(cfg), rope_scaling(cfg))
+        self.rotary_emb = make_rotary(config)
         self.attn = Attention(attn_backend, self.qkv_proj.num_heads, config.head_size,
                               config.head_size ** -0.5, self.qkv_proj.num_kv_heads,
-                              sliding_window=config.sliding_window)
+                              sliding_window=config.layer_windows[layer_index])
 
     def forward(self, positions, hidden_states, kv_cache, attn_metadata):
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -65,11 +78,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attn_backend):
+    attention_cls = LlamaAttention
+
+    def __init__(self, config: ModelConfig, attn_backend, layer_index: int = 0):
         super().__init__()
         cfg = config.hf_config
         eps = float(cfg.get("rms_norm_eps", 1e-6))
-        self.self_attn = LlamaAttention(config, attn_backend)
+        self.self_attn = self.attention_cls(config, attn_backend, layer_index)
         self.mlp = LlamaMLP(config.hidden_size, int(cfg["intermediate_size"]), bool(cfg.get("mlp_bias", False)))
         self.input_layernorm = RMSNorm(config.hidden_size, eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
@@ -86,6 +101,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """Also the base of the other dense families: they override the class attributes and hooks
+    below (`layer_cls`, `make_norm`, `embed`, `compute_logits`), never the loading."""
+
+    layer_cls = LlamaDecoderLayer
     # checkpoint name fragment -> (our fused parameter fragment, shard id)
     stacked_params = (
         (".q_proj.", ".qkv_proj.", "q"),
@@ -110,15 +129,21 @@ class LlamaForCausalLM(nn.Module):
             for i in range(self.start_layer, self.end_layer)
         })
         if self.is_last_stage:
-            self.model.norm = RMSNorm(config.hidden_size, float(cfg.get("rms_norm_eps", 1e-6)))
+            self.model.norm = self.make_norm(config.hidden_size)
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
             if self.tie_word_embeddings:
                 self.lm_head.weight = self.model.embed_tokens.weight
         self.decoder_stack: DecoderStack | None = None  # the platform's, set after loading
 
     def make_layer(self, config: ModelConfig, attn_backend, index: int) -> nn.Module:
-        """Decoder layer `index` (a family whose layers differ overrides this)."""
-        return LlamaDecoderLayer(config, attn_backend)
+        """Decoder layer `index` (`layer_cls`; a family whose layers differ overrides this)."""
+        return self.layer_cls(config, attn_backend, index)
+
+    def make_norm(self, hidden_size: int) -> nn.Module:
+        return RMSNorm(hidden_size, float(self.config.hf_config.get("rms_norm_eps", 1e-6)))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
 
     @property
     def num_local_layers(self) -> int:
@@ -131,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
 
         kv_caches holds this stage's layers only, in order."""
         if self.is_first_stage:
-            hidden_states, residual = self.model.embed_tokens(input_ids), None
+            hidden_states, residual = self.embed(input_ids), None
         else:
             hidden_states = intermediate_tensors["hidden_states"]
             residual = intermediate_tensors["residual"]
@@ -150,8 +175,11 @@ class LlamaForCausalLM(nn.Module):
 
     def decoder_layer_specs(self) -> list[DecoderLayerSpec] | None:
         """This stage's layers, described for `ModelRunner.decoder_stack`; None under tensor
-        parallelism (o_proj and down_proj reduce across ranks)."""
-        if ps.get_tp_size() > 1:
+        parallelism (o_proj and down_proj reduce across ranks) and for layers other than Llama's
+        (the spec's formula is this layer's)."""
+        if ps.get_tp_size() > 1 or self.layer_cls is not LlamaDecoderLayer:
+            return None
+        if len(set(self.config.layer_windows)) > 1:  # sliding and full layers read different tables
             return None
         return [DecoderLayerSpec(layer.input_layernorm, layer.self_attn.qkv_proj,
                                  layer.self_attn.rotary_emb, layer.self_attn.attn, layer.self_attn.o_proj,
@@ -169,7 +197,7 @@ class LlamaForCausalLM(nn.Module):
     # ---- weights -----------------------------------------------------------------------------
     def checkpoint_target(self, name: str) -> tuple[str, object] | None:
         """Our parameter name and shard id for a checkpoint tensor, or None to skip it."""
-        if "rotary_emb.inv_freq" in name:
+        if "rotary_emb.inv_freq" in name or name.startswith("model.rotary_emb."):
             return None
         if name.startswith("lm_head.") and (self.tie_word_embeddings or not self.is_last_stage):
             return None

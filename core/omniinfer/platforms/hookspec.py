@@ -62,3 +62,19 @@ def omniinfer_quantization_kernels() -> list[type]:
     ``unavailable()`` is None; otherwise the core's reference (dequantise, then torch). ``None``
     means none.
     """
+
+
+@hookspec
+def omniinfer_models() -> dict[str, str | dict]:
+    """The model architectures this plugin provides: {architecture name, as config.json's
+    ``architectures`` spells it: "package.module:Class"}.
+
+    Called once when the registry is built; every plugin's result is collected (the core's own
+    models come first, through this same hook). The class is imported only when a checkpoint of
+    that architecture is loaded, so answering costs nothing. A name another provider already
+    gives is reported (``omniinfer env``, a warning) and the first provider keeps it, unless the
+    value says it replaces it: ``{"class": "package.module:Class", "override": True}``. The class
+    follows the model contract of ``omniinfer.models.llama.LlamaForCausalLM`` (constructor
+    ``(ModelConfig, attention backend)``, ``forward``, ``compute_logits``, ``load_weights``...).
+    ``None`` means none.
+    """

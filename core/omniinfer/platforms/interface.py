@@ -144,7 +144,8 @@ class Platform:
 
     @classmethod
     def attention_spec(cls, *, dtype: torch.dtype, head_size: int, num_heads: int,
-                       num_kv_heads: int, block_size: int, sliding_window: int | None = None):
+                       num_kv_heads: int, block_size: int, sliding_window: int | None = None,
+                       logits_soft_cap: float | None = None):
         """The `AttentionSpec` backends validate against on this platform (its device type,
         name, capability and kernel floors filled in)."""
         from omniinfer.attention.backend import AttentionSpec
@@ -152,7 +153,7 @@ class Platform:
         return AttentionSpec(device_type=cls.device_type, platform_name=cls.name, dtype=dtype,
                              head_size=head_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                              block_size=block_size, sliding_window=sliding_window,
-                             device_capability=cls.device_capability(),
+                             logits_soft_cap=logits_soft_cap, device_capability=cls.device_capability(),
                              min_triton_capability=cls.min_triton_capability,
                              device_arch=cls.device_arch())
 

@@ -40,6 +40,7 @@ class PluginRecord:
     details: str = ""  # the traceback, for --verbose reports
     platform_names: list[str] = field(default_factory=list)
     backend_names: list[str] = field(default_factory=list)
+    model_names: list[str] = field(default_factory=list)  # architectures it offers
     is_adapted: bool = False  # written for the plugin API before this one: runs through an adapter
     warning: str = ""  # the deprecation warning it got then
 
@@ -74,6 +75,8 @@ class PluginRegistry:
         self.platforms: dict[str, type[Platform]] = {}
         self.backends: dict[str, type] = {}
         self.quant_kernels: list[type] = []  # (omniinfer.quantization.base.QuantKernel)
+        self.models: dict = {}  # architecture -> omniinfer.models.registry.ModelEntry
+        self.model_conflicts: list[str] = []  # two providers of one architecture, neither overriding
         eps = list(md.entry_points(group=hookspec.ENTRY_POINT_GROUP)) if entry_points is None else entry_points
         self._load(eps, os.environ.get(ENV_PLUGINS, "") if only is None else only)
         self._collect()
@@ -156,19 +159,44 @@ class PluginRegistry:
             self._fail(record, f"hook {hook}() raised {type(e).__name__}: {e}", e)
             return []
 
+    def _call_models(self, record: PluginRecord) -> dict:
+        from omniinfer.models.registry import _parse
+
+        plugin = self.pm.get_plugin(record.name)
+        impl = getattr(plugin, "omniinfer_models", None)
+        try:
+            offered = (impl() or {}) if impl is not None else {}
+            if not isinstance(offered, dict):
+                raise TypeError(f"returned {type(offered).__name__}, not a dict "
+                                "{architecture: 'module:Class'}")
+            for name, value in offered.items():
+                _parse(record.distribution, name, value)
+        except Exception as e:
+            self.pm.unregister(plugin)
+            record.is_loaded = False
+            self._fail(record, f"hook omniinfer_models() {type(e).__name__}: {e}", e)
+            return {}
+        return offered
+
     def _collect(self) -> None:
         from omniinfer.attention import builtin_backends
+        from omniinfer.models import builtin as builtin_models
+        from omniinfer.models.registry import CORE_PROVIDER, merge_models
 
         for cls in builtin_backends.core_backends():
             self.backends[cls.name] = cls
+        self.model_conflicts += merge_models(self.models, CORE_PROVIDER, builtin_models.omniinfer_models())
         for record in self.records:
             if not record.is_loaded:
                 continue
             platforms = self._call(record, "omniinfer_platforms")
             backends = self._call(record, "omniinfer_attention_backends") if record.is_loaded else []
             quant = self._call(record, "omniinfer_quantization_kernels") if record.is_loaded else []
+            models = self._call_models(record) if record.is_loaded else {}
             if not record.is_loaded:  # a hook raised: none of what this plugin offered is used
                 continue
+            self.model_conflicts += merge_models(self.models, record.distribution, models)
+            record.model_names = sorted(models)
             self.quant_kernels.extend(quant)
             for cls in platforms:
                 if cls.name in self.platforms:

@@ -23,6 +23,26 @@ ARCHITECTURES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+}
+# what each family needs beyond the shared tiny shape (Gemma's default head_dim is 256)
+FAMILY_SETTINGS = {
+    "qwen3": dict(head_dim=16),
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0),
+    "gemma3": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=8, num_hidden_layers=3,
+                   tie_word_embeddings=True,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                       "rope_theta": 1000000.0}}),
+    "phi3": dict(original_max_position_embeddings=64, sliding_window=None, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.05 * i for i in range(8)],
+        "long_factor": [1.5 + 0.2 * i for i in range(8)]}),
 }
 
 
@@ -59,6 +79,7 @@ def build_tiny_checkpoint(path: str, arch: str = "llama", *, dtype: str = "float
     )
     if arch == "mistral":
         settings["sliding_window"] = None
+    settings.update(FAMILY_SETTINGS.get(arch, {}))
     settings.update(overrides)
     config = config_cls(**settings)
     torch.manual_seed(seed)

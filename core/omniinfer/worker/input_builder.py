@@ -32,7 +32,7 @@ class ModelRunnerInputBuilder:
         if drafts:
             batch = batch.with_drafts(drafts)
         common = build_common(batch.ctx, batch.q, batch.tables, batch.num_prefills, self.block_size,
-                              self.attn_builder.needs_prefill_key_slots)
+                              self.attn_builder.needs_prefill_key_slots, batch.window_tables)
         ends = np.cumsum(np.asarray(batch.q, dtype=np.int64)) - 1  # each sequence's last row
         md = SamplingMetadata()
         sampling = np.flatnonzero(np.asarray(batch.num_samples, dtype=np.int64))
@@ -84,13 +84,15 @@ def _prompt_rows(batch, sched: SchedulerOutput, states: SeqStates, ends: np.ndar
 class _Batch:
     """The per-sequence lists of a step, in batch order (the scheduler's, or with drafts)."""
 
-    __slots__ = ("seq_ids", "token_ids", "q", "ctx", "tables", "num_samples", "num_prefills", "spec")
+    __slots__ = ("seq_ids", "token_ids", "q", "ctx", "tables", "window_tables", "num_samples",
+                 "num_prefills", "spec")
 
     @classmethod
     def of(cls, sched: SchedulerOutput) -> _Batch:
         b = cls()
         b.seq_ids, b.token_ids, b.q = sched.seq_ids, sched.token_ids, sched.num_scheduled_tokens
         b.ctx, b.tables, b.num_samples = sched.num_computed_tokens, sched.block_tables, sched.num_samples
+        b.window_tables = sched.window_block_tables
         b.num_prefills, b.spec = sched.num_prefills, []
         return b
 
@@ -106,6 +108,7 @@ class _Batch:
         b.seq_ids = [self.seq_ids[i] for i in order]
         b.ctx = [self.ctx[i] for i in order]
         b.tables = [self.tables[i] for i in order]
+        b.window_tables = [self.window_tables[i] for i in order] if self.window_tables else []
         b.num_samples = [self.num_samples[i] for i in range(n)] + [0] * len(drafted) + [
             self.num_samples[i] for i in rest]
         b.token_ids, b.q, b.spec = self.token_ids[:first_decode_token], self.q[:n], []

@@ -6,7 +6,7 @@ values for the per-step broadcast.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -28,16 +28,18 @@ class WorkerInput:
     blocks_to_swap_in: torch.Tensor
     blocks_to_swap_out: torch.Tensor
     blocks_to_copy: torch.Tensor
+    # copy-on-writes in the sliding layers' pool (engine/kv_groups.py)
+    window_blocks_to_copy: torch.Tensor = field(default_factory=lambda: _pairs([]))
 
     @classmethod
     def nothing(cls) -> WorkerInput:
         empty = _pairs([])
-        return cls(empty, empty, empty)
+        return cls(empty, empty, empty, empty)
 
     @classmethod
     def from_schedule(cls, sched: SchedulerOutput) -> WorkerInput:
         return cls(_pairs(sched.blocks_to_swap_in), _pairs(sched.blocks_to_swap_out),
-                   _pairs(sched.blocks_to_copy))
+                   _pairs(sched.blocks_to_copy), _pairs(sched.window_blocks_to_copy))
 
     def as_broadcastable_tensor_dict(self) -> dict[str, Any]:
         return {f"worker.{f.name}": getattr(self, f.name) for f in fields(self)}

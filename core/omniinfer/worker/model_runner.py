@@ -75,6 +75,10 @@ class ModelRunner:
         specs = self.model.decoder_layer_specs() if hasattr(self.model, "decoder_layer_specs") else None
         if specs:
             self.model.decoder_stack = transform.decoder_stack(specs)
+        elif type(transform).decoder_stack is not ModelTransform.decoder_stack:
+            logger.info("decoder stack: not used for %s (tensor parallelism, layers other than "
+                        "Llama's, or sliding and full layers mixed): the layers run one by one",
+                        self.model_config.architecture)
         transform.after_install(self.model)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(self.model_config.seed)

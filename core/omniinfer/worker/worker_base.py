@@ -38,6 +38,8 @@ class LocalOrDistributedWorkerBase:
             self.cache_engine.swap_out(worker_input.blocks_to_swap_out)
         if worker_input.blocks_to_copy.numel():
             self.cache_engine.copy(worker_input.blocks_to_copy.to(self.device))
+        if worker_input.window_blocks_to_copy.numel():
+            self.cache_engine.copy(worker_input.window_blocks_to_copy.to(self.device), window=True)
         if worker_input.blocks_to_swap_in.numel():
             self.cache_engine.swap_in(worker_input.blocks_to_swap_in)
 
@@ -191,11 +193,19 @@ class Worker(LocalOrDistributedWorkerBase):
         return int(num_device), int(num_host)
 
     def initialize_cache(self, num_device_blocks: int, num_host_blocks: int) -> None:
+        from omniinfer.attention.layer import Attention
+        from omniinfer.kv_window import window_pool_plan
+
         m = self.config.model
+        plan = window_pool_plan(self.config, self.attn_backend, num_device_blocks)
+        windows = None
+        if plan is not None:  # this stage's layers, in kv_caches order
+            windows = [a.sliding_window for a in self.model_runner.model.modules() if isinstance(a, Attention)]
         self.cache_engine = CacheEngine(
             self.attn_backend, self.model_runner.num_local_layers, num_device_blocks,
             num_host_blocks, self.config.cache.block_size, self.num_local_kv_heads, m.head_size,
-            m.dtype, self.device, pin_memory=self.platform.pin_memory_available())
+            m.dtype, self.device, pin_memory=self.platform.pin_memory_available(),
+            layer_windows=windows, num_window_blocks=plan[1] if plan else 0)
         if self.proposer is not None:
             self.proposer.initialize_cache(num_device_blocks)
 

@@ -39,8 +39,7 @@ class TorchSDPAImpl(StagedAttentionImpl):
                 is_causal = False
             ki = ki.transpose(0, 1).unsqueeze(0).to(q.dtype)
             vi = vi.transpose(0, 1).unsqueeze(0).to(q.dtype)
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=is_causal,
-                                               scale=self.scale, enable_gqa=True)
+            o = self._attend(qi, ki, vi, mask, is_causal)
             out[q0:q1] = o[0].transpose(0, 1)
 
     def _decode(self, q, kv_cache, md) -> torch.Tensor:
@@ -58,14 +57,33 @@ class TorchSDPAImpl(StagedAttentionImpl):
         mask = positions[None, :] < seq_lens
         if self.sliding_window:
             mask &= positions[None, :] >= seq_lens - self.sliding_window
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), k, v, attn_mask=mask[:, None, None, :],
-                                           scale=self.scale, enable_gqa=True)
+        o = self._attend(q.unsqueeze(2), k, v, mask[:, None, None, :], False)
         return o.view(num_seqs, self.num_heads, self.head_size)
+
+
+    def _attend(self, q, k, v, mask, is_causal: bool) -> torch.Tensor:
+        """q [B, heads, Q, head], k/v [B, kv_heads, S, head]; `mask` True where a key is seen."""
+        if not self.logits_soft_cap:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                                  scale=self.scale, enable_gqa=True)
+        # SDPA has no soft cap: the same softmax spelled out, in float32
+        group = q.shape[1] // k.shape[1]
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
+        scores = q.float() @ k.transpose(-1, -2) * self.scale
+        scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
+        if is_causal:
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
 
 
 class TorchSDPABackend(AttentionBackend):
     name: ClassVar[str] = "TORCH_SDPA"
     supported_device_types: ClassVar[tuple[str, ...]] = ("cpu", "cuda", "xpu")
+    supports_logits_soft_cap: ClassVar[bool] = True
+    supports_window_pool: ClassVar[bool] = True
 
 
     @classmethod

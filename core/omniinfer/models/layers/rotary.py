@@ -1,5 +1,12 @@
-"""Rotary position embedding (GPT-NeoX "rotate half" layout, as Llama checkpoints use),
-with the `linear` and `llama3` frequency scalings."""
+"""Rotary position embedding (GPT-NeoX "rotate half" layout, as Hugging Face checkpoints use), with
+every frequency scaling the supported families ship: `linear`, `dynamic` (NTK), `yarn`, `llama3`
+and `longrope` (Phi-3's, also spelled `su`). Each is transformers' `modeling_rope_utils` formula.
+
+A scaling only changes the cos/sin table, [max_position, head_size / 2] float32: row p is what the
+token at position p is rotated by. Where transformers recomputes the frequencies from the batch's
+longest sequence (`dynamic`, `longrope`), row p uses what it computes for a sequence of p + 1
+tokens, which is what it uses for that token while decoding one token at a time.
+"""
 
 from __future__ import annotations
 
@@ -10,41 +17,135 @@ from torch import nn
 
 from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 
-def _inv_freq(head_size: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size))
+def _base_inv_freq(dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def _need(scaling: dict, key: str):
+    if scaling.get(key) is None:
+        raise ValueError(f"rope scaling {scaling['rope_type']!r} needs {key!r}; got {scaling}")
+    return scaling[key]
+
+
+def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor = float(_need(s, "factor"))
+    low, high = float(_need(s, "low_freq_factor")), float(_need(s, "high_freq_factor"))
+    old_len = float(_need(s, "original_max_position_embeddings"))
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn(dim: int, theta: float, s: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    original = int(_need(s, "original_max_position_embeddings"))
+    factor = s.get("factor")
+    factor = float(factor) if factor is not None else max_position / original
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = s.get("attention_factor")
+    if attention is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
+
+
+def _longrope(dim: int, theta: float, s: dict, max_position: int, num_positions: int):
+    """(per-position inv_freq [num_positions, dim / 2], attention factor)."""
+    original = int(_need(s, "original_max_position_embeddings"))
+    factor = s.get("factor")
+    factor = float(factor) if factor is not None else max_position / original
+    attention = s.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = torch.tensor(_need(s, key), dtype=torch.float32)
+        if values.numel() != dim // 2:
+            raise ValueError(f"rope scaling 'longrope': {key} has {values.numel()} values; the "
+                             f"rotary dimension {dim} needs {dim // 2}")
+        factors[key] = 1.0 / (values * theta ** shape)
+    is_long = (torch.arange(num_positions) + 1 > original)[:, None]
+    return torch.where(is_long, factors["long_factor"], factors["short_factor"]), float(attention)
+
+
+def _dynamic(dim: int, theta: float, s: dict, max_position: int, num_positions: int) -> torch.Tensor:
+    factor = float(_need(s, "factor"))
+    seq_len = torch.clamp(torch.arange(num_positions, dtype=torch.float64) + 1, min=max_position)
+    base = theta * ((factor * seq_len / max_position) - (factor - 1)) ** (dim / (dim - 2))
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).double() / dim
+    return (1.0 / base[:, None] ** exponent[None, :]).float()
+
+
+def rope_tables(head_size: int, num_positions: int, theta: float, scaling: dict | None,
+                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each [num_positions, head_size / 2] float32, for one scaling (None: plain).
+    `max_position` is the config's `max_position_embeddings` (default: num_positions)."""
+    max_position = max_position or num_positions
     kind = (scaling or {}).get("rope_type", "default")
-    if kind == "default":
-        return inv_freq
+    kind = "longrope" if kind == "su" else kind
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope scaling type {kind!r} is not supported; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    if scaling and float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError(f"partial_rotary_factor={scaling['partial_rotary_factor']} is not supported "
+                         "(rotary embeddings cover the whole head)")
+    t = torch.arange(num_positions, dtype=torch.float32)
+    attention = 1.0
+    inv_freq = _base_inv_freq(head_size, theta)
     if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        low_wavelen, high_wavelen = old_len / low, old_len / high
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise ValueError(f"rope scaling type {kind!r} is not supported; supported: "
-                     f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        inv_freq = inv_freq / float(_need(scaling, "factor"))
+    elif kind == "llama3":
+        inv_freq = _llama3(inv_freq, scaling)
+    elif kind == "yarn":
+        inv_freq, attention = _yarn(head_size, theta, scaling, max_position)
+    if kind in ("dynamic", "longrope"):
+        if kind == "dynamic":
+            per_position = _dynamic(head_size, theta, scaling, max_position, num_positions)
+        else:
+            per_position, attention = _longrope(head_size, theta, scaling, max_position, num_positions)
+        freqs = t[:, None] * per_position
+    else:
+        freqs = torch.outer(t, inv_freq)
+    return freqs.cos() * attention, freqs.sin() * attention
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_size: int, max_position: int, theta: float, scaling: dict | None):
+    def __init__(self, head_size: int, max_position: int, theta: float, scaling: dict | None,
+                 num_positions: int | None = None):
+        """`max_position`: the config's max_position_embeddings; `num_positions`: rows of the
+        table (default max_position; more where a scaling extends the context)."""
         super().__init__()
         self.head_size = head_size
-        inv_freq = _inv_freq(head_size, theta, scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        # [max_position, head_size / 2] each; kept in float32, cast per call to the model dtype
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = rope_tables(head_size, max(num_positions or 0, max_position), theta, scaling,
+                               max_position)
+        # [positions, head_size / 2] each; kept in float32, cast per call to the model dtype
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
         self.ops = TORCH_LAYER_OPS
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):

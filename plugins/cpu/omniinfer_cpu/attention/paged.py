@@ -83,6 +83,7 @@ class CpuPagedBackend(AttentionBackend):
     name: ClassVar[str] = "CPU_PAGED"
     supported_device_types: ClassVar[tuple[str, ...]] = ("cpu",)
     supported_dtypes: ClassVar[tuple[torch.dtype, ...]] = tuple(DTYPE_CODES)
+    supports_window_pool: ClassVar[bool] = True
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,

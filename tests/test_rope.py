@@ -1,0 +1,58 @@
+"""Every rope scaling's cos/sin table equals transformers' own rope functions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omniinfer.models.layers.rotary import rope_tables
+
+HEAD = 16
+SCALINGS = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                    "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16, "beta_slow": 2},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32},
+    "longrope": {"rope_type": "longrope", "original_max_position_embeddings": 32,
+                 "short_factor": [1.0 + 0.1 * i for i in range(HEAD // 2)],
+                 "long_factor": [2.0 + 0.3 * i for i in range(HEAD // 2)]},
+}
+
+
+def _hf_rows(name: str, scaling: dict, positions: list[int], max_position: int):
+    """transformers' cos/sin for each position, as it rotates that token while decoding
+    (a sequence of position + 1 tokens)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = LlamaConfig(hidden_size=HEAD * 4, num_attention_heads=4, max_position_embeddings=max_position,
+                         rope_parameters={**scaling, "rope_theta": 10000.0})
+    cos, sin = [], []
+    for p in positions:
+        kwargs = {"seq_len": p + 1} if name in ("dynamic", "longrope") else {}
+        inv_freq, attention = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](config, "cpu", **kwargs)
+        freqs = p * inv_freq.float()
+        cos.append(freqs.cos() * attention)
+        sin.append(freqs.sin() * attention)
+    return torch.stack(cos), torch.stack(sin)
+
+
+@pytest.mark.parametrize("name", sorted(SCALINGS))
+def test_rope_tables_match_transformers(name):
+    scaling, max_position = SCALINGS[name], 64
+    num_positions = 128
+    cos, sin = rope_tables(HEAD, num_positions, 10000.0, dict(scaling), max_position)
+    positions = [0, 1, 5, 31, 32, 33, 63, 64, 100, 127]
+    hf_cos, hf_sin = _hf_rows(name, scaling, positions, max_position)
+    torch.testing.assert_close(cos[positions], hf_cos, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sin[positions], hf_sin, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_rope_type_is_refused():
+    with pytest.raises(ValueError, match="'ntk-by-parts' is not supported; supported: default"):
+        rope_tables(HEAD, 8, 10000.0, {"rope_type": "ntk-by-parts", "factor": 2.0})
+    with pytest.raises(ValueError, match="'linear' needs 'factor'"):
+        rope_tables(HEAD, 8, 10000.0, {"rope_type": "linear"})
