@@ -133,9 +133,13 @@ def test_a_bad_models_hook_sets_only_that_plugin_aside(monkeypatch):
 # ---- a third-party distribution ----------------------------------------------------------------
 def test_env_lists_architectures_and_providers(zoo):
     report = collect()
-    assert report["models"]["ZooLlamaForCausalLM"] == {
+    zoo_entry = dict(report["models"]["ZooLlamaForCausalLM"])
+    assert zoo_entry.pop("decoder_stack").startswith("yes")  # (a LlamaForCausalLM subclass)
+    assert zoo_entry == {
         "class": "omniinfer_zoo.model:ZooLlamaForCausalLM", "provider": "omniinfer-zoo",
         "overrides": [], "ignored": []}
+    assert report["models"]["Gemma2ForCausalLM"]["decoder_stack"].startswith("no: its layers (Gemma2DecoderLayer)")
+    assert report["models"]["MixtralForCausalLM"]["decoder_stack"].startswith("no: mixture-of-experts")
     assert report["models"]["MistralForCausalLM"]["overrides"] == ["omniinfer"]
     assert report["models"]["Qwen2ForCausalLM"]["provider"] == "omniinfer"
     assert report["models"]["Qwen2ForCausalLM"]["ignored"] == ["omniinfer-zoo"]

@@ -40,7 +40,8 @@ def collect() -> dict:
     verdicts = registry.availability()
     report["attention_backends"] = sorted(registry.backends)
     report["models"] = {name: {"class": e.target, "provider": e.provider, "overrides": e.overrides,
-                               "ignored": e.ignored} for name, e in sorted(registry.models.items())}
+                               "ignored": e.ignored, "decoder_stack": _stack_note(e.target)}
+                        for name, e in sorted(registry.models.items())}
     report["model_conflicts"] = list(registry.model_conflicts)
     for r in registry.records:
         report["plugins"].append({"name": r.name, "distribution": r.distribution, "version": r.version,
@@ -77,6 +78,19 @@ def collect() -> dict:
     except Exception as e:
         report["selection_error"] = str(e)
     return report
+
+
+def _stack_note(target: str) -> str:
+    """Whether a one-call decoder stack (the CPU plugin's) can run an architecture's layers."""
+    import importlib
+
+    module, _, name = target.partition(":")
+    try:
+        refusal = getattr(importlib.import_module(module), name).decoder_stack_refusal
+    except Exception:  # (a plugin's class that cannot be imported here, or has no such method)
+        return "unknown"
+    why = refusal()
+    return "yes (without tensor parallelism; its layers' windows alike)" if why is None else f"no: {why}"
 
 
 def quantized_formats(platform, kernels: list) -> dict:
@@ -138,6 +152,7 @@ def format_report(r: dict) -> str:
         note += (f"; also offered by {', '.join(m['ignored'])} (ignored: not marked override)"
                  if m["ignored"] else "")
         lines.append(f"  {name:<28} {m['provider']}  {m['class']}{note}")
+        lines.append(f"  {'':<28} one-call decoder stack: {m.get('decoder_stack', 'unknown')}")
     for conflict in r.get("model_conflicts", []):
         lines.append(f"  conflict: {conflict}")
     cpu = r["cpu"]

@@ -173,6 +173,16 @@ class LlamaForCausalLM(nn.Module):
         hidden_states, _ = self.model.norm(hidden_states, residual)
         return hidden_states
 
+    @classmethod
+    def decoder_stack_refusal(cls) -> str | None:
+        """Why a platform's one-call decoder stack can never run this family's layers (None: it
+        can, without tensor parallelism and when its layers' windows agree); `omniinfer env`
+        shows it per architecture."""
+        if cls.layer_cls is not LlamaDecoderLayer:
+            return (f"its layers ({cls.layer_cls.__name__}) are not Llama's pre-norm attention and "
+                    "gated-SiLU MLP")
+        return None
+
     def decoder_layer_specs(self) -> list[DecoderLayerSpec] | None:
         """This stage's layers, described for `ModelRunner.decoder_stack`; None under tensor
         parallelism (o_proj and down_proj reduce across ranks) and for layers other than Llama's

@@ -159,6 +159,10 @@ class MoEForCausalLM(LlamaForCausalLM):
     def make_layer(self, config: ModelConfig, attn_backend, index: int) -> nn.Module:
         return MoEDecoderLayer(config, attn_backend, index, self.family)
 
+    @classmethod
+    def decoder_stack_refusal(cls) -> str | None:
+        return "mixture-of-experts layers (the platforms' one-call decoder stacks are for dense ones)"
+
     def decoder_layer_specs(self):
         return None  # the platforms' one-call decoder stacks are for dense layers
 
