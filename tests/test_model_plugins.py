@@ -26,7 +26,8 @@ from omniinfer.platforms.registry import ENV_PLUGINS, PluginRegistry, reset_regi
 
 FIXTURE = Path(__file__).parent / "fixtures" / "zoo_plugin"
 CORE_ARCHITECTURES = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                      "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM"}
+                      "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM",
+                      "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"}
 
 
 @pytest.fixture(scope="module")
