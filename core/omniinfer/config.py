@@ -61,7 +61,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)  # from generation_config.json / config.json
     generation_config: dict = field(default_factory=dict)
     max_logprobs: int = 20  # most log-probabilities a request may ask for per token (<= vocab_size)
-    quantization: str | None = None  # "gguf" (a .gguf file), "int8" (made at load), or None
+    quantization: str | None = None  # "gguf", "gptq", "awq", "compressed-tensors" (the checkpoint), "int8" (made at load)
     trust_remote_code: bool = False  # the tokenizer may run code shipped with the checkpoint
 
     @property
