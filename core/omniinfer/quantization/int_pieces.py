@@ -35,6 +35,9 @@ from omniinfer.quantization.int_layouts import (
 from omniinfer.quantization.int_packing import pack_factor
 
 METHODS = ("gptq", "awq", "compressed-tensors")  # quant_method values these checkpoints carry
+# every weight-only kind wint_kind() names (groups: int_formats.GROUP_SIZES; "gc" is one group)
+WINT_KINDS = tuple(f"wint{bits}:{group}{extra}" for bits in (4, 8) for group in ("g32", "g64", "g128", "gc")
+                   for extra in ("", ":zp", ":act", ":zp:act"))
 
 
 # ---- the weight-only layout ---------------------------------------------------------------------

@@ -11,9 +11,7 @@ import importlib.util
 import torch
 
 from omniinfer.quantization.base import QuantKernel
-
-WINT_KINDS = tuple(f"wint{bits}:{group}{extra}" for bits in (4, 8) for group in ("g32", "g64", "g128", "gc")
-                   for extra in ("", ":zp", ":act", ":zp:act"))
+from omniinfer.quantization.int_pieces import WINT_KINDS
 
 
 class TritonQuantKernel(QuantKernel):

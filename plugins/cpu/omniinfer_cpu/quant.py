@@ -14,11 +14,12 @@ from __future__ import annotations
 import torch
 
 from omniinfer.quantization.base import QuantKernel
+from omniinfer.quantization.int_pieces import WINT_KINDS
 
 KIND_CODES = {"gguf:Q8_0": 0, "gguf:Q4_0": 1, "gguf:Q4_K": 2, "gguf:Q6_K": 3, "int8": 4}
 BLOCK = {"gguf:Q8_0": 32, "gguf:Q4_0": 32, "gguf:Q4_K": 256, "gguf:Q6_K": 256, "int8": 1}
 # symmetric n-bit weights of any group size the blocks divide, repacked as Q4_0 / Q8_0
-WINT = {f"wint{bits}:{group}": code for bits, code in ((4, 1), (8, 0)) for group in ("g32", "g64", "g128", "gc")}
+WINT = {k: 1 if k.startswith("wint4") else 0 for k in WINT_KINDS if k.count(":") == 1}  # symmetric, no g_idx
 KIND_CODES.update({**WINT, "w8a8": 4, "w8a8:static": 4})
 BLOCK.update({**dict.fromkeys(WINT, 32), "w8a8": 1, "w8a8:static": 1})
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -27,7 +28,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 class CpuQuantKernel(QuantKernel):
     name = "cpu"
     device_types = ("cpu",)
-    kinds = (*KIND_CODES, *(f"{k}{extra}" for k in WINT for extra in (":zp", ":act", ":zp:act")))
+    kinds = (*KIND_CODES, *(k for k in WINT_KINDS if k not in WINT))
 
     @classmethod
     def unavailable(cls, kind: str, shape: tuple[int, int]) -> str | None:
