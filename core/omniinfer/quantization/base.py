@@ -211,7 +211,10 @@ register_format("float", lambda p: p.tensors["weight"].float(), _float_narrow)
 # ---- applying ---------------------------------------------------------------------------------
 class QuantKernel:
     """A platform's native product for some formats. Subclasses set the class attributes; an
-    instance is made per segment at load (its repacked state lives in it) and multiplies.
+    instance is made per segment at load (its repacked state lives in it) and multiplies. A
+    kernel that repacks into another format sets ``piece`` to the repacked piece (its format
+    registered, so it dequantises and narrows like any other): the layer then holds that one in
+    place of the original, whose memory goes.
 
     * ``name``: shown by `omniinfer env` and the start log.
     * ``device_types``: the torch device types it runs on.
@@ -299,6 +302,8 @@ class QuantLinearMethod(LinearMethod):
             kernel, why = choose_kernel(s.piece, self.device_type, self.kernels)
             layer.quant_kernels.append((s.row0, kernel))
             layer.quant_choices.append((s.piece.kind, kernel.name, why))
+            if kernel.piece is not s.piece:  # it repacked: the layout it runs is the one held
+                s.piece = kernel.piece
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         kernels = layer.quant_kernels

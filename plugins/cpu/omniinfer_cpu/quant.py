@@ -1,6 +1,11 @@
 """The CPU plugin's products for quantised weights (quant.c's `omni_qlinear`): GGUF's Q8_0, Q4_0,
 Q4_K and Q6_K blocks, as the file stores them, and omniinfer's int8; decoded in registers at
-every ISA level, multiplied in float32. Other GGUF types run the core's reference.
+every ISA level. Other GGUF types run the core's reference.
+
+Activations: by default each row of x is rounded to int8 in blocks of 32 and meets the weight
+blocks in integer multiply-adds (quant_q8.c, as llama.cpp's q8 dot products); with
+``OMNIINFER_CPU_QUANT_ACTIVATIONS=float`` x stays float32 and the product differs from
+dequantise-then-multiply by float32 rounding only (quant.c). docs/quantization.md states both.
 
 Symmetric GPTQ / AWQ / compressed-tensors weights (wint4, wint8 without zero points or act-order)
 are the same numbers as Q4_0 / Q8_0 blocks when their scales are float16 values: `(code - 8) *
@@ -23,6 +28,20 @@ WINT = {k: 1 if k.startswith("wint4") else 0 for k in WINT_KINDS if k.count(":")
 KIND_CODES.update({**WINT, "w8a8": 4, "w8a8:static": 4})
 BLOCK.update({**dict.fromkeys(WINT, 32), "w8a8": 1, "w8a8:static": 1})
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+ACT_ENV = "OMNIINFER_CPU_QUANT_ACTIVATIONS"
+ACT_MODES = ("int8", "float")
+QACT_INT8 = 16  # quant_blocks.h: set in a kind code, x is rounded to int8 blocks
+Q4_0X8 = 5  # quant_blocks.h: Q4_0 rows repacked in groups of 8 (int8 activations only)
+
+
+def activation_mode() -> str:
+    """How the quantised products take their activations: "int8" (the default) or "float"."""
+    import os
+
+    mode = os.environ.get(ACT_ENV, "int8").strip().lower() or "int8"
+    if mode not in ACT_MODES:
+        raise ValueError(f"{ACT_ENV}={os.environ[ACT_ENV]!r} is not one of {', '.join(ACT_MODES)}")
+    return mode
 
 
 class CpuQuantKernel(QuantKernel):
@@ -60,7 +79,15 @@ class CpuQuantKernel(QuantKernel):
         else:
             self.w = tensors["q"] if piece.kind.split(":")[0] in ("int8", "w8a8") else tensors["blocks"]
             self.scale = tensors.get("scale")
-        self.name = f"cpu ({self.k.level.name})"
+        self.activations = activation_mode() if piece.shape[1] % 32 == 0 else "float"
+        if self.activations == "int8":
+            self.code |= QACT_INT8
+            if self.code == KIND_CODES["gguf:Q4_0"] | QACT_INT8:  # rows in groups of 8 (quant_x8.py)
+                from omniinfer_cpu import quant_x8
+
+                self.piece = quant_x8.repack(self.w, piece.shape)  # (replaces the layer's piece)
+                self.w, self.code = self.piece.tensors["blocks8"], Q4_0X8 | QACT_INT8
+        self.name = f"cpu ({self.k.level.name}, {self.activations} activations)"
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         rows, cols = self.piece.shape

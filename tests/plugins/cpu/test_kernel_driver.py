@@ -183,8 +183,16 @@ def product_cases(gen):
     return out
 
 
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x as omni_qlinear's int8-activation path rounds it (blocks of 32, d = max |x| / 127)."""
+    v = x.float().reshape(x.shape[0], -1, 32)
+    d = v.abs().amax(-1, keepdim=True) / torch.tensor(127.0)
+    return (torch.round(v * torch.where(d > 0, 1.0 / d, torch.zeros_like(d))) * d).reshape(x.shape)
+
+
 def quant_cases(gen):
-    """omni_qlinear on each native format against the reference's dequantised weight."""
+    """omni_qlinear on each native format against the reference's dequantised weight, with float
+    and with int8 activations."""
     import numpy as np
 
     from omniinfer.quantization.base import dequantize_piece
@@ -192,6 +200,7 @@ def quant_cases(gen):
 
     gguf = pytest.importorskip("gguf")
     from omniinfer.testing import kquant
+    from omniinfer_cpu.quant_x8 import repack
 
     out = []
     for code, kind in enumerate(("Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8")):
@@ -212,6 +221,14 @@ def quant_cases(gen):
             out.append((("qlinear", [m, 19, 512, code, dt, 2], [], [x, blocks, scale,
                                                                      torch.zeros(m, 19, dtype=TORCH_DTYPE[dt])]),
                         lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
+            # the int8-activation path (kind | 16; up to 8 rows) against x rounded as it rounds it;
+            # Q4_0 also as its rows repacked in groups of 8 (kind 5)
+            if m <= 8:
+                want = F.linear(int8_blocks(x).double(), ref.double())
+            for c, w in [(code, blocks)] + ([(5, repack(blocks, (19, 512)).tensors["blocks8"])] if kind == "Q4_0" else []):
+                out.append((("qlinear", [m, 19, 512, c | 16, dt, 2], [], [x, w, scale,
+                                                                          torch.zeros(m, 19, dtype=TORCH_DTYPE[dt])]),
+                            lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
     return out
 
 

@@ -1,5 +1,7 @@
 """The CPU plugin's quantised products (omni_qlinear) at every ISA level this CPU runs, against
-the core's reference (dequantise as gguf.quants does, then multiply), and in the engine."""
+the core's reference (dequantise as gguf.quants does, then multiply), and in the engine; with
+float activations and with activations rounded to int8 blocks (up to 8 rows; against x rounded the
+same way)."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ gguf = pytest.importorskip("gguf")
 from omniinfer.quantization import gguf_blocks, int8  # noqa: E402
 from omniinfer.quantization.base import QuantPiece, dequantize_piece  # noqa: E402
 from omniinfer.testing import kquant  # noqa: E402
-from omniinfer_cpu.quant import CpuQuantKernel  # noqa: E402
+from omniinfer_cpu.quant import ACT_ENV, CpuQuantKernel, activation_mode  # noqa: E402
 
 KINDS = ["gguf:Q8_0", "gguf:Q4_0", "gguf:Q4_K", "gguf:Q6_K", "int8"]
 
@@ -32,14 +34,15 @@ def piece_of(kind: str, weight: torch.Tensor) -> QuantPiece:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_qlinear_matches_the_reference(isa_level, kind, dtype):
+def test_qlinear_matches_the_reference(isa_level, kind, dtype, monkeypatch):
+    monkeypatch.setenv(ACT_ENV, "float")
     gen = torch.Generator().manual_seed(KINDS.index(kind))
     for rows, cols in ((37, 512), (5, 256)):
         weight = torch.randn(rows, cols, generator=gen) * 0.05
         piece = piece_of(kind, weight)
         assert CpuQuantKernel.unavailable(kind, piece.shape) is None
         kernel = CpuQuantKernel(piece)
-        assert kernel.name == f"cpu ({isa_level.level.name})"
+        assert kernel.name == f"cpu ({isa_level.level.name}, float activations)"
         w = dequantize_piece(piece)
         for m in (1, 2, 3, 5, 8, 9, 70, 130):
             x = torch.randn(m, cols + 8, generator=gen)[:, 4:4 + cols].to(dtype)  # strided rows
@@ -54,3 +57,78 @@ def test_qlinear_matches_the_reference(isa_level, kind, dtype):
 def test_what_the_kernel_leaves_to_the_reference(isa_level):
     assert CpuQuantKernel.unavailable("gguf:Q4_K", (8, 128)) == "128 columns are not whole blocks"
     assert "gguf:Q5_K" not in CpuQuantKernel.kinds  # (the reference runs it)
+
+
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as quant_q8.c rounds it, back in float: blocks of 32, d = max |x| / 127 (float32),
+    q = round(x * (1 / d)) ties to even, x ~ q * d."""
+    v = x.float().reshape(x.shape[0], -1, 32)
+    d = v.abs().amax(-1, keepdim=True) / torch.tensor(127.0)
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(v * inv) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_activations_match_x_rounded_the_same_way(isa_level, kind, dtype, monkeypatch):
+    monkeypatch.setenv(ACT_ENV, "int8")
+    gen = torch.Generator().manual_seed(10 + KINDS.index(kind))
+    for rows, cols in ((37, 512), (5, 256)):
+        weight = torch.randn(rows, cols, generator=gen) * 0.05
+        piece = piece_of(kind, weight)
+        kernel = CpuQuantKernel(piece)
+        assert kernel.name == f"cpu ({isa_level.level.name}, int8 activations)"
+        w = dequantize_piece(piece).double()
+        for m in (1, 2, 3, 5, 8, 9, 70):
+            x = torch.randn(m, cols + 8, generator=gen)[:, 4:4 + cols].to(dtype)
+            x[0, :32] *= 50  # one block far larger than the rest: its own scale
+            got = kernel.apply(x)
+            exact = F.linear(x.double(), w)
+            want = F.linear(int8_blocks(x).double(), w) if m <= 8 else exact  # (more rows: float panels)
+            assert got.dtype == dtype and got.shape == (m, rows)
+            if dtype == torch.float32:
+                torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=1e-4)
+                if m <= 8:  # (and it is the rounded x that was multiplied: the float product is further away)
+                    assert (got.double() - want).abs().max() < 0.2 * (exact - want).abs().max()
+            else:
+                big = max(1.0, float(want.abs().max()))  # (row 0 is 50 times larger: bfloat16's steps are too)
+                torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=2e-2 * big, rtol=1e-2)
+
+
+def test_the_activation_mode_is_checked(monkeypatch):
+    monkeypatch.setenv(ACT_ENV, "fp8")
+    with pytest.raises(ValueError, match="OMNIINFER_CPU_QUANT_ACTIVATIONS='fp8' is not one of int8, float"):
+        activation_mode()
+    monkeypatch.setenv(ACT_ENV, "float")
+    assert activation_mode() == "float"
+    monkeypatch.delenv(ACT_ENV)
+    assert activation_mode() == "int8"
+
+
+def test_q4_0_rows_repacked_in_groups_of_8(isa_level, monkeypatch):
+    """int8 activations: Q4_0 rows in groups of 8 (cpu:Q4_0x8), any row count (a last group padded),
+    the same sums as x rounded to int8 gives; the repacked piece dequantises and narrows back to
+    the very Q4_0 rows (a tied embedding reads them), and prefills (> 8 rows) decode it."""
+    from omniinfer.quantization.base import narrow_piece
+    from omniinfer_cpu import quant_x8
+
+    monkeypatch.setenv(ACT_ENV, "int8")
+    gen = torch.Generator().manual_seed(7)
+    for rows in (8, 13, 37):
+        weight = torch.randn(rows, 256, generator=gen) * 0.05
+        piece = piece_of("gguf:Q4_0", weight)
+        kernel = CpuQuantKernel(piece)
+        assert kernel.piece.kind == quant_x8.KIND and kernel.code == 5 | 16
+        assert kernel.piece.tensors["blocks8"].numel() == -(-rows // 8) * 8 * piece.tensors["blocks"].shape[1]
+        torch.testing.assert_close(quant_x8.as_q4_0(kernel.piece).tensors["blocks"], piece.tensors["blocks"],
+                                   rtol=0, atol=0)
+        w = dequantize_piece(piece)
+        assert torch.equal(dequantize_piece(kernel.piece), w)
+        ids = torch.tensor([rows - 1, 0, 3, rows - 1])
+        assert torch.equal(dequantize_piece(narrow_piece(kernel.piece, 0, ids)), w[ids])
+        assert torch.equal(dequantize_piece(narrow_piece(kernel.piece, 0, 2, rows - 3)), w[2:rows - 1])
+        for m in (1, 3, 4, 5, 8, 9, 20):
+            x = torch.randn(m, 256, generator=gen)
+            got = kernel.apply(x).double()
+            want = F.linear((int8_blocks(x) if m <= 8 else x).double(), w.double())
+            torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)

@@ -11,7 +11,7 @@
 #define QMB 4  /* x rows a weight row meets while its block is in registers */
 #define QGEMM_ROWS 8  /* above this many rows, quant_gemm.c's panels */
 
-int omni_quant_supported(int kind) { return kind >= Q8_0 && kind <= I8; }
+int omni_quant_supported(int kind) { return (kind & ~QACT_INT8) >= Q8_0 && (kind & ~QACT_INT8) <= Q4_0X8; }
 
 /* Sum over [e, e + VL * n) of q * x for n chunks of VL decoded weights, one x row */
 #define CHUNKS(n, decode, xrow, e) ({                                          \
@@ -144,10 +144,14 @@ static const qdot_fn QDOT[] = {dot_q8_0, dot_q4_0, dot_q4_k, dot_q6_k, dot_i8};
  * Returns 0; -1 for a kind not built, a K that is not whole blocks, or no memory. */
 int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy,
                  int M, int N, int K, int kind, int dt, int nthreads) {
+    int q8 = kind & QACT_INT8;
+    kind &= ~QACT_INT8;
     if (!omni_quant_supported(kind) || M <= 0 || N <= 0 || K <= 0 || K % qblock(kind) ||
-        (kind != I8 && K % 16))
+        (kind != I8 && K % 16) || (q8 && K % 32))
         return -1;
     if (kind == I8 && !scale) return -1;
+    if (q8 && M <= QGEMM_ROWS) return omni_qlinear_q8(x, ldx, w, scale, y, ldy, M, N, K, kind, dt, nthreads);
+    if (kind == Q4_0X8 && M <= QGEMM_ROWS) return -1;  /* (its small-M path takes int8 activations) */
     int ldxs = K / 16;
     float *xf = malloc(sizeof(float) * ((size_t)M * K + (size_t)M * (ldxs > 0 ? ldxs : 1)));
     if (!xf) return -1;

@@ -1,0 +1,141 @@
+/* omni_q4_0x8_rows: the int8-activation product for Q4_0 weights repacked in groups of 8 rows
+ * (Q4_0X8, quant_blocks.h), the layout llama.cpp's repacked CPU buffers use the idea of: one
+ * 32-bit lane per weight row, so a register of codes meets 4 values of x broadcast to every lane
+ * and the 8 rows' sums come out in 8 lanes, scaled by the 8 rows' d at once; no horizontal sums,
+ * and a quarter of the per-row path's instructions a weight. Per row the sum is the same as
+ * quant_q8.c's Q4_0 path computes, exactly in integers per block: Sum (q - 8) * x_q =
+ * Sum q * x_q - 8 * Sum x_q, then d_w * d_x once per block (float32).
+ *
+ * Products: AVX2's vpmaddubsw summed in int16 over a block (8 pairs of at most 15 * 127 each:
+ * below 2^15) then vpmaddwd; AVX-512 VNNI's vpdpbusd; NEON's vmull_s8 summed in int16; else C. */
+#include "quant_blocks.h"
+
+#define XMB 4  /* x rows a group's block meets while its codes are in registers */
+
+#if defined(__AVX2__)
+INLINE void group_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+    __m256 acc[XMB];
+    for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
+    const __m256i nib = _mm256_set1_epi8(15);
+    for (int b = 0; b < X->K / 32; b++) {
+        const uint8_t *blk = g + (size_t)b * 144;
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256i c[8];
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
+            c[2 * j] = _mm256_and_si256(v, nib);
+            c[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        }
+        for (int m = 0; m < MB; m++) {
+            size_t r = (size_t)(m0 + m);
+            const int8_t *xb = X->q + r * X->K + 32 * b;
+            int32_t x4[8];
+            memcpy(x4, xb, 32);
+            __m256i off = _mm256_set1_epi32(-8 * X->isum[r * (X->K / 32) + b]);
+#if defined(__AVX512VNNI__)
+            __m256i s = off;
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) s = _mm256_dpbusd_epi32(s, c[j], _mm256_set1_epi32(x4[j]));
+#else
+            __m256i s16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(x4[0]));
+#pragma GCC unroll 8
+            for (int j = 1; j < 8; j++)
+                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[j], _mm256_set1_epi32(x4[j])));
+            __m256i s = _mm256_add_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)), off);
+#endif
+            __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[r * (X->K / 32) + b]));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[m]);
+        }
+    }
+    for (int m = 0; m < MB; m++) _mm256_storeu_ps(out[m], acc[m]);
+}
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+INLINE void group_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+    float32x4_t acc[XMB][2];
+    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
+    for (int b = 0; b < X->K / 32; b++) {
+        const uint8_t *blk = g + (size_t)b * 144;
+        float32x4_t dw[2] = {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk))),
+                             vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk + 4)))};
+        int8x16_t c[8][2];  /* codes of 4-weight step j for rows 0-3, 4-7 */
+        for (int j = 0; j < 4; j++)
+            for (int h = 0; h < 2; h++) {
+                uint8x16_t v = vld1q_u8(blk + 16 + 32 * j + 16 * h);
+                c[2 * j][h] = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15)));
+                c[2 * j + 1][h] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+            }
+        for (int m = 0; m < MB; m++) {
+            size_t r = (size_t)(m0 + m);
+            const int8_t *xb = X->q + r * X->K + 32 * b;
+            int32_t x4[8];
+            memcpy(x4, xb, 32);
+            int32x4_t off = vdupq_n_s32(-8 * X->isum[r * (X->K / 32) + b]);
+            float d = X->d[r * (X->K / 32) + b];
+            for (int h = 0; h < 2; h++) {
+                int16x8_t lo = vdupq_n_s16(0), hi = vdupq_n_s16(0);  /* rows 4h, 4h+1 | 4h+2, 4h+3 */
+                for (int j = 0; j < 8; j++) {
+                    int8x16_t xv = vreinterpretq_s8_s32(vdupq_n_s32(x4[j]));
+                    lo = vmlal_s8(lo, vget_low_s8(c[j][h]), vget_low_s8(xv));
+                    hi = vmlal_s8(hi, vget_high_s8(c[j][h]), vget_high_s8(xv));
+                }
+                int32x4_t s = vaddq_s32(vpaddlq_s16(vpaddq_s16(lo, hi)), off);
+                acc[m][h] = vfmaq_f32(acc[m][h], vcvtq_f32_s32(s), vmulq_n_f32(dw[h], d));
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++) vst1q_f32(out[m], acc[m][0]), vst1q_f32(out[m] + 4, acc[m][1]);
+}
+#else
+INLINE void group_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < 8; r++) out[m][r] = 0.f;
+    for (int b = 0; b < X->K / 32; b++) {
+        const uint8_t *blk = g + (size_t)b * 144;
+        for (int m = 0; m < MB; m++) {
+            size_t row = (size_t)(m0 + m);
+            const int8_t *xb = X->q + row * X->K + 32 * b;
+            float d = X->d[row * (X->K / 32) + b];
+            for (int r = 0; r < 8; r++) {
+                int32_t s = -8 * X->isum[row * (X->K / 32) + b];
+                for (int c = 0; c < 4; c++)
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t v = blk[16 + 32 * c + 4 * r + i];
+                        s += (v & 15) * xb[8 * c + i] + (v >> 4) * xb[8 * c + 4 + i];
+                    }
+                out[m][r] += (float)s * (f16_to_f32(u16_at(blk + 2 * r)) * d);
+            }
+        }
+    }
+}
+#endif
+
+/* one of the row counts 1..XMB, a constant inside */
+static void group(const uint8_t *g, const xq *X, int m0, int MB, float out[XMB][8]) {
+    switch (MB) {
+    case 1: group_rows(g, X, m0, 1, out); break;
+    case 2: group_rows(g, X, m0, 2, out); break;
+    case 3: group_rows(g, X, m0, 3, out); break;
+    default: group_rows(g, X, m0, 4, out); break;
+    }
+}
+
+void omni_q4_0x8_rows(const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt, int nthreads) {
+    int64_t G = (N + 7) / 8;
+    size_t group_bytes = (size_t)(X->K / 32) * 144;
+    if (nthreads < 1) nthreads = 1;
+    if ((int64_t)N * X->K < 32768) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int64_t g0, g1;
+        thread_share(G, &g0, &g1);
+        float out[XMB][8];
+        for (int64_t g = g0; g < g1; g++)
+            for (int m0 = 0; m0 < M; m0 += XMB) {
+                int mb = M - m0 < XMB ? M - m0 : XMB;
+                group(w + (size_t)g * group_bytes, X, m0, mb, out);
+                for (int m = 0; m < mb; m++)
+                    for (int r = 0; r < 8 && 8 * g + r < N; r++) st1(y, dt, (size_t)(m0 + m) * ldy + 8 * g + r, out[m][r]);
+            }
+    }
+}
