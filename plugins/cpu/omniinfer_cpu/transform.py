@@ -80,6 +80,7 @@ class CpuModelTransform(ModelTransform):
         return CpuDecoderStack(self.kernels, layers)
 
     def after_install(self, model) -> None:
-        from omniinfer_cpu.memory import move_to_huge_pages
+        from omniinfer_cpu.memory import move_to_huge_pages, release_freed_memory
 
         self.weight_arena = move_to_huge_pages(model)
+        release_freed_memory()

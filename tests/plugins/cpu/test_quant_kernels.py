@@ -1,7 +1,7 @@
 """The CPU plugin's quantised products (omni_qlinear) at every ISA level this CPU runs, against
 the core's reference (dequantise as gguf.quants does, then multiply), and in the engine; with
-float activations and with activations rounded to int8 blocks (up to 8 rows; against x rounded the
-same way)."""
+float activations and with activations rounded to int8 blocks (up to 8 rows, and Q4_0 at any row
+count; against x rounded the same way)."""
 
 from __future__ import annotations
 
@@ -84,11 +84,12 @@ def test_int8_activations_match_x_rounded_the_same_way(isa_level, kind, dtype, m
             x[0, :32] *= 50  # one block far larger than the rest: its own scale
             got = kernel.apply(x)
             exact = F.linear(x.double(), w)
-            want = F.linear(int8_blocks(x).double(), w) if m <= 8 else exact  # (more rows: float panels)
+            rounded = m <= 8 or kind == "gguf:Q4_0"  # (more rows: float panels; Q4_0X8: int8 at any count)
+            want = F.linear(int8_blocks(x).double(), w) if rounded else exact
             assert got.dtype == dtype and got.shape == (m, rows)
             if dtype == torch.float32:
                 torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=1e-4)
-                if m <= 8:  # (and it is the rounded x that was multiplied: the float product is further away)
+                if rounded:  # (and it is the rounded x that was multiplied: the float product is further away)
                     assert (got.double() - want).abs().max() < 0.2 * (exact - want).abs().max()
             else:
                 big = max(1.0, float(want.abs().max()))  # (row 0 is 50 times larger: bfloat16's steps are too)
@@ -108,7 +109,7 @@ def test_the_activation_mode_is_checked(monkeypatch):
 def test_q4_0_rows_repacked_in_groups_of_8(isa_level, monkeypatch):
     """int8 activations: Q4_0 rows in groups of 8 (cpu:Q4_0x8), any row count (a last group padded),
     the same sums as x rounded to int8 gives; the repacked piece dequantises and narrows back to
-    the very Q4_0 rows (a tied embedding reads them), and prefills (> 8 rows) decode it."""
+    the very Q4_0 rows (a tied embedding reads them); at every row count (prefills too)."""
     from omniinfer.quantization.base import narrow_piece
     from omniinfer_cpu import quant_x8
 
@@ -127,8 +128,8 @@ def test_q4_0_rows_repacked_in_groups_of_8(isa_level, monkeypatch):
         ids = torch.tensor([rows - 1, 0, 3, rows - 1])
         assert torch.equal(dequantize_piece(narrow_piece(kernel.piece, 0, ids)), w[ids])
         assert torch.equal(dequantize_piece(narrow_piece(kernel.piece, 0, 2, rows - 3)), w[2:rows - 1])
-        for m in (1, 3, 4, 5, 8, 9, 20):
+        for m in (1, 3, 4, 5, 8, 9, 20, 300):  # (300 rows of 256: x in two chunks of the L2 budget)
             x = torch.randn(m, 256, generator=gen)
             got = kernel.apply(x).double()
-            want = F.linear((int8_blocks(x) if m <= 8 else x).double(), w.double())
+            want = F.linear(int8_blocks(x).double(), w.double())
             torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)

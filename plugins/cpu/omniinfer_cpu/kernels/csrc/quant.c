@@ -150,8 +150,11 @@ int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scal
         (kind != I8 && K % 16) || (q8 && K % 32))
         return -1;
     if (kind == I8 && !scale) return -1;
-    if (q8 && M <= QGEMM_ROWS) return omni_qlinear_q8(x, ldx, w, scale, y, ldy, M, N, K, kind, dt, nthreads);
-    if (kind == Q4_0X8 && M <= QGEMM_ROWS) return -1;  /* (its small-M path takes int8 activations) */
+    /* int8 activations: up to QGEMM_ROWS rows, and Q4_0X8 at any row count (its grouped sums beat
+     * the float panels from 16 rows to prefills); Q4_0X8 has no float-activation path */
+    if (q8 && (M <= QGEMM_ROWS || kind == Q4_0X8))
+        return omni_qlinear_q8(x, ldx, w, scale, y, ldy, M, N, K, kind, dt, nthreads);
+    if (kind == Q4_0X8) return -1;
     int ldxs = K / 16;
     float *xf = malloc(sizeof(float) * ((size_t)M * K + (size_t)M * (ldxs > 0 ? ldxs : 1)));
     if (!xf) return -1;

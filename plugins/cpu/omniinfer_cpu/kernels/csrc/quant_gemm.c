@@ -6,20 +6,6 @@
 #include "gemm_tiles.h"
 #include "quant_blocks.h"
 
-/* row r of the Q4_0X8 group at g -> K floats */
-static void decode_x8(const uint8_t *g, int r, int K, float *out) {
-    for (int b = 0; b < K / 32; b++) {
-        const uint8_t *blk = g + (size_t)b * 144;
-        float d = f16_to_f32(u16_at(blk + 2 * r));
-        for (int c = 0; c < 4; c++)
-            for (int i = 0; i < 4; i++) {
-                uint8_t v = blk[16 + 32 * c + 4 * r + i];
-                out[32 * b + 8 * c + i] = d * ((float)(v & 15) - 8.0f);
-                out[32 * b + 8 * c + 4 + i] = d * ((float)(v >> 4) - 8.0f);
-            }
-    }
-}
-
 /* weight row w (of `kind`, K wide; int8: times scale) -> K floats */
 static void decode_row(int kind, const uint8_t *w, float scale, int K, float *out) {
     for (int b = 0; b < K / qblock(kind); b++) {
@@ -83,8 +69,7 @@ int omni_qgemm(const float *xf, const uint8_t *w, size_t row_bytes, const float 
             for (int64_t p = p0; p < p1; p++) {
                 for (int r = 0; r < GEMM_NR; r++) {  /* column r of the panel: weight row p NR + r */
                     int64_t n = p * GEMM_NR + r;
-                    if (n < N && kind == Q4_0X8) decode_x8(w + (size_t)(n / 8) * 8 * row_bytes, (int)(n % 8), K, row);
-                    else if (n < N) decode_row(kind, w + (size_t)n * row_bytes, scale ? scale[n] : 1.f, K, row);
+                    if (n < N) decode_row(kind, w + (size_t)n * row_bytes, scale ? scale[n] : 1.f, K, row);
                     for (int k = 0; k < K; k++) panel[(size_t)k * GEMM_NR + r] = n < N ? row[k] : 0.f;
                 }
                 for (int m0 = 0; m0 < M; m0 += GEMM_MC) {  /* x in chunks (they stay in L2) */

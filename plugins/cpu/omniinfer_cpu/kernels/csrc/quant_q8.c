@@ -2,7 +2,7 @@
  * products: each row of x is rounded to int8 in blocks of 32 (d = max |x| / 127, q = round(x / d),
  * ties to even), and every weight block meets it in integer multiply-adds, one float multiply per
  * 32 weights. The integer sums are exact; what differs from the float path is the rounding of x
- * (a relative error of up to 1/254 of its block's largest value per element), not the weights.
+ * (an error of up to 1/254 of its block's largest value per element), not the weights.
  * Offsets (Q4_0's 8, Q6_K's 32, Q4_K's minimums) are taken out of the sum with the rounded x's own
  * sums, so the result is exactly Sum w * (d_x * q_x) in exact arithmetic up to float32 rounding of
  * the per-block products.
@@ -110,13 +110,27 @@ INLINE float qacc_sum(qacc a) { return a; }
 #endif
 
 /* ---- x rounded to int8 blocks ---------------------------------------------------------------- */
+/* each lane to the nearest integer, ties to even: an instruction of its own, so that the product
+ * before it is rounded to float32 first (never fused into one multiply-add with the rounding) */
+INLINE vf round_even(vf v) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_roundscale_ps((__m512)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(__AVX2__)
+    return (vf)_mm256_round_ps((__m256)v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    return (vf)vrndnq_f32((float32x4_t)v);
+#else
+    for (int l = 0; l < VL; l++) v[l] = __builtin_rintf(v[l]);
+    return v;
+#endif
+}
+
 /* The rows of x [M, ldx] (dt) as int8 [M, K] (qx), with each block's d [M, K / 32] (dx), the
  * sums of each 16 rounded values times d [M, K / 16] (sx) and each block's sum [M, K / 32] (xsum).
  * K is whole blocks of 32. */
 static void quantize_x(const void *x, int64_t ldx, int dt, int M, int K, int8_t *qx, float *dx, float *sx,
                        float *s32, int32_t *xsum) {
     typedef int8_t vq8 __attribute__((vector_size(VL)));
-    const vf magic = (vf){0} + 12582912.0f;  /* 1.5 * 2^23: adding it rounds to an integer, ties to even */
     for (int m = 0; m < M; m++)
         for (int b = 0; b < K / 32; b++) {
             size_t i0 = (size_t)m * ldx + 32 * b;
@@ -132,7 +146,7 @@ static void quantize_x(const void *x, int64_t ldx, int dt, int M, int K, int8_t 
             vf s16[2] = {{0}, {0}};
 #pragma GCC unroll 8
             for (int c = 0; c < 32 / VL; c++) {
-                vf r = (v[c] * id + magic) - magic;  /* integers -127..127 */
+                vf r = round_even(v[c] * id);  /* integers -127..127 */
                 vq8 r8 = __builtin_convertvector(__builtin_convertvector(r, vi), vq8);
                 memcpy(q + c * VL, &r8, VL);
                 s16[c * VL / 16] += r;

@@ -11,6 +11,7 @@
 #include "quant_blocks.h"
 
 #define XMB 4  /* x rows a group's block meets while its codes are in registers */
+#define X_CHUNK_BYTES (256 << 10)
 
 #if defined(__AVX2__)
 INLINE void group_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
@@ -125,17 +126,24 @@ void omni_q4_0x8_rows(const uint8_t *w, const xq *X, void *y, int64_t ldy, int M
     size_t group_bytes = (size_t)(X->K / 32) * 144;
     if (nthreads < 1) nthreads = 1;
     if ((int64_t)N * X->K < 32768) nthreads = 1;
+    /* rows of x in chunks of about X_CHUNK_BYTES (they stay in L2 while every group meets them) */
+    int mc = X_CHUNK_BYTES / X->K;
+    mc = mc < XMB ? XMB : mc - mc % XMB;
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t g0, g1;
         thread_share(G, &g0, &g1);
         float out[XMB][8];
-        for (int64_t g = g0; g < g1; g++)
-            for (int m0 = 0; m0 < M; m0 += XMB) {
-                int mb = M - m0 < XMB ? M - m0 : XMB;
-                group(w + (size_t)g * group_bytes, X, m0, mb, out);
-                for (int m = 0; m < mb; m++)
-                    for (int r = 0; r < 8 && 8 * g + r < N; r++) st1(y, dt, (size_t)(m0 + m) * ldy + 8 * g + r, out[m][r]);
-            }
+        for (int c0 = 0; c0 < M; c0 += mc) {
+            int c1 = M - c0 < mc ? M : c0 + mc;
+            for (int64_t g = g0; g < g1; g++)
+                for (int m0 = c0; m0 < c1; m0 += XMB) {
+                    int mb = c1 - m0 < XMB ? c1 - m0 : XMB;
+                    group(w + (size_t)g * group_bytes, X, m0, mb, out);
+                    for (int m = 0; m < mb; m++)
+                        for (int r = 0; r < 8 && 8 * g + r < N; r++)
+                            st1(y, dt, (size_t)(m0 + m) * ldy + 8 * g + r, out[m][r]);
+                }
+        }
     }
 }
