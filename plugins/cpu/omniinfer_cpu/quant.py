@@ -31,7 +31,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ACT_ENV = "OMNIINFER_CPU_QUANT_ACTIVATIONS"
 ACT_MODES = ("int8", "float")
 QACT_INT8 = 16  # quant_blocks.h: set in a kind code, x is rounded to int8 blocks
-Q4_0X8 = 5  # quant_blocks.h: Q4_0 rows repacked in groups of 8 (int8 activations only)
+X8_CODES = {"gguf:Q4_0": 5, "gguf:Q8_0": 6}  # quant_blocks.h: rows in groups of 8 (int8 activations only)
 
 
 def activation_mode() -> str:
@@ -82,11 +82,12 @@ class CpuQuantKernel(QuantKernel):
         self.activations = activation_mode() if piece.shape[1] % 32 == 0 else "float"
         if self.activations == "int8":
             self.code |= QACT_INT8
-            if self.code == KIND_CODES["gguf:Q4_0"] | QACT_INT8:  # rows in groups of 8 (quant_x8.py)
+            original = {0: "gguf:Q8_0", 1: "gguf:Q4_0"}.get(self.code & ~QACT_INT8)
+            if original:  # Q8_0 / Q4_0 rows (symmetric wint8 / wint4 too) in groups of 8 (quant_x8.py)
                 from omniinfer_cpu import quant_x8
 
-                self.piece = quant_x8.repack(self.w, piece.shape)  # (replaces the layer's piece)
-                self.w, self.code = self.piece.tensors["blocks8"], Q4_0X8 | QACT_INT8
+                self.piece = quant_x8.repack(original, self.w, piece.shape)  # (replaces the layer's piece)
+                self.w, self.code = self.piece.tensors["blocks8"], X8_CODES[original] | QACT_INT8
         self.name = f"cpu ({self.k.level.name}, {self.activations} activations)"
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""Q4_0 rows repacked in groups of 8 for the int8-activation products (csrc/quant_x8.c), as the
-format "cpu:Q4_0x8": the same bytes as the Q4_0 blocks they come from, interleaved so that one
-32-bit lane holds 4 codes of one row (quant_blocks.h says the byte order). The piece replaces the
-Q4_0 one in its layer (the memory held stays the file's); the format's dequantise and narrow
-undo the interleaving, so an embedding that shares the weight (tied) still reads its rows."""
+"""Q4_0 and Q8_0 rows repacked in groups of 8 for the int8-activation products
+(csrc/quant_x8.c), as the formats "cpu:Q4_0x8" and "cpu:Q8_0x8": the same bytes as the blocks
+they come from, interleaved so that one 32-bit lane holds 4 codes of one row (quant_blocks.h says
+the byte order). The piece replaces the original one in its layer (the memory held stays the
+file's); the formats' dequantise and narrow undo the interleaving, so an embedding that shares
+the weight (tied) still reads its rows."""
 
 from __future__ import annotations
 
@@ -10,73 +11,79 @@ import torch
 
 from omniinfer.quantization.base import QuantPiece, dequantize_piece, narrow_piece, register_format
 
-KIND = "cpu:Q4_0x8"
 GROUP = 8
 CHUNK_GROUPS = 512  # groups repacked at a time (bounds the transient copies)
+# original kind -> (repacked kind, the original's block bytes)
+REPACKED = {"gguf:Q4_0": ("cpu:Q4_0x8", 18), "gguf:Q8_0": ("cpu:Q8_0x8", 34)}
+ORIGINAL = {packed: (kind, size) for kind, (packed, size) in REPACKED.items()}
 
 
-def _pack(blocks: torch.Tensor, cols: int) -> torch.Tensor:
-    """Q4_0 blocks uint8 [8G, nb * 18] -> Q4_0X8 uint8 [G, nb * 144]."""
-    nb = cols // 32
-    groups = blocks.shape[0] // GROUP
-    b = blocks.reshape(groups, GROUP, nb, 18)
-    qs = b[..., 2:]  # byte j: weight j (low nibble), weight j + 16 (high)
-    codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(groups, GROUP, nb, 4, 2, 4)  # weight 8c + 4h + i
-    packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [G, nb, c, r, i]
+def _pack(blocks: torch.Tensor, cols: int, size: int) -> torch.Tensor:
+    """blocks uint8 [8G, nb * size] -> uint8 [G, nb * 8 * size]."""
+    nb, groups = cols // 32, blocks.shape[0] // GROUP
+    b = blocks.reshape(groups, GROUP, nb, size)
+    if size == 18:  # Q4_0: byte j holds weight j (low nibble), weight j + 16 (high)
+        qs = b[..., 2:]
+        codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(groups, GROUP, nb, 4, 2, 4)  # 8c + 4h + i
+        packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [G, nb, c, r, i]
+    else:  # Q8_0: weight 4j + i
+        packed = b[..., 2:].reshape(groups, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [G, nb, j, r, i]
     d = b[..., :2].permute(0, 2, 1, 3)  # [G, nb, r, 2]
-    return torch.cat([d.reshape(groups, nb, 16), packed.reshape(groups, nb, 128)], dim=-1).reshape(groups, -1)
+    return torch.cat([d.reshape(groups, nb, 16), packed.reshape(groups, nb, -1)], dim=-1).reshape(groups, -1)
 
 
-def _unpack(packed: torch.Tensor, cols: int) -> torch.Tensor:
-    """Q4_0X8 uint8 [G, nb * 144] -> Q4_0 blocks uint8 [8G, nb * 18]."""
-    nb = cols // 32
-    groups = packed.shape[0]
-    p = packed.reshape(groups, nb, 144)
+def _unpack(packed: torch.Tensor, cols: int, size: int) -> torch.Tensor:
+    """uint8 [G, nb * 8 * size] -> the blocks, uint8 [8G, nb * size]."""
+    nb, groups = cols // 32, packed.shape[0]
+    p = packed.reshape(groups, nb, GROUP * size)
     d = p[..., :16].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)  # [G, r, nb, 2]
-    c = p[..., 16:].reshape(groups, nb, 4, GROUP, 4).permute(0, 3, 1, 2, 4)  # [G, r, nb, c, i]
-    codes = torch.stack([c & 15, c >> 4], dim=-2).reshape(groups, GROUP, nb, 32)
-    qs = codes[..., :16] | (codes[..., 16:] << 4)
-    return torch.cat([d, qs], dim=-1).reshape(groups * GROUP, nb * 18)
+    if size == 18:
+        c = p[..., 16:].reshape(groups, nb, 4, GROUP, 4).permute(0, 3, 1, 2, 4)  # [G, r, nb, c, i]
+        codes = torch.stack([c & 15, c >> 4], dim=-2).reshape(groups, GROUP, nb, 32)
+        qs = codes[..., :16] | (codes[..., 16:] << 4)
+    else:
+        qs = p[..., 16:].reshape(groups, nb, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(groups, GROUP, nb, 32)
+    return torch.cat([d, qs], dim=-1).reshape(groups * GROUP, nb * size)
 
 
-def repack(blocks: torch.Tensor, shape: tuple[int, int]) -> QuantPiece:
-    """Q4_0 blocks [rows, cols / 32 * 18] (a last group padded with zero rows) as a cpu:Q4_0x8 piece."""
+def repack(kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> QuantPiece:
+    """`kind` blocks [rows, cols / 32 * size] (a last group padded with zero rows) as its repacked piece."""
     rows, cols = shape
+    packed_kind, size = REPACKED[kind]
     groups = -(-rows // GROUP)
-    out = torch.empty(groups, cols // 32 * 144, dtype=torch.uint8)
+    out = torch.empty(groups, cols // 32 * GROUP * size, dtype=torch.uint8)
     for g0 in range(0, groups, CHUNK_GROUPS):
         g1 = min(groups, g0 + CHUNK_GROUPS)
         part = blocks[g0 * GROUP:g1 * GROUP]
         if part.shape[0] < (g1 - g0) * GROUP:
             part = torch.cat([part, part.new_zeros((g1 - g0) * GROUP - part.shape[0], part.shape[1])])
-        out[g0:g1] = _pack(part, cols)
-    return QuantPiece(KIND, shape, {"blocks8": out})
+        out[g0:g1] = _pack(part, cols, size)
+    return QuantPiece(packed_kind, shape, {"blocks8": out})
 
 
-def as_q4_0(piece: QuantPiece, groups: slice | torch.Tensor | None = None) -> QuantPiece:
-    """The piece's rows (of the groups chosen, else all) as a gguf:Q4_0 piece."""
+def as_original(piece: QuantPiece, groups: slice | torch.Tensor | None = None) -> QuantPiece:
+    """The piece's rows (of the groups chosen, else all) as a piece of the kind they came from."""
     rows, cols = piece.shape
+    kind, size = ORIGINAL[piece.kind]
     packed = piece.tensors["blocks8"]
     if groups is None:
-        return QuantPiece("gguf:Q4_0", (rows, cols), {"blocks": _unpack(packed, cols)[:rows]})
+        return QuantPiece(kind, (rows, cols), {"blocks": _unpack(packed, cols, size)[:rows]})
     sub = packed[groups]
-    return QuantPiece("gguf:Q4_0", (sub.shape[0] * GROUP, cols), {"blocks": _unpack(sub, cols)})
+    return QuantPiece(kind, (sub.shape[0] * GROUP, cols), {"blocks": _unpack(sub, cols, size)})
 
 
 def _dequantize(piece: QuantPiece) -> torch.Tensor:
-    return dequantize_piece(as_q4_0(piece))
+    return dequantize_piece(as_original(piece))
 
 
 def _narrow(piece: QuantPiece, dim: int, start, length: int | None = None) -> QuantPiece:
     if dim != 0:
-        return narrow_piece(as_q4_0(piece), dim, start, length)
+        return narrow_piece(as_original(piece), dim, start, length)
     if isinstance(start, torch.Tensor):  # rows by index (an embedding's lookup): only their groups
         groups, inverse = torch.unique(start // GROUP, return_inverse=True)
-        sub = as_q4_0(piece, groups)
-        return narrow_piece(sub, 0, inverse * GROUP + start % GROUP)
+        return narrow_piece(as_original(piece, groups), 0, inverse * GROUP + start % GROUP)
     g0, g1 = start // GROUP, -(-(start + length) // GROUP)
-    sub = as_q4_0(piece, slice(g0, g1))
-    return narrow_piece(sub, 0, start - g0 * GROUP, length)
+    return narrow_piece(as_original(piece, slice(g0, g1)), 0, start - g0 * GROUP, length)
 
 
 register_format("cpu", _dequantize, _narrow, None)

@@ -222,10 +222,12 @@ def quant_cases(gen):
                                                                      torch.zeros(m, 19, dtype=TORCH_DTYPE[dt])]),
                         lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
             # the int8-activation path (kind | 16; up to 8 rows, beyond: the float panels) against x
-            # rounded as it rounds it; Q4_0 also as its rows repacked in groups of 8 (kind 5)
+            # rounded as it rounds it; Q4_0 / Q8_0 also as their rows repacked in groups of 8 (5, 6)
             rounded = F.linear(int8_blocks(x).double(), ref.double())
-            for c, w in [(code, blocks)] + ([(5, repack(blocks, (19, 512)).tensors["blocks8"])] if kind == "Q4_0" else []):
-                want = rounded if m <= 8 or c == 5 else want  # (Q4_0X8: int8 at any row count)
+            x8 = {"Q4_0": 5, "Q8_0": 6}.get(kind)
+            for c, w in [(code, blocks)] + ([(x8, repack(f"gguf:{kind}", blocks, (19, 512)).tensors["blocks8"])]
+                                            if x8 else []):
+                want = rounded if m <= 8 or c == x8 else want  # (the X8 groups: int8 at any row count)
                 out.append((("qlinear", [m, 19, 512, c | 16, dt, 2], [], [x, w, scale,
                                                                           torch.zeros(m, 19, dtype=TORCH_DTYPE[dt])]),
                             lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))

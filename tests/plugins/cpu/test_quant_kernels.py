@@ -84,7 +84,7 @@ def test_int8_activations_match_x_rounded_the_same_way(isa_level, kind, dtype, m
             x[0, :32] *= 50  # one block far larger than the rest: its own scale
             got = kernel.apply(x)
             exact = F.linear(x.double(), w)
-            rounded = m <= 8 or kind == "gguf:Q4_0"  # (more rows: float panels; Q4_0X8: int8 at any count)
+            rounded = m <= 8 or kind in ("gguf:Q4_0", "gguf:Q8_0")  # (more rows: float panels; X8: int8)
             want = F.linear(int8_blocks(x).double(), w) if rounded else exact
             assert got.dtype == dtype and got.shape == (m, rows)
             if dtype == torch.float32:
@@ -106,10 +106,11 @@ def test_the_activation_mode_is_checked(monkeypatch):
     assert activation_mode() == "int8"
 
 
-def test_q4_0_rows_repacked_in_groups_of_8(isa_level, monkeypatch):
-    """int8 activations: Q4_0 rows in groups of 8 (cpu:Q4_0x8), any row count (a last group padded),
-    the same sums as x rounded to int8 gives; the repacked piece dequantises and narrows back to
-    the very Q4_0 rows (a tied embedding reads them); at every row count (prefills too)."""
+@pytest.mark.parametrize("kind", ["gguf:Q4_0", "gguf:Q8_0"])
+def test_rows_repacked_in_groups_of_8(isa_level, kind, monkeypatch):
+    """int8 activations: Q4_0 / Q8_0 rows in groups of 8 (cpu:Q4_0x8 / cpu:Q8_0x8), any row count
+    (a last group padded), the same sums as x rounded to int8 gives; the repacked piece dequantises
+    and narrows back to the very rows (a tied embedding reads them); at every row count."""
     from omniinfer.quantization.base import narrow_piece
     from omniinfer_cpu import quant_x8
 
@@ -117,18 +118,18 @@ def test_q4_0_rows_repacked_in_groups_of_8(isa_level, monkeypatch):
     gen = torch.Generator().manual_seed(7)
     for rows in (8, 13, 37):
         weight = torch.randn(rows, 256, generator=gen) * 0.05
-        piece = piece_of("gguf:Q4_0", weight)
+        piece = piece_of(kind, weight)
         kernel = CpuQuantKernel(piece)
-        assert kernel.piece.kind == quant_x8.KIND and kernel.code == 5 | 16
+        assert kernel.piece.kind == quant_x8.REPACKED[kind][0]
+        assert kernel.code == {"gguf:Q4_0": 5, "gguf:Q8_0": 6}[kind] | 16
         assert kernel.piece.tensors["blocks8"].numel() == -(-rows // 8) * 8 * piece.tensors["blocks"].shape[1]
-        torch.testing.assert_close(quant_x8.as_q4_0(kernel.piece).tensors["blocks"], piece.tensors["blocks"],
-                                   rtol=0, atol=0)
+        assert torch.equal(quant_x8.as_original(kernel.piece).tensors["blocks"], piece.tensors["blocks"])
         w = dequantize_piece(piece)
         assert torch.equal(dequantize_piece(kernel.piece), w)
         ids = torch.tensor([rows - 1, 0, 3, rows - 1])
         assert torch.equal(dequantize_piece(narrow_piece(kernel.piece, 0, ids)), w[ids])
         assert torch.equal(dequantize_piece(narrow_piece(kernel.piece, 0, 2, rows - 3)), w[2:rows - 1])
-        for m in (1, 3, 4, 5, 8, 9, 20, 300):  # (300 rows of 256: x in two chunks of the L2 budget)
+        for m in (1, 3, 4, 5, 8, 9, 20, 1100):  # (1100 rows of 256: x in two chunks of 256 KiB)
             x = torch.randn(m, 256, generator=gen)
             got = kernel.apply(x).double()
             want = F.linear(int8_blocks(x).double(), w.double())

@@ -11,7 +11,7 @@
 #define QMB 4  /* x rows a weight row meets while its block is in registers */
 #define QGEMM_ROWS 8  /* above this many rows, quant_gemm.c's panels */
 
-int omni_quant_supported(int kind) { return (kind & ~QACT_INT8) >= Q8_0 && (kind & ~QACT_INT8) <= Q4_0X8; }
+int omni_quant_supported(int kind) { return (kind & ~QACT_INT8) >= Q8_0 && (kind & ~QACT_INT8) <= Q8_0X8; }
 
 /* Sum over [e, e + VL * n) of q * x for n chunks of VL decoded weights, one x row */
 #define CHUNKS(n, decode, xrow, e) ({                                          \
@@ -150,11 +150,11 @@ int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scal
         (kind != I8 && K % 16) || (q8 && K % 32))
         return -1;
     if (kind == I8 && !scale) return -1;
-    /* int8 activations: up to QGEMM_ROWS rows, and Q4_0X8 at any row count (its grouped sums beat
-     * the float panels from 16 rows to prefills); Q4_0X8 has no float-activation path */
-    if (q8 && (M <= QGEMM_ROWS || kind == Q4_0X8))
-        return omni_qlinear_q8(x, ldx, w, scale, y, ldy, M, N, K, kind, dt, nthreads);
-    if (kind == Q4_0X8) return -1;
+    /* int8 activations: up to QGEMM_ROWS rows, and the X8 groups at any row count (their grouped
+     * sums beat the float panels from 16 rows to prefills); they have no float-activation path */
+    int x8 = kind == Q4_0X8 || kind == Q8_0X8;
+    if (q8 && (M <= QGEMM_ROWS || x8)) return omni_qlinear_q8(x, ldx, w, scale, y, ldy, M, N, K, kind, dt, nthreads);
+    if (x8) return -1;
     int ldxs = K / 16;
     float *xf = malloc(sizeof(float) * ((size_t)M * K + (size_t)M * (ldxs > 0 ? ldxs : 1)));
     if (!xf) return -1;

@@ -5,18 +5,20 @@
 #define OMNI_QUANT_BLOCKS_H
 #include "omni.h"
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5 };
+enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6 };
 /* Q4_0X8: Q4_0 rows repacked in groups of 8 for the int8-activation path (quant_x8.c). Group g
  * (rows 8g .. 8g + 7; a last group padded with zero rows) is K / 32 blocks of 144 bytes: the 8
  * rows' float16 d, then 4 chunks of 32 bytes; byte 4r + i of chunk c holds row r's weight
- * 8c + i in its low nibble and weight 8c + 4 + i in its high one. The same bytes as Q4_0's. */
+ * 8c + i in its low nibble and weight 8c + 4 + i in its high one. The same bytes as Q4_0's.
+ * Q8_0X8 likewise from Q8_0: blocks of 272 bytes, the 8 rows' d, then 8 chunks of 32 bytes; byte
+ * 4r + i of chunk j holds row r's (signed) weight 4j + i. */
 /* set in a kind code: x is rounded to int8 blocks and multiplied in integers (quant_q8.c) */
 #define QACT_INT8 16
 
 INLINE int qblock(int kind) { return kind == Q4_K || kind == Q6_K ? 256 : kind == I8 ? 1 : 32; }
 
 INLINE size_t qrow_bytes(int kind, int K) {
-    static const int bytes[] = {34, 18, 144, 210, 0, 18};
+    static const int bytes[] = {34, 18, 144, 210, 0, 18, 34};
     return kind == I8 ? (size_t)K : (size_t)(K / qblock(kind)) * bytes[kind];
 }
 
@@ -65,8 +67,9 @@ typedef struct {
     int K;
 } xq;
 
-/* quant_x8.c: y [M, ldy] (dt) = X @ W^T for W's N rows in Q4_0X8 groups at w */
-void omni_q4_0x8_rows(const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt, int nthreads);
+/* quant_x8.c: y [M, ldy] (dt) = X @ W^T for W's N rows in Q4_0X8 or Q8_0X8 groups at w */
+void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt,
+                   int nthreads);
 
 /* quant_q8.c: the int8-activation path (kind without QACT_INT8; K whole blocks of 32) */
 int omni_qlinear_q8(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy,

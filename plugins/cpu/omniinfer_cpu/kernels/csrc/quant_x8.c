@@ -1,20 +1,21 @@
-/* omni_q4_0x8_rows: the int8-activation product for Q4_0 weights repacked in groups of 8 rows
- * (Q4_0X8, quant_blocks.h), the layout llama.cpp's repacked CPU buffers use the idea of: one
- * 32-bit lane per weight row, so a register of codes meets 4 values of x broadcast to every lane
- * and the 8 rows' sums come out in 8 lanes, scaled by the 8 rows' d at once; no horizontal sums,
- * and a quarter of the per-row path's instructions a weight. Per row the sum is the same as
- * quant_q8.c's Q4_0 path computes, exactly in integers per block: Sum (q - 8) * x_q =
- * Sum q * x_q - 8 * Sum x_q, then d_w * d_x once per block (float32).
+/* omni_qx8_rows: the int8-activation product for Q4_0 and Q8_0 weights repacked in groups of 8
+ * rows (Q4_0X8, Q8_0X8: quant_blocks.h), the layout llama.cpp's repacked CPU buffers use the idea
+ * of: one 32-bit lane per weight row, so a register of codes meets 4 values of x broadcast to
+ * every lane and the 8 rows' sums come out in 8 lanes, scaled by the 8 rows' d at once; no
+ * horizontal sums, and a quarter to a half of the per-row path's instructions a weight. Per row
+ * the sum is the one quant_q8.c's per-row path computes, exact in integers per block
+ * (Q4_0: Sum q * x_q - 8 * Sum x_q), then d_w * d_x once per block (float32).
  *
- * Products: AVX2's vpmaddubsw summed in int16 over a block (8 pairs of at most 15 * 127 each:
- * below 2^15) then vpmaddwd; AVX-512 VNNI's vpdpbusd; NEON's vmull_s8 summed in int16; else C. */
+ * Products: AVX2's vpmaddubsw (Q4_0: summed in int16 over a block, 8 pairs of at most 15 * 127
+ * each, below 2^15; Q8_0: |c| times x with c's sign, widened every step) then vpmaddwd; AVX-512
+ * VNNI's vpdpbusd (Q8_0 as c + 128, less 128 * Sum x_q); NEON's vmull_s8; else C. */
 #include "quant_blocks.h"
 
 #define XMB 4  /* x rows a group's block meets while its codes are in registers */
 #define X_CHUNK_BYTES (256 << 10)
 
 #if defined(__AVX2__)
-INLINE void group_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
     __m256 acc[XMB];
     for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
     const __m256i nib = _mm256_set1_epi8(15);
@@ -51,8 +52,46 @@ INLINE void group_rows(const uint8_t *g, const xq *X, int m0, const int MB, floa
     }
     for (int m = 0; m < MB; m++) _mm256_storeu_ps(out[m], acc[m]);
 }
+INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+    __m256 acc[XMB];
+    for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
+    for (int b = 0; b < X->K / 32; b++) {
+        const uint8_t *blk = g + (size_t)b * 272;
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256i c[8], u[8];  /* codes of step j; u: as unsigned (VNNI: c + 128; else |c|) */
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++) {
+            c[j] = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
+#if defined(__AVX512VNNI__)
+            u[j] = _mm256_xor_si256(c[j], _mm256_set1_epi8((char)0x80));
+#else
+            u[j] = _mm256_sign_epi8(c[j], c[j]);
+#endif
+        }
+        for (int m = 0; m < MB; m++) {
+            size_t r = (size_t)(m0 + m);
+            int32_t x4[8];
+            memcpy(x4, X->q + r * X->K + 32 * b, 32);
+#if defined(__AVX512VNNI__)
+            __m256i s = _mm256_set1_epi32(-128 * X->isum[r * (X->K / 32) + b]);
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) s = _mm256_dpbusd_epi32(s, u[j], _mm256_set1_epi32(x4[j]));
+#else
+            __m256i s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {  /* |c| times x with c's sign; a pair is at most 2 * 128 * 127 */
+                __m256i p = _mm256_maddubs_epi16(u[j], _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), c[j]));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+            }
+#endif
+            __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[r * (X->K / 32) + b]));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[m]);
+        }
+    }
+    for (int m = 0; m < MB; m++) _mm256_storeu_ps(out[m], acc[m]);
+}
 #elif defined(__aarch64__) && defined(__ARM_NEON)
-INLINE void group_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
     float32x4_t acc[XMB][2];
     for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
     for (int b = 0; b < X->K / 32; b++) {
@@ -87,8 +126,35 @@ INLINE void group_rows(const uint8_t *g, const xq *X, int m0, const int MB, floa
     }
     for (int m = 0; m < MB; m++) vst1q_f32(out[m], acc[m][0]), vst1q_f32(out[m] + 4, acc[m][1]);
 }
+INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+    float32x4_t acc[XMB][2];
+    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
+    for (int b = 0; b < X->K / 32; b++) {
+        const uint8_t *blk = g + (size_t)b * 272;
+        float32x4_t dw[2] = {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk))),
+                             vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk + 4)))};
+        for (int m = 0; m < MB; m++) {
+            size_t r = (size_t)(m0 + m);
+            int32_t x4[8];
+            memcpy(x4, X->q + r * X->K + 32 * b, 32);
+            float d = X->d[r * (X->K / 32) + b];
+            for (int h = 0; h < 2; h++) {
+                int32x4_t lo = vdupq_n_s32(0), hi = vdupq_n_s32(0);  /* rows 4h, 4h+1 | 4h+2, 4h+3 */
+                for (int j = 0; j < 8; j++) {
+                    int8x16_t cv = vld1q_s8((const int8_t *)blk + 16 + 32 * j + 16 * h);
+                    int8x16_t xv = vreinterpretq_s8_s32(vdupq_n_s32(x4[j]));
+                    lo = vpadalq_s16(lo, vmull_s8(vget_low_s8(cv), vget_low_s8(xv)));
+                    hi = vpadalq_s16(hi, vmull_high_s8(cv, xv));
+                }
+                int32x4_t s = vpaddq_s32(lo, hi);
+                acc[m][h] = vfmaq_f32(acc[m][h], vcvtq_f32_s32(s), vmulq_n_f32(dw[h], d));
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++) vst1q_f32(out[m], acc[m][0]), vst1q_f32(out[m] + 4, acc[m][1]);
+}
 #else
-INLINE void group_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
     for (int m = 0; m < MB; m++)
         for (int r = 0; r < 8; r++) out[m][r] = 0.f;
     for (int b = 0; b < X->K / 32; b++) {
@@ -109,21 +175,43 @@ INLINE void group_rows(const uint8_t *g, const xq *X, int m0, const int MB, floa
         }
     }
 }
+INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < 8; r++) out[m][r] = 0.f;
+    for (int b = 0; b < X->K / 32; b++) {
+        const uint8_t *blk = g + (size_t)b * 272;
+        for (int m = 0; m < MB; m++) {
+            size_t row = (size_t)(m0 + m);
+            const int8_t *xb = X->q + row * X->K + 32 * b;
+            for (int r = 0; r < 8; r++) {
+                int32_t s = 0;
+                for (int j = 0; j < 8; j++)
+                    for (int i = 0; i < 4; i++) s += (int8_t)blk[16 + 32 * j + 4 * r + i] * xb[4 * j + i];
+                out[m][r] += (float)s * (f16_to_f32(u16_at(blk + 2 * r)) * X->d[row * (X->K / 32) + b]);
+            }
+        }
+    }
+}
 #endif
 
 /* one of the row counts 1..XMB, a constant inside */
-static void group(const uint8_t *g, const xq *X, int m0, int MB, float out[XMB][8]) {
-    switch (MB) {
-    case 1: group_rows(g, X, m0, 1, out); break;
-    case 2: group_rows(g, X, m0, 2, out); break;
-    case 3: group_rows(g, X, m0, 3, out); break;
-    default: group_rows(g, X, m0, 4, out); break;
+#define ROWS_OF(fn)                                                      \
+    static void fn##_n(const uint8_t *g, const xq *X, int m0, int MB, float out[XMB][8]) { \
+        switch (MB) {                                                    \
+        case 1: fn(g, X, m0, 1, out); break;                             \
+        case 2: fn(g, X, m0, 2, out); break;                             \
+        case 3: fn(g, X, m0, 3, out); break;                             \
+        default: fn(g, X, m0, 4, out); break;                            \
+        }                                                                \
     }
-}
+ROWS_OF(q4_rows)
+ROWS_OF(q8_rows)
 
-void omni_q4_0x8_rows(const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt, int nthreads) {
+void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt,
+                   int nthreads) {
     int64_t G = (N + 7) / 8;
-    size_t group_bytes = (size_t)(X->K / 32) * 144;
+    size_t group_bytes = (size_t)(X->K / 32) * (kind == Q8_0X8 ? 272 : 144);
+    void (*group)(const uint8_t *, const xq *, int, int, float[XMB][8]) = kind == Q8_0X8 ? q8_rows_n : q4_rows_n;
     if (nthreads < 1) nthreads = 1;
     if ((int64_t)N * X->K < 32768) nthreads = 1;
     /* rows of x in chunks of about X_CHUNK_BYTES (they stay in L2 while every group meets them) */
