@@ -102,17 +102,31 @@ def test_quantized_checkpoint_equals_transformers_on_its_values(float_model, sch
         assert max(abs(a - b) for a, b in zip(logprobs, want_lp)) < 1e-4, scheme.label
 
 
-# Decode rows (up to 8) round each block of 32 activations to int8 in the CPU kernels: an error of
-# up to 1/254 of the block's largest value per element, through every layer; these tiny models
-# (initializer_range 0.1) move a chosen token's log-prob by up to 0.14 (measured), so.
+# The CPU kernels round each block of 32 activations to int8 (decode rows; Q4_0/Q8_0-shaped
+# weights at every row count): an error of up to 1/254 of the block's largest value per element,
+# through every layer; these tiny models (initializer_range 0.1) move a chosen token's log-prob by
+# up to ~0.14 (measured), so a step whose two best tokens are nearer than NEAR_TIE may go either way.
 INT8_LOGPROB_TOL = 0.3
+NEAR_TIE = 0.15
+
+
+def hf_scores(path: str) -> list[list[torch.Tensor]]:
+    """transformers' log-probs at each greedy step of each prompt."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        return [[torch.log_softmax(s[0].float(), -1) for s in model.generate(
+            torch.tensor([p]), max_new_tokens=PARAMS.max_tokens, do_sample=False, output_scores=True,
+            return_dict_in_generate=True).scores] for p in PROMPTS]
 
 
 @pytest.mark.parametrize("scheme", [Scheme("gptq", 4, 128, sym=True), Scheme("gptq", 8, 32, sym=True),
                                     Scheme("ct-w8a8", 8, -1)], ids=lambda s: s.label)
 def test_int8_activations_keep_transformers_tokens(float_model, scheme, monkeypatch):
-    """Greedy tokens equal transformers' on the float values (no near-ties in these prompts), the
-    log-probs within INT8_LOGPROB_TOL, and the rounding visible (the int8 path ran)."""
+    """Greedy tokens equal transformers' on the float values until a near-tie (where ours must be
+    the other of transformers' two best), the log-probs up to there within INT8_LOGPROB_TOL, and
+    the rounding visible (the int8 path ran)."""
     monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", "int8")
     path, ref = checkpoint(float_model, scheme)
     llm = LLM(path, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
@@ -124,9 +138,14 @@ def test_int8_activations_keep_transformers_tokens(float_model, scheme, monkeypa
     finally:
         llm.shutdown()
     worst = 0.0
-    for (tokens, logprobs), (want, want_lp) in zip(got, hf_run(ref)):
-        assert tokens == want, scheme.label
-        worst = max(worst, max(abs(a - b) for a, b in zip(logprobs, want_lp)))
+    for (tokens, logprobs), steps in zip(got, hf_scores(ref)):
+        for i, (ours, lp) in enumerate(zip(tokens, logprobs)):
+            theirs = int(steps[i].argmax())
+            if ours != theirs:
+                margin = float(steps[i][theirs] - steps[i][ours])
+                assert margin < NEAR_TIE, (scheme.label, i, margin)
+                break
+            worst = max(worst, abs(lp - float(steps[i][ours])))
     assert 1e-5 < worst < INT8_LOGPROB_TOL, (scheme.label, worst)
 
 

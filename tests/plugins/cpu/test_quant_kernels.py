@@ -129,7 +129,7 @@ def test_rows_repacked_in_groups_of_8(isa_level, kind, monkeypatch):
         ids = torch.tensor([rows - 1, 0, 3, rows - 1])
         assert torch.equal(dequantize_piece(narrow_piece(kernel.piece, 0, ids)), w[ids])
         assert torch.equal(dequantize_piece(narrow_piece(kernel.piece, 0, 2, rows - 3)), w[2:rows - 1])
-        for m in (1, 3, 4, 5, 8, 9, 20, 1100):  # (1100 rows of 256: x in two chunks of 256 KiB)
+        for m in (1, 3, 4, 5, 8, 9, 20, 1100):  # (1100 rows of 256: x in chunks of 32 KiB)
             x = torch.randn(m, 256, generator=gen)
             got = kernel.apply(x).double()
             want = F.linear(int8_blocks(x).double(), w.double())

@@ -12,7 +12,7 @@
 #include "quant_blocks.h"
 
 #define XMB 4  /* x rows a group's block meets while its codes are in registers */
-#define X_CHUNK_BYTES (256 << 10)
+#define X_CHUNK_BYTES (32 << 10)
 
 #if defined(__AVX2__)
 INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
@@ -214,7 +214,7 @@ void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy
     void (*group)(const uint8_t *, const xq *, int, int, float[XMB][8]) = kind == Q8_0X8 ? q8_rows_n : q4_rows_n;
     if (nthreads < 1) nthreads = 1;
     if ((int64_t)N * X->K < 32768) nthreads = 1;
-    /* rows of x in chunks of about X_CHUNK_BYTES (they stay in L2 while every group meets them) */
+    /* rows of x in chunks of about X_CHUNK_BYTES (they stay in L1 while every group meets them) */
     int mc = X_CHUNK_BYTES / X->K;
     mc = mc < XMB ? XMB : mc - mc % XMB;
 #pragma omp parallel num_threads(nthreads)
