@@ -5,7 +5,8 @@
  * llama.cpp does, Sum d * (q - o) * x = d * Sum q * x - d * o * Sum x, with the sums of x over
  * each 16 weights computed once per call; so a result differs from dequantise-then-multiply by
  * float32 rounding only. Each thread takes a contiguous range of W's rows and reads each once per
- * group of up to 4 x rows. */
+ * group of up to 4 x rows. A kind with QACT_INT8 set takes quant_q8.c's int8-activation path
+ * (up to QGEMM_ROWS rows; the Q4_0X8 / Q8_0X8 groups of quant_x8.c at any row count). */
 #include "quant_blocks.h"
 
 #define QMB 4  /* x rows a weight row meets while its block is in registers */
