@@ -11,8 +11,9 @@ Symmetric GPTQ / AWQ / compressed-tensors weights (wint4, wint8 without zero poi
 are the same numbers as Q4_0 / Q8_0 blocks when their scales are float16 values: `(code - 8) *
 scale` is Q4_0's `(q - 8) * d`, `(code - 128) * scale` Q8_0's `q * d`, a group of 32..128 inputs
 one to four blocks sharing a scale; they are repacked so, once, losslessly (a scale float16 cannot
-hold keeps the reference). compressed-tensors W8A8 runs as omniinfer's int8 with float
-activations (W8A16: the activations are not rounded to int8)."""
+hold keeps the reference). compressed-tensors W8A8 runs as omniinfer's int8: its activations
+rounded in blocks of 32 as every int8-activation product here (finer than the checkpoint's one
+scale a token), or float with the switch above."""
 
 from __future__ import annotations
 
