@@ -91,11 +91,10 @@ def move_to_huge_pages(model: torch.nn.Module) -> mmap.mmap | None:
 def release_freed_memory() -> None:
     """Give the heap's free pages back to the system after loading (glibc keeps what the loader's
     transient buffers and the tokenizer's parse freed: ~55 MB for a 152k vocabulary)."""
+    import contextlib
     import ctypes
     import gc
 
     gc.collect()
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # (not glibc: nothing to do)
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
