@@ -90,11 +90,11 @@ def move_to_huge_pages(model: torch.nn.Module) -> mmap.mmap | None:
 
 def release_freed_memory() -> None:
     """Give the heap's free pages back to the system after loading (glibc keeps what the loader's
-    transient buffers and the tokenizer's parse freed: ~55 MB for a 152k vocabulary)."""
+    transient buffers and the tokenizer's parse freed: ~55 MB for a 152k vocabulary). (No
+    gc.collect() here: a SIGTERM whose handler raises inside a finalizer that collection runs is
+    swallowed, and the benchmarks unwind on SIGTERM.)"""
     import contextlib
     import ctypes
-    import gc
 
-    gc.collect()
     with contextlib.suppress(OSError, AttributeError):  # (not glibc: nothing to do)
         ctypes.CDLL("libc.so.6").malloc_trim(0)
