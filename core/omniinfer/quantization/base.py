@@ -177,6 +177,7 @@ class QuantSlot:
         if at != want or len({s.row0 for s in segments}) != len(segments):
             raise WeightShapeError(f"{self.name}: the checkpoint's pieces cover rows "
                                    f"{[(s.row0, s.row0 + s.rows) for s in segments]}, not 0..{self.shape[0]}")
+        self._segments.clear()  # (the slot may outlive loading: a fused layer's parts, joined, go now)
         return QuantizedWeight(self.shape, _merge(segments))
 
 
