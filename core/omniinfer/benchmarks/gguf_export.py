@@ -147,3 +147,9 @@ def _add_vocab(writer, model_dir: str, vocab_size: int, arch: str) -> None:
         writer.add_bos_token_id(cfg["bos_token_id"])
     if cfg.get("eos_token_id") is not None:
         writer.add_eos_token_id(cfg["eos_token_id"])
+    tokenizer_config = os.path.join(model_dir, "tokenizer_config.json")
+    if os.path.isfile(tokenizer_config):  # (as llama.cpp's converter: the chat template goes in too)
+        with open(tokenizer_config, encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+        if isinstance(template, str):
+            writer.add_chat_template(template)

@@ -253,10 +253,8 @@ def gguf_bytes_per_token(path: str) -> int:
     which the LM head reads whole where it is tied (no output.weight)."""
     from omniinfer.quantization.gguf_file import GGUFFile
 
-    tensors = GGUFFile(path).reader.tensors
-    names = {t.name for t in tensors}
-    return sum(int(t.n_bytes) for t in tensors
-               if not (t.name == "token_embd.weight" and "output.weight" in names))
+    tensors = GGUFFile(path).tensor_bytes()
+    return sum(n for name, n in tensors.items() if not (name == "token_embd.weight" and "output.weight" in tensors))
 
 
 def _llama_cpp(make):
@@ -300,8 +298,9 @@ def latency_table(r: dict) -> str:
         held, file, kv = mem["model_bytes"], mem["file_bytes"], mem["kv_cache_bytes"]
         lines.append(f"  resident memory (a fresh process): weights held {held / 1e6:.0f} MB = {held / file:.2f}x the "
                      f"file's {file / 1e6:.0f} MB; the process grew {mem['rss_growth_bytes'] / 1e6:.0f} MB = "
-                     f"{mem['rss_growth_bytes'] / (file + kv):.2f}x the file plus its KV cache ({kv / 1e6:.0f} MB; "
-                     "the rest: the tokenizer, the loader's transient buffers)")
+                     f"{mem['rss_growth_bytes'] / (file + kv):.2f}x the file plus its KV cache ({kv / 1e6:.0f} MB)"
+                     + (f"; its tokenizer alone {mem['tokenizer_rss_bytes'] / 1e6:.0f} MB"
+                        if "tokenizer_rss_bytes" in mem else ""))
     return "\n".join(lines)
 
 

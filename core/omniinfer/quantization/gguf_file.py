@@ -1,6 +1,8 @@
-"""GGUF files (llama.cpp's format) read with the `gguf` package: the model's config from the
-file's metadata, its tensors under Hugging Face names (quantised ones as QuantPieces, read lazily
-and only as far as a rank needs), and the tokenizer transformers builds from the file.
+"""GGUF files (llama.cpp's format): the model's config from the file's metadata, its tensors
+under Hugging Face names (quantised ones as QuantPieces, read lazily and only as far as a rank
+needs), and the tokenizer transformers builds from the file. The header is read by
+gguf_header.py (held to the `gguf` package's reader in the tests); the blocks are dequantised as
+the `gguf` package does (gguf_blocks.py).
 
 Families: llama (Llama 1-3, Mistral) and qwen2. The file is checked before anything large is
 allocated: every tensor's bytes must lie inside the file and match its type and shape.
@@ -16,6 +18,9 @@ import torch
 from omniinfer.models.layers.weights import WeightShapeError
 from omniinfer.quantization import gguf_blocks
 from omniinfer.quantization.base import QuantPiece, register_format
+from omniinfer.quantization.gguf_header import GGUFError, GGUFHeader
+
+__all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "is_gguf", "load_tokenizer"]
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _LAYER = {
@@ -24,10 +29,6 @@ _LAYER = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-class GGUFError(ValueError):
-    """A GGUF file omniinfer cannot load: names the file, the tensor or key, and why."""
 
 
 def is_gguf(path) -> bool:
@@ -48,41 +49,35 @@ class GGUFFile:
     """An open GGUF file (memory-mapped): metadata, tensors, checked."""
 
     def __init__(self, path: str):
-        import gguf
-
         self.path = os.fspath(path)
-        size = os.path.getsize(self.path)
-        try:
-            self.reader = gguf.GGUFReader(self.path, "r")
-        except Exception as e:  # the package's own parse errors: truncated, not GGUF, bad counts
-            raise GGUFError(f"{self.path} is not a readable GGUF file: truncated or corrupt "
-                            f"({size} bytes; the gguf package says {type(e).__name__}: {e})") from None
-        self.tensors = {}
-        for t in self.reader.tensors:
-            kind = gguf_blocks.type_of(int(t.tensor_type), t.name)
-            shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists the fastest dim first
+        self.header = GGUFHeader(self.path)
+        size = self.header.size
+        self.tensors: dict[str, tuple[int, gguf_blocks.BlockType, tuple[int, ...], int]] = {}
+        for t in self.header.tensors:  # name -> (offset, kind, shape (slowest first), bytes)
+            kind = gguf_blocks.type_of(t.type_code, t.name)
+            shape = tuple(reversed(t.dims))  # GGUF lists the fastest dim first
             cols = shape[-1]
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
             if cols % kind.block:
                 raise GGUFError(f"{self.path}: tensor {t.name!r} ({kind.name}) has {cols} columns, not a "
                                 f"multiple of its block of {kind.block}")
             expected = rows * kind.row_bytes(cols)
-            if int(t.n_bytes) != expected or int(t.data_offset) + expected > size:
+            if t.offset + expected > size:
                 raise GGUFError(f"{self.path}: tensor {t.name!r} ({kind.name}, shape {shape}) needs "
-                                f"{expected} bytes at offset {int(t.data_offset)}, but the file has "
+                                f"{expected} bytes at offset {t.offset}, but the file has "
                                 f"{size} bytes: truncated or corrupt")
-            self.tensors[t.name] = (t, kind, shape)
+            self.tensors[t.name] = (t.offset, kind, shape, expected)
         self.arch = self.field("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise GGUFError(f"{self.path}: architecture {self.arch!r} is not supported; supported: "
                             f"{', '.join(ARCHITECTURES)}")
 
     def field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        value = f.contents()
-        return value
+        return self.header.get(key, default)
+
+    def tensor_bytes(self) -> dict[str, int]:
+        """name -> the bytes the tensor takes in the file."""
+        return {name: entry[3] for name, entry in self.tensors.items()}
 
     def hf_config(self) -> dict:
         """The config.json a Hugging Face checkpoint of this model would have."""
@@ -128,11 +123,12 @@ class GGUFFile:
     def named_tensors(self):
         """(Hugging Face name, GGUFTensor) for every tensor, in the file's order."""
         heads = self.hf_config()
-        for name, (t, kind, shape) in self.tensors.items():
+        for name, (offset, kind, shape, n_bytes) in self.tensors.items():
             perm_heads = None
             if self.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
                 perm_heads = heads["num_attention_heads"] if "attn_q" in name else heads["num_key_value_heads"]
-            yield hf_name(name), GGUFTensor(self.path, name, t.data, kind, shape, perm_heads)
+            data = self.header.map[offset:offset + n_bytes]
+            yield hf_name(name), GGUFTensor(self.path, name, data, kind, shape, perm_heads)
 
 
 def _rope_order(rows: int, heads: int) -> torch.Tensor:
@@ -150,7 +146,7 @@ class GGUFTensor:
     def __init__(self, path: str, name: str, data: np.ndarray, kind: gguf_blocks.BlockType,
                  shape: tuple[int, ...], perm_heads: int | None = None):
         self.path, self.name, self.kind, self.shape = path, name, kind, shape
-        self._data = data  # numpy memmap: [rows, row bytes] (or the float values)
+        self._data = data  # numpy memmap: the tensor's bytes
         self._rows = None if perm_heads is None else _rope_order(shape[0], perm_heads)
 
     @property
@@ -213,12 +209,22 @@ register_format("gguf", _dequantize_gguf, narrow_gguf)
 
 
 def load_tokenizer(path: str):
-    """The tokenizer transformers builds from a GGUF file's vocabulary (and its chat template)."""
-    from transformers import AutoTokenizer
+    """The tokenizer transformers builds from a GGUF file's vocabulary and chat template: the class
+    AutoTokenizer picks for the file's architecture, built by that class from the file.
+    (AutoTokenizer itself first parses the whole file with `gguf.GGUFReader` to learn the
+    architecture, for llama and qwen2 files: 13 s and ~45 MB left in the heap for a 152k-token
+    vocabulary; the class reads only the vocabulary and merges. tests/test_gguf_header.py checks
+    both give the same tokenizer.)"""
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                              gguf_file=os.path.basename(path))
-    template = GGUFFile(path).field("tokenizer.chat_template")
+    file = GGUFFile(path)
+    cls = TOKENIZER_MAPPING.get(type(AutoConfig.for_model(file.arch)), None)
+    if isinstance(cls, tuple):  # transformers 4: (slow, fast)
+        cls = cls[1] or cls[0]
+    tokenizer = (cls or AutoTokenizer).from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                                       gguf_file=os.path.basename(path))
+    template = file.field("tokenizer.chat_template")
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
     return tokenizer

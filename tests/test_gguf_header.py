@@ -1,0 +1,214 @@
+"""The lean GGUF header reader (quantization/gguf_header.py) against the `gguf` package's own
+reader on the same files; a damaged header is a clear error, never a huge allocation; the
+tokenizer built from a GGUF file is the one transformers' AutoTokenizer builds, chat template
+included; loading holds no file bytes twice."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import struct
+import weakref
+
+import numpy as np
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from omniinfer.benchmarks.gguf_export import export  # noqa: E402
+from omniinfer.quantization import gguf_file  # noqa: E402
+from omniinfer.quantization.gguf_header import GGUFError, GGUFHeader, StringArray  # noqa: E402
+from omniinfer.testing.tiny_models import build_tiny_checkpoint  # noqa: E402
+
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}<|assistant|>"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Two GGUF files (llama Q4_K_M with a chat template, qwen2 Q8_0) of tiny random models."""
+    root = tmp_path_factory.mktemp("gguf_header")
+    out = {}
+    for arch, file_type in (("llama", "q4_k_m"), ("qwen2", "q8_0")):
+        model = build_tiny_checkpoint(str(root / arch), arch, hidden_size=256, intermediate_size=512,
+                                      vocab_size=1000, seed=5)
+        if arch == "llama":
+            config = os.path.join(model, "tokenizer_config.json")
+            with open(config, encoding="utf-8") as f:
+                data = json.load(f)
+            data["chat_template"] = TEMPLATE
+            with open(config, "w", encoding="utf-8") as f:
+                json.dump(data, f)
+        out[arch] = export(model, str(root / f"{arch}-{file_type}.gguf"), file_type)
+    return out
+
+
+def _reader_value(field):
+    """What the gguf package reads for a field, as plain Python values."""
+    value = field.contents()
+    return value.tolist() if isinstance(value, np.ndarray) else value
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_header_reads_as_the_gguf_package_reads_it(files, arch):
+    path = files[arch]
+    reader = gguf.GGUFReader(path, "r")
+    header = GGUFHeader(path)
+    want = {k: f for k, f in reader.fields.items() if not k.startswith("GGUF.")}  # (the reader's own)
+    assert set(header.fields) == set(want)
+    for key, field in want.items():
+        ours = header.fields[key]
+        if isinstance(ours, StringArray):
+            ours = header.strings(key)
+        elif isinstance(ours, np.ndarray):
+            ours = ours.tolist()
+        theirs = _reader_value(field)
+        if isinstance(theirs, float):
+            assert ours == pytest.approx(theirs, rel=1e-7), key
+        else:
+            assert ours == theirs, key
+    assert len(header.tensors) == len(reader.tensors)
+    for ours, theirs in zip(header.tensors, reader.tensors):
+        assert ours.name == theirs.name
+        assert ours.type_code == int(theirs.tensor_type)
+        assert ours.dims == tuple(int(d) for d in theirs.shape)
+        assert ours.offset == int(theirs.data_offset)
+    tensors = gguf_file.GGUFFile(path).tensor_bytes()
+    assert tensors == {t.name: int(t.n_bytes) for t in reader.tensors}
+    assert len(header.strings("tokenizer.ggml.tokens")) == len(reader.fields["tokenizer.ggml.tokens"].data)
+
+
+def _corrupt(path: str, out, edit) -> str:
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    edit(data)
+    out.write_bytes(bytes(data))
+    return str(out)
+
+
+def _offset_of(data: bytes, key: str) -> int:
+    """Where metadata `key`'s value type sits (just past its name)."""
+    at = data.index(key.encode())
+    return at + len(key)
+
+
+def test_a_damaged_header_is_a_clear_error_before_any_large_allocation(files, tmp_path):
+    path = files["qwen2"]
+    size = os.path.getsize(path)
+    header_end = GGUFHeader(path).data_offset
+    with open(path, "rb") as f:
+        whole = f.read()
+    for cut in (0, 3, 20, 24, 40, 200, header_end // 3, header_end // 2, header_end - 1):
+        short = tmp_path / f"cut{cut}.gguf"
+        short.write_bytes(whole[:cut])
+        with pytest.raises(GGUFError, match=rf"cut{cut}.gguf (is not a readable GGUF file: truncated or corrupt"
+                                             rf"|is not a GGUF file)"):
+            GGUFHeader(str(short))
+    assert size > header_end
+
+    def huge_string(data):  # the first key's length: 2^60 bytes
+        data[24:32] = struct.pack("<Q", 1 << 60)
+
+    with pytest.raises(GGUFError, match=r"a metadata key need 1152921504606846976 bytes at offset 32, past the "
+                                         r"file's end"):
+        GGUFHeader(_corrupt(path, tmp_path / "string.gguf", huge_string))
+
+    def huge_array(data):  # the vocabulary's count: 2^50 strings
+        at = _offset_of(data, "tokenizer.ggml.tokens")
+        data[at + 8:at + 16] = struct.pack("<Q", 1 << 50)
+
+    with pytest.raises(GGUFError, match=r"the 1125899906842624 strings of 'tokenizer.ggml.tokens' need"):
+        GGUFHeader(_corrupt(path, tmp_path / "array.gguf", huge_array))
+
+    def counts(data):
+        data[8:16] = struct.pack("<Q", 1 << 40)
+
+    with pytest.raises(GGUFError, match=r"1099511627776 tensors need"):
+        GGUFHeader(_corrupt(path, tmp_path / "count.gguf", counts))
+
+    def bad_utf8(data):
+        at = data.index(b"general.architecture")
+        data[at] = 0xFF
+
+    with pytest.raises(GGUFError, match=r"a metadata key at offset \d+ is not UTF-8"):
+        GGUFHeader(_corrupt(path, tmp_path / "utf8.gguf", bad_utf8))
+
+    def big_endian(data):
+        data[4:8] = struct.pack(">I", 3)
+
+    with pytest.raises(GGUFError, match=r"is GGUF a big-endian file \(not supported\); supported: little-endian"):
+        GGUFHeader(_corrupt(path, tmp_path / "be.gguf", big_endian))
+
+    def value_type(data):
+        at = _offset_of(data, "general.architecture")
+        data[at:at + 4] = struct.pack("<I", 77)
+
+    with pytest.raises(GGUFError, match=r"metadata key 'general.architecture' has value type 77 \(0 to 12 exist\)"):
+        GGUFHeader(_corrupt(path, tmp_path / "type.gguf", value_type))
+    with pytest.raises(GGUFError, match=r"is not a GGUF file \(it starts with b'\\x89PNG'"):
+        GGUFHeader(_corrupt(path, tmp_path / "png.gguf", lambda d: d.__setitem__(slice(0, 4), b"\x89PNG")))
+
+
+def test_the_tokenizer_is_the_one_autotokenizer_builds(files):
+    from transformers import AutoTokenizer
+
+    texts = ["Hello world", "  two  spaces\tand a tab", "caf\u00e9 \u65e5\u672c \U0001f600", "", "a" * 300]
+    for arch, path in files.items():
+        ours = gguf_file.load_tokenizer(path)
+        theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+        assert type(ours) is type(theirs), arch
+        assert len(ours) == len(theirs)
+        assert ours.all_special_tokens == theirs.all_special_tokens
+        assert (ours.bos_token_id, ours.eos_token_id) == (theirs.bos_token_id, theirs.eos_token_id)
+        for text in texts + [f"{ours.eos_token}x{ours.eos_token}" if ours.eos_token else "x"]:
+            ids = ours(text).input_ids
+            assert ids == theirs(text).input_ids, (arch, text)
+            assert ours.decode(ids) == theirs.decode(ids)
+        assert ours.chat_template == theirs.chat_template
+    assert gguf_file.load_tokenizer(files["llama"]).chat_template == TEMPLATE
+
+
+def test_the_chat_template_of_a_gguf_file_serves_chat(files):
+    from omniinfer import LLM
+
+    llm = LLM(files["llama"], num_kv_blocks=32)
+    try:
+        prompt = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+        assert prompt == "<|user|>hi\n<|assistant|>"
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("activations", ["int8", "float"])
+def test_loading_holds_no_file_bytes_twice(files, monkeypatch, activations):
+    """Every tensor read from the file is either held by a layer or gone once loaded: a fused
+    layer's parts (q, k, v; gate, up) joined into one piece, and pieces a kernel repacked, do not
+    stay alive beside what replaced them."""
+    from omniinfer import LLM
+
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", activations)
+    read = []
+    original = gguf_file.GGUFTensor._bytes
+
+    def recording(self, rows):
+        t = original(self, rows)
+        read.append(weakref.ref(t))
+        return t
+
+    monkeypatch.setattr(gguf_file.GGUFTensor, "_bytes", recording)
+    path = files["qwen2"]
+    shutil.copy(path, path + ".copy.gguf")  # (a file of its own: no other test's model shares it)
+    llm = LLM(path + ".copy.gguf", num_kv_blocks=32)
+    try:
+        gc.collect()
+        model = llm.llm_engine.executor.worker.model_runner.model
+        held = {t.untyped_storage().data_ptr() for m in model.modules() if getattr(m, "qweight", None) is not None
+                for s in m.qweight.segments for t in s.piece.tensors.values()}
+        held |= {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
+        alive = [r() for r in read if r() is not None]
+        assert read and all(t.untyped_storage().data_ptr() in held for t in alive), \
+            f"{sum(t.untyped_storage().data_ptr() not in held for t in alive)} of {len(read)} tensors read stay alive"
+    finally:
+        llm.shutdown()
+        os.unlink(path + ".copy.gguf")
