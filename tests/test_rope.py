@@ -56,3 +56,19 @@ def test_unknown_rope_type_is_refused():
         rope_tables(HEAD, 8, 10000.0, {"rope_type": "ntk-by-parts", "factor": 2.0})
     with pytest.raises(ValueError, match="'linear' needs 'factor'"):
         rope_tables(HEAD, 8, 10000.0, {"rope_type": "linear"})
+
+
+def test_layers_share_one_table_and_different_scalings_do_not():
+    """Every layer asking for the same table gets the same tensors (24 copies were 12 MiB for the
+    medium model); another scaling, theta or length is a table of its own."""
+    from omniinfer.models.layers.rotary import RotaryEmbedding
+
+    layers = [RotaryEmbedding(HEAD, 64, 10000.0, dict(SCALINGS["linear"]), 128) for _ in range(3)]
+    assert len({layer.cos.data_ptr() for layer in layers}) == 1
+    assert len({layer.sin.data_ptr() for layer in layers}) == 1
+    others = [RotaryEmbedding(HEAD, 64, 10000.0, dict(SCALINGS["yarn"]), 128),
+              RotaryEmbedding(HEAD, 64, 500000.0, dict(SCALINGS["linear"]), 128),
+              RotaryEmbedding(HEAD, 64, 10000.0, dict(SCALINGS["linear"]), 256)]
+    assert len({t.cos.data_ptr() for t in [layers[0], *others]}) == 4
+    cos, _ = rope_tables(HEAD, 128, 10000.0, dict(SCALINGS["linear"]), 64)
+    torch.testing.assert_close(layers[0].cos, cos, rtol=0, atol=0)

@@ -10,7 +10,9 @@ tokens, which is what it uses for that token while decoding one token at a time.
 
 from __future__ import annotations
 
+import json
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -134,6 +136,30 @@ def rope_tables(head_size: int, num_positions: int, theta: float, scaling: dict 
     return freqs.cos() * attention, freqs.sin() * attention
 
 
+class _Tables:
+    __slots__ = ("cos", "sin", "__weakref__")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor):
+        self.cos, self.sin = cos, sin
+
+
+_SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def shared_rope_tables(head_size: int, num_positions: int, theta: float, scaling: dict | None,
+                       max_position: int | None = None) -> _Tables:
+    """rope_tables, one pair for all the layers (and models) that ask for the same ones while any
+    holds them: every layer of a model has the same tables (24 copies were 12 MiB for the medium
+    model at 2048 positions). Read-only: nothing writes into them."""
+    key = (head_size, num_positions, float(theta), json.dumps(scaling, sort_keys=True, default=str), max_position,
+           str(torch.get_default_device()))  # (a model built under a device context: made there)
+    tables = _SHARED.get(key)
+    if tables is None:
+        tables = _Tables(*rope_tables(head_size, num_positions, theta, scaling, max_position))
+        _SHARED[key] = tables
+    return tables
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, max_position: int, theta: float, scaling: dict | None,
                  num_positions: int | None = None):
@@ -141,11 +167,11 @@ class RotaryEmbedding(nn.Module):
         table (default max_position; more where a scaling extends the context)."""
         super().__init__()
         self.head_size = head_size
-        cos, sin = rope_tables(head_size, max(num_positions or 0, max_position), theta, scaling,
-                               max_position)
+        self._tables = shared_rope_tables(head_size, max(num_positions or 0, max_position), theta, scaling,
+                                          max_position)
         # [positions, head_size / 2] each; kept in float32, cast per call to the model dtype
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        self.register_buffer("cos", self._tables.cos, persistent=False)
+        self.register_buffer("sin", self._tables.sin, persistent=False)
         self.ops = TORCH_LAYER_OPS
 
     def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor):
