@@ -1,8 +1,13 @@
 """What a loaded model costs in resident memory, measured in a fresh process: `python -m
 omniinfer.benchmarks.resident MODEL` prints JSON with the process's resident set before the model
-(after importing the engine and selecting the platform) and after loading it
-and serving one request, the KV cache's bytes and the weights the model holds. A fresh process,
-because a benchmark that built a checkpoint first keeps that memory in its heap."""
+and after loading it and serving one request, the KV cache's bytes and the weights the model
+holds; `measure` adds what the model's tokenizer alone costs (another fresh process). A fresh
+process, because a benchmark that built a checkpoint first keeps that memory in its heap.
+
+The baseline is the engine with its code imported — the engine, the platform's plugin and model
+runner, the tokenizer library: code is the same whatever the model (~50 MB here, most of it
+transformers) — so the growth is what this model's data costs: weights, KV cache, tokenizer,
+and whatever else loading leaves behind."""
 
 from __future__ import annotations
 
@@ -23,12 +28,34 @@ def resident_bytes() -> int:
         return 0
 
 
-def main(model: str, dtype: str) -> dict:
-    import omniinfer.engine.llm_engine  # noqa: F401 - the engine's imports, before the baseline
-    from omniinfer import LLM, SamplingParams
+def import_engine():
+    """The engine's code, imported as loading any model imports it (a platform's kernels load
+    with the model: counted)."""
+    import transformers  # noqa: F401 - the tokenizers' code (AutoTokenizer and the classes it picks)
+    from transformers import AutoTokenizer  # noqa: F401
+
+    import omniinfer.engine.llm_engine  # noqa: F401
     from omniinfer.platforms.registry import select_platform
 
-    select_platform()  # the plugins loaded (a platform's kernels load with the model: counted)
+    select_platform().model_runner_cls()
+
+
+def tokenizer_main(model: str) -> dict:
+    """What loading `model`'s tokenizer alone grows a fresh process by."""
+    import_engine()
+    from omniinfer.engine.llm_engine import load_tokenizer
+    from omniinfer.heap import release_freed_memory
+
+    before = resident_bytes()
+    tokenizer = load_tokenizer(model)
+    release_freed_memory()  # (as the engine does once it is loaded)
+    return {"tokenizer_rss_bytes": resident_bytes() - before, "vocab_size": len(tokenizer)}
+
+
+def main(model: str, dtype: str) -> dict:
+    import_engine()
+    from omniinfer import LLM, SamplingParams
+
     before = resident_bytes()
     llm = LLM(model, dtype=dtype, max_num_seqs=1, max_model_len=MAX_MODEL_LEN,
               num_kv_blocks=MAX_MODEL_LEN // 16 + 1)  # one sequence's cache (zero-filled: resident)
@@ -43,11 +70,17 @@ def main(model: str, dtype: str) -> dict:
 
 
 def measure(model: str, dtype: str = "float32") -> dict:
-    """main() in a fresh interpreter."""
-    out = subprocess.run([sys.executable, "-m", "omniinfer.benchmarks.resident", model, dtype],
-                         capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """main() and tokenizer_main(), each in a fresh interpreter."""
+    result = {}
+    for args in ([model, dtype], [model, "--tokenizer"]):
+        out = subprocess.run([sys.executable, "-m", "omniinfer.benchmarks.resident", *args],
+                             capture_output=True, text=True, check=True)
+        result.update(json.loads(out.stdout.strip().splitlines()[-1]))
+    return result
 
 
 if __name__ == "__main__":
-    print(json.dumps(main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "float32")))
+    if sys.argv[2:3] == ["--tokenizer"]:
+        print(json.dumps(tokenizer_main(sys.argv[1])))
+    else:
+        print(json.dumps(main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "float32")))

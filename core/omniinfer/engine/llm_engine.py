@@ -24,6 +24,7 @@ from omniinfer.engine.outputs import RequestOutput
 from omniinfer.engine.scheduler import Scheduler
 from omniinfer.engine.sequence import SequenceGroup, SequenceStatus
 from omniinfer.executor.base import executor_class
+from omniinfer.heap import release_freed_memory
 from omniinfer.kv_window import window_pool_plan, window_pool_refusal
 from omniinfer.logger import init_logger
 from omniinfer.platforms.registry import get_registry
@@ -60,6 +61,7 @@ def _freeze_loaded_objects() -> None:
     global _unfreeze_registered
     gc.collect()
     gc.freeze()
+    release_freed_memory()  # (what loading freed: the tokenizer's conversion, the loader's buffers)
     if not _unfreeze_registered:
         atexit.register(gc.unfreeze)
         _unfreeze_registered = True

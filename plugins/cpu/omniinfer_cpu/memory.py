@@ -86,15 +86,3 @@ def move_to_huge_pages(model: torch.nn.Module) -> mmap.mmap | None:
         offset += size
     logger.debug("%d tensors (%.2f GiB) moved to huge pages", len(tensors), sum(sizes) / 2**30)
     return arena
-
-
-def release_freed_memory() -> None:
-    """Give the heap's free pages back to the system after loading (glibc keeps what the loader's
-    transient buffers and the tokenizer's parse freed: ~55 MB for a 152k vocabulary). (No
-    gc.collect() here: a SIGTERM whose handler raises inside a finalizer that collection runs is
-    swallowed, and the benchmarks unwind on SIGTERM.)"""
-    import contextlib
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):  # (not glibc: nothing to do)
-        ctypes.CDLL("libc.so.6").malloc_trim(0)

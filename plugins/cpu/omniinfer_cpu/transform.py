@@ -80,7 +80,8 @@ class CpuModelTransform(ModelTransform):
         return CpuDecoderStack(self.kernels, layers)
 
     def after_install(self, model) -> None:
-        from omniinfer_cpu.memory import move_to_huge_pages, release_freed_memory
+        from omniinfer.heap import release_freed_memory
+        from omniinfer_cpu.memory import move_to_huge_pages
 
         self.weight_arena = move_to_huge_pages(model)
         release_freed_memory()
