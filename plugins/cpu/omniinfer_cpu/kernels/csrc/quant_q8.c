@@ -193,6 +193,40 @@ INLINE void blk_q4_0(const uint8_t *w, const xq *X, int b, const int MB, qacc *A
     }
 }
 
+#if defined(__AVX2__)
+/* x86: the 8 (scale, min) pairs unpacked 4 at a time in 32-bit words, each sub-block's d * scale
+ * times x's block d in one vector (a lane a sub-block: Q4_K's sub-blocks are x's blocks) */
+INLINE void blk_q4_k(const uint8_t *w, const xq *X, int b, const int MB, qacc *A, qacc *B, v8f *C) {
+    const uint8_t *blk = w + (size_t)b * 144, *qs = blk + 16;
+    float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
+    uint32_t u[3];
+    memcpy(u, blk + 4, 12);
+    uint32_t sc_lo = u[0] & 0x3f3f3f3fu, mn_lo = u[1] & 0x3f3f3f3fu;
+    uint32_t sc_hi = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    uint32_t mn_hi = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    __m256 scf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)sc_lo, (int)sc_hi, 0, 0)));
+    __m256 mnf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_setr_epi32((int)mn_lo, (int)mn_hi, 0, 0)));
+    v8f mins = (v8f)_mm256_mul_ps(mnf, _mm256_set1_ps(dmin));  /* times x's 8 block sums (s32) */
+    __m256 dsc = _mm256_mul_ps(_mm256_set1_ps(d), scf), sd[QMB];
+    for (int m = 0; m < MB; m++) {
+        C[m] += mins * *(const v8fu *)(X->s32 + (size_t)m * (X->K / 32) + 8 * b);
+        sd[m] = _mm256_mul_ps(dsc, _mm256_loadu_ps(&XD(X, m, 8 * b)));
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {  /* 32-byte run j: sub-blocks 2j (low nibbles), 2j + 1 (high) */
+        __m256i run = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+        q32 lo = _mm256_and_si256(run, _mm256_set1_epi8(15));
+        q32 hi = _mm256_and_si256(_mm256_srli_epi16(run, 4), _mm256_set1_epi8(15));
+        int xb = 8 * b + 2 * j;
+        for (int m = 0; m < MB; m++) {
+            A[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u(lo, XQ(X, m, 32 * xb))),
+                                   _mm256_permutevar8x32_ps(sd[m], _mm256_set1_epi32(2 * j)), A[m]);
+            B[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u(hi, XQ(X, m, 32 * xb + 32))),
+                                   _mm256_permutevar8x32_ps(sd[m], _mm256_set1_epi32(2 * j + 1)), B[m]);
+        }
+    }
+}
+#else
 INLINE void blk_q4_k(const uint8_t *w, const xq *X, int b, const int MB, qacc *A, qacc *B, v8f *C) {
     const uint8_t *blk = w + (size_t)b * 144, *qs = blk + 16;
     float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
@@ -202,6 +236,7 @@ INLINE void blk_q4_k(const uint8_t *w, const xq *X, int b, const int MB, qacc *A
     for (int i = 0; i < 8; i++) mins[i] = (float)mn[i];
     mins *= dmin;
     for (int m = 0; m < MB; m++) C[m] += mins * *(const v8fu *)(X->s32 + (size_t)m * (X->K / 32) + 8 * b);
+#pragma GCC unroll 4
     for (int j = 0; j < 4; j++) {  /* 32-byte run j: sub-blocks 2j (low nibbles), 2j + 1 (high) */
         q32 run = q32_load(qs + 32 * j);
         q32 lo = q32_and(run, 15), hi = q32_and(q32_shr(run, 4), 15);
@@ -213,7 +248,53 @@ INLINE void blk_q4_k(const uint8_t *w, const xq *X, int b, const int MB, qacc *A
         }
     }
 }
+#endif
 
+#if defined(__AVX2__)
+/* x86: the 16 scales as floats once a block, each part's two (lanes 0-3: its first 16 weights,
+ * 4-7: the last 16, as dot_u lays out its sums) times d times x's block d in one vector, so a
+ * part is its codes, one integer dot and one multiply-add per x row */
+INLINE void blk_q6_k(const uint8_t *w, const xq *X, int b, const int MB, qacc *A, qacc *B, v8f *C) {
+    const uint8_t *blk = w + (size_t)b * 210, *ql = blk, *qh = blk + 128;
+    __m128i s8 = _mm_loadu_si128((const __m128i *)(blk + 192));
+    __m256 sc_lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s8));
+    __m256 sc_hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(s8, 8)));
+    float d = f16_to_f32(u16_at(blk + 208));
+    __m256 vd = _mm256_set1_ps(d);
+    v8f sc0 = (v8f)_mm256_mul_ps(sc_lo, _mm256_set1_ps(32.0f * d)), sc1 = (v8f)_mm256_mul_ps(sc_hi, _mm256_set1_ps(32.0f * d));
+    __m256 sd[QMB][2];  /* [m][h]: scale i of the half h times d times x's d of block i / 2 */
+    const __m256i pair_lo = _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), pair_hi = _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7);
+    for (int m = 0; m < MB; m++) {
+        const float *s16 = X->s + (size_t)m * (X->K / 16) + 16 * b;
+        C[m] += sc0 * *(const v8fu *)s16 + sc1 * *(const v8fu *)(s16 + 8);
+        __m256 xd = _mm256_mul_ps(vd, _mm256_loadu_ps(&XD(X, m, 8 * b)));
+        sd[m][0] = _mm256_mul_ps(sc_lo, _mm256_permutevar8x32_ps(xd, pair_lo));
+        sd[m][1] = _mm256_mul_ps(sc_hi, _mm256_permutevar8x32_ps(xd, pair_hi));
+    }
+    const __m256i m30 = _mm256_set1_epi8(0x30);
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        __m256i high = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+        __m256i low[2] = {_mm256_loadu_si256((const __m256i *)(ql + 64 * h)),
+                          _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32))};
+#pragma GCC unroll 4
+        for (int part = 0; part < 4; part++) {  /* weights 128 h + 32 part + l, l < 32: codes 0..63 */
+            __m256i lo = part >= 2 ? _mm256_srli_epi16(low[part & 1], 4) : low[part & 1];
+            lo = _mm256_and_si256(lo, _mm256_set1_epi8(15));
+            __m256i hb = part == 0 ? _mm256_slli_epi16(high, 4) : part == 1 ? _mm256_slli_epi16(high, 2)
+                       : part == 2 ? high : _mm256_srli_epi16(high, 2);  /* bits 2 part.. to 4..5 */
+            q32 q = _mm256_or_si256(lo, _mm256_and_si256(hb, m30));
+            int xb = 8 * b + 4 * h + part;
+            const __m256i pick = _mm256_setr_epi32(2 * part, 2 * part, 2 * part, 2 * part, 2 * part + 1,
+                                                   2 * part + 1, 2 * part + 1, 2 * part + 1);
+            qacc *T = part & 1 ? B : A;
+            for (int m = 0; m < MB; m++)
+                T[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u(q, XQ(X, m, 32 * xb))),
+                                       _mm256_permutevar8x32_ps(sd[m][h], pick), T[m]);
+        }
+    }
+}
+#else
 INLINE void blk_q6_k(const uint8_t *w, const xq *X, int b, const int MB, qacc *A, qacc *B, v8f *C) {
     const uint8_t *blk = w + (size_t)b * 210, *ql = blk, *qh = blk + 128;
     const int8_t *scales = (const int8_t *)(blk + 192);
@@ -225,8 +306,10 @@ INLINE void blk_q6_k(const uint8_t *w, const xq *X, int b, const int MB, qacc *A
         const float *s16 = X->s + (size_t)m * (X->K / 16) + 16 * b;
         C[m] += sc0 * *(const v8fu *)s16 + sc1 * *(const v8fu *)(s16 + 8);
     }
+#pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
         q32 high = q32_load(qh + 32 * h), low[2] = {q32_load(ql + 64 * h), q32_load(ql + 64 * h + 32)};
+#pragma GCC unroll 4
         for (int part = 0; part < 4; part++) {  /* weights 128 h + 32 part + l, l < 32: codes 0..63 */
             q32 lo = q32_and(part >= 2 ? q32_shr(low[part & 1], 4) : low[part & 1], 15);
             q32 q = q32_or_shl4(lo, q32_and(q32_shr(high, 2 * part), 3));
@@ -238,6 +321,7 @@ INLINE void blk_q6_k(const uint8_t *w, const xq *X, int b, const int MB, qacc *A
         }
     }
 }
+#endif
 
 INLINE void blk_i8(const uint8_t *w, const xq *X, int b, const int MB, qacc *A, qacc *B, v8f *C) {
     (void)B, (void)C;
