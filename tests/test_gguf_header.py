@@ -146,6 +146,19 @@ def test_a_damaged_header_is_a_clear_error_before_any_large_allocation(files, tm
 
     with pytest.raises(GGUFError, match=r"metadata key 'general.architecture' has value type 77 \(0 to 12 exist\)"):
         GGUFHeader(_corrupt(path, tmp_path / "type.gguf", value_type))
+    def duplicate_key(data):  # general.file_type renamed to the other 17-letter key, both uint32
+        at = data.index(b"general.file_type")
+        data[at:at + 17] = b"qwen2.block_count"
+
+    with pytest.raises(GGUFError, match=r"metadata key 'qwen2.block_count' appears twice"):
+        GGUFHeader(_corrupt(path, tmp_path / "twice.gguf", duplicate_key))
+
+    def duplicate_tensor(data):
+        at = data.index(b"blk.0.ffn_up.weight")
+        data[at:at + 19] = b"blk.1.ffn_up.weight"
+
+    with pytest.raises(GGUFError, match=r"tensor 'blk.1.ffn_up.weight' appears twice"):
+        GGUFHeader(_corrupt(path, tmp_path / "tensor_twice.gguf", duplicate_tensor))
     with pytest.raises(GGUFError, match=r"is not a GGUF file \(it starts with b'\\x89PNG'"):
         GGUFHeader(_corrupt(path, tmp_path / "png.gguf", lambda d: d.__setitem__(slice(0, 4), b"\x89PNG")))
 

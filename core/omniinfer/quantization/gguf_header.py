@@ -85,6 +85,8 @@ class GGUFHeader:
             key, pos = self._string(pos, "a metadata key")
             self._need(pos, 4, f"the type of {key!r}")
             (value_type,) = struct.unpack_from("<I", self._buf, pos)
+            if key in self.fields:
+                self._corrupt(pos, f"metadata key {key!r} appears twice")
             self.fields[key], pos = self._value(pos + 4, value_type, key)
         self.tensors: list[TensorInfo] = []
         raw = []
@@ -99,6 +101,10 @@ class GGUFHeader:
             type_code, offset = struct.unpack_from("<IQ", self._buf, pos + 4 + 8 * n_dims)
             pos += 4 + 8 * n_dims + 12
             raw.append((name, tuple(int(d) for d in dims), int(type_code), int(offset)))
+        names = [name for name, *_ in raw]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            self._corrupt(pos, f"tensor {twice[0]!r} appears twice")
         alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             self._corrupt(pos, f"general.alignment is {alignment!r}, not a power of two")
