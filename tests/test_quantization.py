@@ -81,7 +81,7 @@ def test_gguf_greedy_tokens_equal_transformers(models, arch, file_type, monkeypa
 
 
 @pytest.mark.parametrize("arch,file_type", [("llama", "q8_0"), ("llama", "q4_0"), ("qwen2", "q4_k"),
-                                            ("qwen2", "q6_k")])
+                                            ("qwen2", "q6_k"), ("llama", "q4_k_m")])
 def test_gguf_with_int8_activations_follows_transformers_up_to_near_ties(models, arch, file_type, monkeypatch):
     """Greedy tokens equal transformers' until a step whose two best tokens (by transformers) are
     within NEAR_TIE of each other, where ours must be the other of them."""
@@ -110,6 +110,14 @@ def test_a_gguf_model_holds_no_float_copy(models):
         assert all(m.weight.is_meta for m in quantised)
         kinds = {k for m in quantised for k in m.qweight.kinds}
         assert kinds == {"gguf:Q4_K", "gguf:Q6_K"}
+        # q, k in Q4_K and v in Q6_K: the CPU decoder stack runs the fused qkv as its row ranges
+        qkv = model.model.layers["0"].self_attn.qkv_proj
+        assert qkv.qweight.kinds == ["gguf:Q4_K", "gguf:Q6_K"]
+        if runner.device.type == "cpu":
+            assert model.decoder_stack is not None
+            run(llm)  # (the stack's structs are made at its first step)
+            assert [model.decoder_stack.layers[0].qseg_rows[0][i] for i in range(3)] == [
+                k.piece.shape[0] for _, k in qkv.quant_kernels] + [0]
         file_bytes = sum(GGUFFile(path).tensor_bytes().values())
         assert runner.model_bytes() <= file_bytes  # (tied: the embedding's table once)
         assert llm.get_tokenizer().decode([5, 9]) is not None

@@ -35,6 +35,7 @@ SIZES = ("hidden", "num_heads", "num_kv_heads", "head_size", "intermediate", "bl
 
 
 PRODUCTS = ("qkv", "o", "gate_up", "down")
+QSEGS = 3  # decoder_stack.c's: row ranges of several formats a quantised product may have
 
 
 class Layer(ctypes.Structure):
@@ -44,21 +45,28 @@ class Layer(ctypes.Structure):
                 + [(name, ctypes.c_int) for name in SIZES]
                 + [(f"{p}_q", ctypes.c_void_p) for p in PRODUCTS]
                 + [(f"{p}_qscale", ctypes.c_void_p) for p in PRODUCTS]
-                + [(f"{p}_qkind", ctypes.c_int) for p in PRODUCTS])
+                + [(f"{p}_qkind", ctypes.c_int) for p in PRODUCTS]
+                + [("qseg", (ctypes.c_void_p * QSEGS) * len(PRODUCTS)),
+                   ("qseg_scale", (ctypes.c_void_p * QSEGS) * len(PRODUCTS)),
+                   ("qseg_kind", (ctypes.c_int * QSEGS) * len(PRODUCTS)),
+                   ("qseg_rows", (ctypes.c_int * QSEGS) * len(PRODUCTS))])
 
 
-def quant_kernel(layer):
-    """The CpuQuantKernel running all of a quantised layer's rows, or None (not quantised, or
-    several formats in the layer, or the reference)."""
+def quant_kernels(layer):
+    """The CpuQuantKernels running a quantised layer's rows, in row order (one, or up to QSEGS
+    where its parts are in several formats: q4_k_m's Q6_K v_proj beside Q4_K q and k), or None
+    (not quantised, a part on the reference, or more parts)."""
     from omniinfer_cpu.quant import CpuQuantKernel
 
     kernels = getattr(layer, "quant_kernels", None)
-    if getattr(layer, "qweight", None) is None or not kernels or len(kernels) != 1:
+    if getattr(layer, "qweight", None) is None or not kernels or len(kernels) > QSEGS:
         return None
-    row0, kernel = kernels[0]
-    if not isinstance(kernel, CpuQuantKernel) or row0 != 0 or kernel.piece.shape != tuple(layer.qweight.shape):
-        return None
-    return kernel
+    at = 0
+    for row0, kernel in kernels:
+        if not isinstance(kernel, CpuQuantKernel) or row0 != at:
+            return None
+        at += kernel.piece.shape[0]
+    return [kernel for _, kernel in kernels] if at == layer.qweight.shape[0] else None
 
 
 def _products(spec: DecoderLayerSpec):
@@ -83,9 +91,9 @@ def unsupported(kernels, specs: list[DecoderLayerSpec], attention: str) -> str |
         for layer in _products(spec).values():
             method = layer.linear_method
             if getattr(layer, "qweight", None) is not None:
-                if quant_kernel(layer) is None:
-                    return ("a quantised layer does not run one CPU kernel (its parts in several formats, "
-                            "or a format the reference runs)")
+                if quant_kernels(layer) is None:
+                    return (f"a quantised layer does not run on CPU kernels (a part in a format the "
+                            f"reference runs, or more than {QSEGS} parts)")
             elif not isinstance(method, CpuLinearMethod) or method.linear is None:
                 return "a linear layer does not run the compiled kernel"
             if any(t is not None and t.dtype != dtype for t in (layer.weight, layer.bias)):
@@ -128,11 +136,18 @@ class CpuDecoderStack:
                    "cos": spec.rotary.cos, "sin": spec.rotary.sin}
             for name, layer in _products(spec).items():
                 ptr[name + "_bias"] = layer.bias
-                kernel = quant_kernel(layer)
-                if kernel is not None:
+                kernels = quant_kernels(layer)
+                if kernels is not None:
                     ptr[name] = ptr[name + "_packed"] = ptr[name + "_ec"] = None
-                    ptr[name + "_q"], ptr[name + "_qscale"] = kernel.w, kernel.scale
-                    setattr(struct, name + "_qkind", kernel.code)
+                    ptr[name + "_q"], ptr[name + "_qscale"] = kernels[0].w, kernels[0].scale
+                    setattr(struct, name + "_qkind", kernels[0].code)
+                    if len(kernels) > 1:  # row ranges, each its own format
+                        p = PRODUCTS.index(name)
+                        for i, k in enumerate(kernels):
+                            assert k.w.is_contiguous() and (k.scale is None or k.scale.is_contiguous()), name
+                            struct.qseg[p][i] = k.w.data_ptr()
+                            struct.qseg_scale[p][i] = None if k.scale is None else k.scale.data_ptr()
+                            struct.qseg_kind[p][i], struct.qseg_rows[p][i] = k.code, k.piece.shape[0]
                     continue
                 ptr[name] = layer.weight
                 ptr[name + "_packed"] = layer.linear_method.gemm_weight  # the method's copies

@@ -8,6 +8,8 @@
  * `kernel_rows` rows; up to there omni_linear on the [out, in] weight, or omni_linear_ec on its
  * coded copy where `*_ec` is set; a quantised product (`*_q` set: its blocks for omni_qlinear, with
  * `*_qscale` and format `*_qkind`) runs omni_qlinear at any row count, then adds its bias. */
+#define QSEGS 3
+
 typedef struct {
     const void *input_norm, *qkv, *qkv_packed, *qkv_ec, *qkv_bias, *o, *o_packed, *o_ec, *o_bias,
         *post_norm, *gate_up, *gate_up_packed, *gate_up_ec, *gate_up_bias, *down, *down_packed,
@@ -19,6 +21,12 @@ typedef struct {
     const void *qkv_q, *o_q, *gate_up_q, *down_q;
     const float *qkv_qscale, *o_qscale, *gate_up_qscale, *down_qscale;
     int qkv_qkind, o_qkind, gate_up_qkind, down_qkind;
+    /* a quantised product whose rows are in several formats (q4_k_m's Q6_K v beside Q4_K q, k):
+     * up to QSEGS row ranges [product: qkv, o, gate_up, down][segment], each its own omni_qlinear
+     * into its columns of y; qseg_rows[p][0] == 0: the product is one format (`*_q` above) */
+    const void *qseg[4][QSEGS];
+    const float *qseg_scale[4][QSEGS];
+    int qseg_kind[4][QSEGS], qseg_rows[4][QSEGS];
 } omni_layer;
 
 /* y [M, N] (row stride N) += bias [N] */
@@ -28,9 +36,24 @@ static void add_bias(void *y, const void *bias, int M, int N, int dt) {
             st1(y, dt, (size_t)m * N + n, ld1(y, dt, (size_t)m * N + n) + ld1(bias, dt, n));
 }
 
-static int quant_linear(const void *x, const void *q, const float *qscale, int qkind, const void *bias,
-                        void *y, int M, int N, int K, int dt, int nthreads) {
-    if (omni_qlinear(x, K, q, qscale, y, N, M, N, K, qkind, dt, nthreads)) return -4;
+/* product p of layer L (its `*_q` blocks, or its segments) on x [M, K] -> y [M, N], then its bias */
+static int quant_linear(const omni_layer *L, int p, const void *x, const void *q, const float *qscale, int qkind,
+                        const void *bias, void *y, int M, int N, int K, int dt, int nthreads) {
+    if (L->qseg_rows[p][0] == 0) {
+        if (omni_qlinear(x, K, q, qscale, y, N, M, N, K, qkind, dt, nthreads)) return -4;
+    } else {
+        size_t es = dt == F32 ? 4 : 2;
+        int row0 = 0;
+        for (int s = 0; s < QSEGS && L->qseg_rows[p][s] > 0; s++) {
+            int rows = L->qseg_rows[p][s];
+            if (row0 + rows > N ||
+                omni_qlinear(x, K, L->qseg[p][s], L->qseg_scale[p][s], (char *)y + (size_t)row0 * es, N, M, rows, K,
+                             L->qseg_kind[p][s], dt, nthreads))
+                return -4;
+            row0 += rows;
+        }
+        if (row0 != N) return -4;
+    }
     if (bias) add_bias(y, bias, M, N, dt);
     return 0;
 }
@@ -84,7 +107,7 @@ int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, 
         else
             omni_rms_norm(hidden, residual, residual, L->input_norm, normed, T, H, L->input_eps, dt,
                           nthreads);
-        if ((rc = L->qkv_q ? quant_linear(normed, L->qkv_q, L->qkv_qscale, L->qkv_qkind, L->qkv_bias, qkv,
+        if ((rc = L->qkv_q ? quant_linear(L, 0, normed, L->qkv_q, L->qkv_qscale, L->qkv_qkind, L->qkv_bias, qkv,
                                           T, QKV, H, dt, nthreads)
                            : stack_linear(normed, L->qkv, L->qkv_packed, L->qkv_ec, L->qkv_bias, qkv, T, QKV,
                                           H, 0, kernel_rows, dt, nthreads)))
@@ -99,14 +122,14 @@ int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, 
                                        L->num_heads, L->num_kv_heads, D, L->block_size, L->scale,
                                        L->window, dt, nthreads)))
             return rc;
-        if ((rc = L->o_q ? quant_linear(att, L->o_q, L->o_qscale, L->o_qkind, L->o_bias, hidden, T, H,
+        if ((rc = L->o_q ? quant_linear(L, 1, att, L->o_q, L->o_qscale, L->o_qkind, L->o_bias, hidden, T, H,
                                         q_size, dt, nthreads)
                          : stack_linear(att, L->o, L->o_packed, L->o_ec, L->o_bias, hidden, T, H, q_size,
                                         0, kernel_rows, dt, nthreads)))
             return rc;
         omni_rms_norm(hidden, residual, residual, L->post_norm, normed, T, H, L->post_eps, dt, nthreads);
         if (L->gate_up_q) {
-            if ((rc = quant_linear(normed, L->gate_up_q, L->gate_up_qscale, L->gate_up_qkind, L->gate_up_bias,
+            if ((rc = quant_linear(L, 2, normed, L->gate_up_q, L->gate_up_qscale, L->gate_up_qkind, L->gate_up_bias,
                                    gate_up, T, 2 * I, H, dt, nthreads)))
                 return rc;
             omni_silu_and_mul(gate_up, act, T, I, dt, nthreads);
@@ -119,7 +142,7 @@ int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, 
                                       nthreads))) {
             return rc;
         }
-        if ((rc = L->down_q ? quant_linear(act, L->down_q, L->down_qscale, L->down_qkind, L->down_bias, hidden,
+        if ((rc = L->down_q ? quant_linear(L, 3, act, L->down_q, L->down_qscale, L->down_qkind, L->down_bias, hidden,
                                            T, H, I, dt, nthreads)
                             : stack_linear(act, L->down, L->down_packed, L->down_ec, L->down_bias, hidden, T, H,
                                            I, 0, kernel_rows, dt, nthreads)))
