@@ -147,9 +147,6 @@ class ByteTable:
     def __len__(self) -> int:
         return len(self.ends) - 1
 
-    def __getitem__(self, token_id: int) -> bytes:
-        return self.blob[self.ends[token_id]:self.ends[token_id + 1]]
-
     def join(self, ids: list[int]) -> bytes:
         """The ids' bytes, one after another (ids outside the table: none)."""
         blob, ends, size = self.blob, self.ends, len(self.ends) - 1
