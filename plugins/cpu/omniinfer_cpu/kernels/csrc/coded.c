@@ -352,7 +352,7 @@ int omni_linear_ec(const void *x, int64_t ldx, const uint8_t *ec, const void *bi
     if (dt == BF16) rows = ec_linear_rows_bf16;
 #endif
     if (nthreads < 1) nthreads = 1;
-    if ((int64_t)N * K < 32768) nthreads = 1;  /* as omni_linear */
+    nthreads = threads_for((int64_t)N * K, nthreads);  /* as omni_linear */
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t n0, n1;

@@ -21,7 +21,7 @@ void omni_linear(const void *x, int64_t ldx, const void *w, const void *bias, vo
     void (*rows)(const void *, size_t, const void *, const void *, void *, size_t, int, int, int,
                  int) = dt == F32 ? linear_rows_f32 : linear_rows_bf16;
     if (nthreads < 1) nthreads = 1;
-    if ((int64_t)N * K < 32768) nthreads = 1;  /* not worth waking a thread */
+    nthreads = threads_for((int64_t)N * K, nthreads);
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t n0, n1;

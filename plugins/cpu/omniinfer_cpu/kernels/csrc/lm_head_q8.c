@@ -78,7 +78,7 @@ int omni_linear_argmax_q8(const void *x, int64_t ldx, const void *w, const int8_
     if (M < 1 || M > 2 || N <= 0 || K <= 0) return -1;
     if (nthreads < 1) nthreads = 1;
     /* omni_linear's thread count for this product, which decides each row's store (bfloat16) */
-    int linear_threads = (int64_t)N * K < 32768 ? 1 : nthreads;
+    int linear_threads = threads_for((int64_t)N * K, nthreads);
     size_t es = dt == F32 ? 4 : 2;
     float *xf = malloc(sizeof(float) * (size_t)M * K), *approx = malloc(sizeof(float) * (size_t)M * N);
     float *lb = malloc(sizeof(float) * (size_t)nthreads * 2);

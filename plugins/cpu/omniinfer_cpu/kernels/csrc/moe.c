@@ -59,7 +59,7 @@ int omni_moe(const void *x, int64_t ldx, const void *w13, const void *w2, const 
         free(fill);
     }
     if (nthreads < 1) nthreads = 1;
-    if ((int64_t)3 * I * H < 32768) nthreads = 1; /* not worth waking a thread */
+    nthreads = threads_for((int64_t)3 * I * H, nthreads);
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t i0, i1, h0, h1;

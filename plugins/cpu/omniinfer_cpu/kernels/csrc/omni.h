@@ -349,6 +349,10 @@ INLINE vu u8_widen(const uint8_t *p) {
 typedef int32_t vi __attribute__((vector_size(VBYTES)));
 INLINE vf u32_to_f(vu v) { return __builtin_convertvector((vi)v, vf); }
 
+/* threads for a product of `work` weights (multiply-adds a row of x): below 32768, not worth waking another */
+#define OMNI_PARALLEL_MIN_WORK 32768
+INLINE int threads_for(int64_t work, int nthreads) { return work < OMNI_PARALLEL_MIN_WORK ? 1 : nthreads; }
+
 /* a float16's value (the GGUF blocks' scales) */
 INLINE float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)

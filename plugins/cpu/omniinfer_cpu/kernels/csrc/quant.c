@@ -179,7 +179,7 @@ int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scal
     }
     qdot_fn dot = QDOT[kind];
     if (nthreads < 1) nthreads = 1;
-    if ((int64_t)N * K < 32768) nthreads = 1;
+    nthreads = threads_for((int64_t)N * K, nthreads);
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t n0, n1;

@@ -383,7 +383,7 @@ int omni_qlinear_q8(const void *x, int64_t ldx, const uint8_t *w, const float *s
     size_t rb = qrow_bytes(kind, K);
     q8dot_fn dot = Q8DOT_FNS[kind];
     if (nthreads < 1) nthreads = 1;
-    if ((int64_t)N * K < 32768) nthreads = 1;
+    nthreads = threads_for((int64_t)N * K, nthreads);
 #pragma omp parallel num_threads(nthreads)
     {
         int64_t n0, n1;

@@ -213,7 +213,7 @@ void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy
     size_t group_bytes = (size_t)(X->K / 32) * (kind == Q8_0X8 ? 272 : 144);
     void (*group)(const uint8_t *, const xq *, int, int, float[XMB][8]) = kind == Q8_0X8 ? q8_rows_n : q4_rows_n;
     if (nthreads < 1) nthreads = 1;
-    if ((int64_t)N * X->K < 32768) nthreads = 1;
+    nthreads = threads_for((int64_t)N * X->K, nthreads);
     /* rows of x in chunks of about X_CHUNK_BYTES (they stay in L1 while every group meets them) */
     int mc = X_CHUNK_BYTES / X->K;
     mc = mc < XMB ? XMB : mc - mc % XMB;
