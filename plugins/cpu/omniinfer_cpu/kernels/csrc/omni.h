@@ -349,10 +349,6 @@ INLINE vu u8_widen(const uint8_t *p) {
 typedef int32_t vi __attribute__((vector_size(VBYTES)));
 INLINE vf u32_to_f(vu v) { return __builtin_convertvector((vi)v, vf); }
 
-/* threads for a product of `work` weights (multiply-adds a row of x): below 32768, not worth waking another */
-#define OMNI_PARALLEL_MIN_WORK 32768
-INLINE int threads_for(int64_t work, int nthreads) { return work < OMNI_PARALLEL_MIN_WORK ? 1 : nthreads; }
-
 /* a float16's value (the GGUF blocks' scales) */
 INLINE float f16_to_f32(uint16_t h) {
 #if defined(__F16C__)
@@ -377,9 +373,10 @@ INLINE void thread_share(int64_t n, int64_t *lo, int64_t *hi) {
 #endif
     *lo = n * t / nt, *hi = n * (t + 1) / nt;
 }
+/* threads for a product of `work` weights a row of x: below 32768, not worth waking another */
+INLINE int threads_for(int64_t work, int nthreads) { return work < 32768 ? 1 : nthreads; }
 
 /* ---- torch.argmax's order over columns seen in increasing order, split among threads ------ */
-
 /* take column c's value x into a running first maximum (col < 0: none yet): only a greater value
  * or a first NaN replaces it, so the first maximum stays, a NaN the greatest */
 INLINE void argmax_take(float *best, int32_t *col, float x, int64_t c) {
