@@ -394,10 +394,41 @@ def test_a_failing_compiler_is_reported(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", "false")  # exits 1, prints nothing
     monkeypatch.setattr(build, "PREBUILT", tmp_path / "no-prebuilt")  # (as a source checkout)
     build.reset()
+    order = [lv.name for lv in isa.arch_levels()]
+    tried = [lv.name for lv in reversed(isa.runnable_levels()) if order.index(lv.name) <= order.index(level.name)]
     try:
-        assert build.load() is None
-        assert build.unavailable_reason() == f"false failed to build the CPU kernels for {level.name}: exit status 1"
+        assert build.load() is None  # every level at or below the chosen one was tried
+        assert build.unavailable_reason() == "; ".join(
+            f"{name}: false failed to build the CPU kernels for {name}: exit status 1" for name in tried)
         assert list(tmp_path.iterdir()) == []  # nothing half-written left behind
+    finally:
+        monkeypatch.undo()
+        build.reset()
+
+
+def test_a_level_the_compiler_cannot_build_yields_to_the_one_below(monkeypatch):
+    """An older compiler may not know a level's flags (gcc before 11: no -mavxvnni): the best
+    level below it is loaded instead of none."""
+    level, why = isa.choose(os.environ.get(isa.ENV_ISA))
+    if level is None:
+        pytest.skip(f"no kernel level runs here: {why}")
+    order = [lv.name for lv in isa.arch_levels()]
+    below = [lv.name for lv in isa.runnable_levels() if order.index(lv.name) < order.index(level.name)]
+    if not below:
+        pytest.skip(f"this CPU runs no level below {level.name}")
+    failure = f"gcc failed to build the CPU kernels for {level.name}: unrecognized command-line option"
+    real = build.library_path
+
+    def library_path(lv):
+        if lv.name == level.name:
+            raise build.KernelsUnavailable(failure)
+        return real(lv)
+
+    monkeypatch.setattr(build, "library_path", library_path)
+    build.reset()
+    try:
+        assert build.load().level.name == below[-1]
+        assert build.selection() == (below[-1], f"{level.name}: {failure}; so {below[-1]}, the best level below it")
     finally:
         monkeypatch.undo()
         build.reset()

@@ -214,13 +214,25 @@ def _load() -> tuple[Kernels | None, str]:
     if level is None:
         logger.warning("CPU kernels unavailable, using torch's ops instead: %s", why)
         return None, why
-    try:
-        kernels = load_level(level.name)
-    except (KernelsUnavailable, OSError, subprocess.SubprocessError) as e:
-        logger.warning("CPU kernels unavailable, using torch's ops instead: %s", e)
-        return None, str(e)
-    logger.info("CPU kernels: %s (%s), from %s", level.name, why, kernels.path)
-    return kernels, why
+    # a level this compiler cannot build (an older gcc without -mavxvnni, say) yields to the
+    # best runnable level below it, rather than losing the kernels altogether
+    order = [lv.name for lv in isa.arch_levels()]
+    below = [lv for lv in isa.runnable_levels() if order.index(lv.name) <= order.index(level.name)]
+    failed = []
+    for candidate in reversed(below):
+        try:
+            kernels = load_level(candidate.name)
+        except (KernelsUnavailable, OSError, subprocess.SubprocessError) as e:
+            failed.append(f"{candidate.name}: {e}")
+            continue
+        if failed:
+            why = f"{'; '.join(failed)}; so {candidate.name}, the best level below it"
+            logger.warning("CPU kernels: %s", why)
+        logger.info("CPU kernels: %s (%s), from %s", candidate.name, why, kernels.path)
+        return kernels, why
+    why = "; ".join(failed)
+    logger.warning("CPU kernels unavailable, using torch's ops instead: %s", why)
+    return None, why
 
 
 def load() -> Kernels | None:
