@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -17,12 +19,15 @@ SKYLAKE_X = ZEN3 | set(isa.BY_NAME["avx512"].needs)
 ICE_LAKE = SKYLAKE_X | {"avx512vbmi", "avx512_vnni"}
 COOPER_LAKE = SKYLAKE_X | {"avx512_vnni", "avx512_bf16"}  # BF16 without VBMI
 ZEN4 = ICE_LAKE | {"avx512_bf16"}
+ALDER_LAKE = ZEN3 | {"avx_vnni"}  # AVX-VNNI without AVX-512 (Intel client cores since 2021)
+SAPPHIRE_RAPIDS = ZEN4 | {"avx_vnni", "avx512_fp16"}
 x86_only = pytest.mark.skipif(isa.machine_arch() != "x86_64", reason="the x86 levels (this is not x86-64)")
 
 
 @x86_only
 @pytest.mark.parametrize("flags,best", [(ZEN3, "avx2"), (SKYLAKE_X, "avx512"), (ICE_LAKE, "avx512_vbmi"),
-                                        (COOPER_LAKE, "avx512"), (ZEN4, "avx512_bf16")])
+                                        (COOPER_LAKE, "avx512"), (ZEN4, "avx512_bf16"),
+                                        (ALDER_LAKE, "avx2_vnni"), (SAPPHIRE_RAPIDS, "avx512_bf16")])
 def test_the_best_level_a_cpu_runs(flags, best):
     level, why = isa.choose(None, flags)
     assert level.name == best and why == "the best level this CPU runs"
@@ -35,9 +40,13 @@ def test_the_cap():
     assert isa.choose("AVX512", ZEN4)[0].name == "avx512"
     level, why = isa.choose("avx512_bf16", ZEN3)  # a cap above the CPU: the best it has
     assert level.name == "avx2" and "lacks avx512f" in why
+    assert isa.choose("avx2_vnni", SAPPHIRE_RAPIDS)[0].name == "avx2_vnni"
+    level, why = isa.choose("avx2_vnni", ZEN4)  # levels are not a chain: Zen 4 lacks AVX-VNNI
+    assert level.name == "avx2" and "lacks avx_vnni" in why
+    assert isa.choose("avx512", ALDER_LAKE)[0].name == "avx2_vnni"
     assert isa.choose("none", ZEN4) == (None, f"switched off ({isa.ENV_ISA}=none)")
     with pytest.raises(ValueError, match=r"OMNIINFER_CPU_ISA='avx3' is not an ISA level; allowed on "
-                                         r"x86_64: avx2, avx512, avx512_vbmi, avx512_bf16, none"):
+                                         r"x86_64: avx2, avx2_vnni, avx512, avx512_vbmi, avx512_bf16, none"):
         isa.choose("avx3", ZEN4)
     with pytest.raises(ValueError, match="a level for aarch64 CPUs; this is x86_64"):
         isa.choose("neon", ZEN4)
@@ -47,6 +56,36 @@ def test_the_cap():
 def test_a_cpu_below_avx2_gets_no_kernels():
     level, why = isa.choose(None, {"sse4_2", "avx"})  # e.g. Sandy Bridge
     assert level is None and why.startswith("the CPU lacks avx2, fma, f16c")
+
+
+_INSN = re.compile(r"^\s*[0-9a-f]+:\t((?:[0-9a-f]{2} )+)\s*\t(?:\{vex\} )?(\S+)")
+_PREFIXES = {"66", "67", "f2", "f3", "2e", "3e", "26", "36", "64", "65"}
+
+
+def _instructions(path):
+    """(first opcode byte after legacy prefixes, mnemonic) of each instruction objdump reads."""
+    text = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True, check=True).stdout
+    for line in text.splitlines():
+        m = _INSN.match(line)
+        if m:
+            raw = [b for b in m.group(1).split()]
+            lead = next((b for b in raw if b not in _PREFIXES), "")
+            yield lead, m.group(2)
+
+
+@x86_only
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils' objdump to read the libraries")
+@pytest.mark.parametrize("name", ["avx2", "avx2_vnni"])
+def test_the_levels_below_avx512_hold_no_avx512_instruction(name):
+    """On an AVX-512 host the AVX2 levels' tests pass even with a stray EVEX instruction in their
+    library, which would be a SIGILL on the CPUs the levels are for: so their code is read. In
+    64-bit mode a leading 0x62 is EVEX (AVX-512's encoding) and nothing else."""
+    insns = list(_instructions(build.library_path(isa.BY_NAME[name])))
+    assert len(insns) > 1000
+    evex = sorted({mnemonic for lead, mnemonic in insns if lead == "62"})
+    assert not evex, f"the {name} library holds AVX-512 instructions: {evex[:10]}"
+    vnni = {mnemonic for _, mnemonic in insns if mnemonic.startswith(("vpdpbusd", "vpdpwssd"))}
+    assert bool(vnni) == (name == "avx2_vnni")  # AVX-VNNI's products exactly where the level has them
 
 
 def test_a_level_the_cpu_lacks_is_never_loaded():

@@ -30,10 +30,14 @@ class IsaLevel:
 _V3 = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm")
 _V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
 
-# Each arch's levels, lowest first; a level's library runs on every CPU that has its flags.
+# Each arch's levels, lowest first; a level's library runs on every CPU that has its flags. Not a
+# chain: a CPU may run a level and not the one before it (Zen 4 and Ice Lake have AVX-512 VNNI but
+# not AVX-VNNI); the best runnable level at or below a cap is taken.
 LEVELS: tuple[IsaLevel, ...] = (
     IsaLevel("avx2", "x86_64", _V3, ("-march=x86-64-v3",),
              "x86-64-v3: AVX2, FMA, F16C (Haswell and later, Zen 1-3)"),
+    IsaLevel("avx2_vnni", "x86_64", _V3 + ("avx_vnni",), ("-march=x86-64-v3", "-mavxvnni"),
+             "x86-64-v3 + AVX-VNNI (Intel cores since Alder Lake, Zen 5): vpdpbusd int8 products"),
     IsaLevel("avx512", "x86_64", _V4, ("-march=x86-64-v4",),
              "x86-64-v4: AVX-512 F/BW/CD/DQ/VL (Skylake-SP and later)"),
     IsaLevel("avx512_vbmi", "x86_64", _V4 + ("avx512vbmi", "avx512_vnni"),

@@ -74,6 +74,8 @@
 #define OMNI_ISA "avx512_vbmi"
 #elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #define OMNI_ISA "avx512"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVXVNNI__)
+#define OMNI_ISA "avx2_vnni"
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define OMNI_ISA "avx2"
 #elif defined(__aarch64__) && defined(__ARM_NEON)
@@ -81,8 +83,6 @@
 #else
 #define OMNI_ISA "generic"
 #endif
-
-
 typedef float vf __attribute__((vector_size(VBYTES)));
 typedef float vfu __attribute__((vector_size(VBYTES), aligned(4), may_alias));
 typedef uint16_t vhu __attribute__((vector_size(VBYTES / 2), aligned(2), may_alias));

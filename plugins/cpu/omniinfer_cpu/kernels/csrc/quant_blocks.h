@@ -12,6 +12,13 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6 };
  * 8c + i in its low nibble and weight 8c + 4 + i in its high one. The same bytes as Q4_0's.
  * Q8_0X8 likewise from Q8_0: blocks of 272 bytes, the 8 rows' d, then 8 chunks of 32 bytes; byte
  * 4r + i of chunk j holds row r's (signed) weight 4j + i. */
+/* vpdpbusd on 8 int32 lanes (each += 4 products of unsigned by signed bytes): AVX-512 VNNI's
+ * EVEX form, or AVX-VNNI's VEX one (the avx2_vnni level: Intel cores since Alder Lake, Zen 5) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DPBUSD256(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define DPBUSD256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
 /* set in a kind code: x is rounded to int8 blocks and multiplied in integers (quant_q8.c) */
 #define QACT_INT8 16
 

@@ -31,8 +31,8 @@ INLINE q32 q32_nibbles16(const uint8_t *p) {
 }
 /* codes 0..127 times x */
 INLINE qsum dot_u(q32 w, q32 x) {
-#if defined(__AVX512VNNI__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#if defined(DPBUSD256)
+    return DPBUSD256(_mm256_setzero_si256(), w, x);
 #else
     return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
 #endif

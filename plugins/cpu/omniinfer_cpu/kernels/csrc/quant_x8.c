@@ -35,10 +35,10 @@ INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
             int32_t x4[8];
             memcpy(x4, xb, 32);
             __m256i off = _mm256_set1_epi32(-8 * X->isum[r * (X->K / 32) + b]);
-#if defined(__AVX512VNNI__)
+#if defined(DPBUSD256)
             __m256i s = off;
 #pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) s = _mm256_dpbusd_epi32(s, c[j], _mm256_set1_epi32(x4[j]));
+            for (int j = 0; j < 8; j++) s = DPBUSD256(s, c[j], _mm256_set1_epi32(x4[j]));
 #else
             __m256i s16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(x4[0]));
 #pragma GCC unroll 8
@@ -62,7 +62,7 @@ INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) {
             c[j] = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
-#if defined(__AVX512VNNI__)
+#if defined(DPBUSD256)
             u[j] = _mm256_xor_si256(c[j], _mm256_set1_epi8((char)0x80));
 #else
             u[j] = _mm256_sign_epi8(c[j], c[j]);
@@ -72,10 +72,10 @@ INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
             size_t r = (size_t)(m0 + m);
             int32_t x4[8];
             memcpy(x4, X->q + r * X->K + 32 * b, 32);
-#if defined(__AVX512VNNI__)
+#if defined(DPBUSD256)
             __m256i s = _mm256_set1_epi32(-128 * X->isum[r * (X->K / 32) + b]);
 #pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) s = _mm256_dpbusd_epi32(s, u[j], _mm256_set1_epi32(x4[j]));
+            for (int j = 0; j < 8; j++) s = DPBUSD256(s, u[j], _mm256_set1_epi32(x4[j]));
 #else
             __m256i s = _mm256_setzero_si256();
 #pragma GCC unroll 8
