@@ -29,6 +29,7 @@ static void dot_q8_0(const uint8_t *w, const float *x, size_t ldx, const float *
     vf acc[QMB] = {{0}};
     for (int b = 0; b < K / 32; b++) {
         const uint8_t *blk = w + (size_t)b * 34;
+        prefetch_ahead(blk, 34);
         float d = f16_to_f32(u16_at(blk));
         const int8_t *q = (const int8_t *)(blk + 2);
         vf qv[32 / VL];
@@ -49,6 +50,7 @@ static void dot_q4_0(const uint8_t *w, const float *x, size_t ldx, const float *
     float corr[QMB] = {0};
     for (int b = 0; b < K / 32; b++) {
         const uint8_t *blk = w + (size_t)b * 18, *qs = blk + 2;
+        prefetch_ahead(blk, 18);
         float d = f16_to_f32(u16_at(blk));
         vf qv[32 / VL];
 #pragma GCC unroll 8
@@ -69,6 +71,7 @@ static void dot_q4_k(const uint8_t *w, const float *x, size_t ldx, const float *
     float corr[QMB] = {0};
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + (size_t)b * 144, *qs = blk + 16;
+        prefetch_ahead(blk, 144);
         float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
         uint8_t sc[8], mn[8];
         k_scales(blk + 4, sc, mn);
@@ -95,6 +98,7 @@ static void dot_q6_k(const uint8_t *w, const float *x, size_t ldx, const float *
     float corr[QMB] = {0};
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + (size_t)b * 210, *ql = blk, *qh = blk + 128;
+        prefetch_ahead(blk, 210);
         const int8_t *scales = (const int8_t *)(blk + 192);
         float d = f16_to_f32(u16_at(blk + 208));
         for (int h = 0; h < 2; h++)

@@ -331,7 +331,7 @@ INLINE void blk_i8(const uint8_t *w, const xq *X, int b, const int MB, qacc *A, 
 
 /* out[m] = the row of W at w times x row m, m < MB (a constant where it is inlined: the sums
  * stay in registers); blocks in pairs, each of a pair on its own chains of additions */
-#define Q8DOT(name, block, BLK)                                                                   \
+#define Q8DOT(name, block, bytes, BLK)                                                                   \
     INLINE void name##_rows(const uint8_t *w, const xq *X, const int MB, float *out) {             \
         qacc a[2][QMB], b2[2][QMB];                                                               \
         v8f c[2][QMB];                                                                            \
@@ -339,6 +339,7 @@ INLINE void blk_i8(const uint8_t *w, const xq *X, int b, const int MB, qacc *A, 
             a[0][m] = a[1][m] = b2[0][m] = b2[1][m] = qacc_zero(), c[0][m] = c[1][m] = (v8f){0};  \
         int nb = X->K / (block), b = 0;                                                           \
         for (; b + 1 < nb; b += 2) {                                                              \
+            prefetch_ahead(w + (size_t)b * (bytes), 2 * (bytes));                                 \
             BLK(w, X, b, MB, a[0], b2[0], c[0]);                                                  \
             BLK(w, X, b + 1, MB, a[1], b2[1], c[1]);                                              \
         }                                                                                         \
@@ -355,11 +356,11 @@ INLINE void blk_i8(const uint8_t *w, const xq *X, int b, const int MB, qacc *A, 
         }                                                                                         \
     }
 
-Q8DOT(q8dot_q8_0, 32, blk_q8_0)
-Q8DOT(q8dot_q4_0, 32, blk_q4_0)
-Q8DOT(q8dot_q4_k, 256, blk_q4_k)
-Q8DOT(q8dot_q6_k, 256, blk_q6_k)
-Q8DOT(q8dot_i8, 32, blk_i8)
+Q8DOT(q8dot_q8_0, 32, 34, blk_q8_0)
+Q8DOT(q8dot_q4_0, 32, 18, blk_q4_0)
+Q8DOT(q8dot_q4_k, 256, 144, blk_q4_k)
+Q8DOT(q8dot_q6_k, 256, 210, blk_q6_k)
+Q8DOT(q8dot_i8, 32, 32, blk_i8)
 
 typedef void (*q8dot_fn)(const uint8_t *, const xq *, int, float *);
 static const q8dot_fn Q8DOT_FNS[] = {q8dot_q8_0, q8dot_q4_0, q8dot_q4_k, q8dot_q6_k, q8dot_i8};

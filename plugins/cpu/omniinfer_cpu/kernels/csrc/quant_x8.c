@@ -21,6 +21,7 @@ INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     const __m256i nib = _mm256_set1_epi8(15);
     for (int b = 0; b < X->K / 32; b++) {
         const uint8_t *blk = g + (size_t)b * 144;
+        prefetch_ahead(blk, 144);
         __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256i c[8];
 #pragma GCC unroll 4
@@ -57,6 +58,7 @@ INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
     for (int b = 0; b < X->K / 32; b++) {
         const uint8_t *blk = g + (size_t)b * 272;
+        prefetch_ahead(blk, 272);
         __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256i c[8], u[8];  /* codes of step j; u: as unsigned (VNNI: c + 128; else |c|) */
 #pragma GCC unroll 8
@@ -96,6 +98,7 @@ INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
     for (int b = 0; b < X->K / 32; b++) {
         const uint8_t *blk = g + (size_t)b * 144;
+        prefetch_ahead(blk, 144);
         float32x4_t dw[2] = {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk))),
                              vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk + 4)))};
         int8x16_t c[8][2];  /* codes of 4-weight step j for rows 0-3, 4-7 */
@@ -131,6 +134,7 @@ INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
     for (int b = 0; b < X->K / 32; b++) {
         const uint8_t *blk = g + (size_t)b * 272;
+        prefetch_ahead(blk, 272);
         float32x4_t dw[2] = {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk))),
                              vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk + 4)))};
         for (int m = 0; m < MB; m++) {
@@ -159,6 +163,7 @@ INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
         for (int r = 0; r < 8; r++) out[m][r] = 0.f;
     for (int b = 0; b < X->K / 32; b++) {
         const uint8_t *blk = g + (size_t)b * 144;
+        prefetch_ahead(blk, 144);
         for (int m = 0; m < MB; m++) {
             size_t row = (size_t)(m0 + m);
             const int8_t *xb = X->q + row * X->K + 32 * b;
@@ -180,6 +185,7 @@ INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
         for (int r = 0; r < 8; r++) out[m][r] = 0.f;
     for (int b = 0; b < X->K / 32; b++) {
         const uint8_t *blk = g + (size_t)b * 272;
+        prefetch_ahead(blk, 272);
         for (int m = 0; m < MB; m++) {
             size_t row = (size_t)(m0 + m);
             const int8_t *xb = X->q + row * X->K + 32 * b;

@@ -1,0 +1,127 @@
+"""Batch-1 quantised products on the CPU against the machine's read bandwidth: one row of x times
+a GGUF-format weight larger than the caches (``omni_qlinear``, int8 activations, as decode runs
+it; Q4_0 / Q8_0 repacked in groups of 8 rows), the weight's bytes over the call's time, next to
+a torch sum over 256 MiB timed in the same round (the read bandwidth a streaming kernel can
+reach). Each kernel is first checked against the reference (dequantise, then F.linear).
+
+    python benchmarks/cpu_quant_stream.py [--kind gguf:Q4_0 ...] [--level avx2 --level avx2_vnni]
+        [--rows 32768] [--cols 4096] [--rounds 9] [--json out.json]
+
+Levels (OMNIINFER_CPU_ISA names; default the one loaded) are timed in turns, round by round. To
+compare with an older revision, run this script from a worktree of it
+(``git worktree add /tmp/old REV``, then ``PYTHONPATH=/tmp/old/core:/tmp/old/plugins/cpu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import machine_line  # noqa: E402
+
+KINDS = ("gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_K", "gguf:Q6_K")
+READ_BYTES = 1 << 28
+
+
+def piece_of(kind: str, weight: torch.Tensor):
+    import gguf
+
+    from omniinfer.quantization.base import QuantPiece
+    from omniinfer.testing import kquant
+
+    name = kind.split(":")[1]
+    w = weight.numpy()
+    data = kquant.QUANTIZERS[name](w) if name in kquant.QUANTIZERS else \
+        gguf.quants.quantize(w, gguf.GGMLQuantizationType[name])
+    raw = torch.from_numpy(np.ascontiguousarray(data.view(np.uint8).reshape(weight.shape[0], -1)))
+    return QuantPiece(kind, tuple(weight.shape), {"blocks": raw})
+
+
+def kernel_at(level: str, piece):
+    from omniinfer_cpu.kernels import build, isa
+    from omniinfer_cpu.quant import CpuQuantKernel
+
+    os.environ[isa.ENV_ISA] = level
+    build.reset()
+    if build.load() is None or build.load().level.name != level:
+        sys.exit(f"error: --level {level}: {build.unavailable_reason() or build.selection()[1]}")
+    return CpuQuantKernel(piece)
+
+
+def main() -> None:
+    from omniinfer_cpu.kernels import build, isa
+    from omniinfer_cpu.quant import ACT_ENV
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--kind", action="append", choices=KINDS, help="repeatable (default: all)")
+    parser.add_argument("--level", action="append", help="an ISA level to time (repeatable)")
+    parser.add_argument("--rows", type=int, default=32768)
+    parser.add_argument("--cols", type=int, default=4096, help="a multiple of 256")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    if args.cols % 256 or args.cols <= 0 or args.rows <= 0:
+        parser.error(f"--rows {args.rows} --cols {args.cols}: positive, cols a multiple of 256")
+    valid = [lv.name for lv in isa.runnable_levels()]
+    for level in args.level or []:
+        if level not in valid:
+            parser.error(f"--level {level!r}: this CPU runs {', '.join(valid) or 'none'}")
+    if build.load() is None:
+        sys.exit(f"error: the CPU kernels are unavailable: {build.unavailable_reason()}")
+    levels = args.level or [build.load().level.name]
+    os.environ[ACT_ENV] = "int8"
+    print(machine_line())
+    print(f"threads {torch.get_num_threads()}; weight {args.rows} x {args.cols}; medians of {args.rounds} rounds")
+    gen = torch.Generator().manual_seed(0)
+    src = torch.ones(READ_BYTES // 4)
+    results = []
+    for kind in args.kind or KINDS:
+        piece = piece_of(kind, torch.randn(args.rows, args.cols, generator=gen) * 0.05)
+        x = torch.randn(1, args.cols, generator=gen)
+        from omniinfer.quantization.base import dequantize_piece
+
+        want = F.linear(x, dequantize_piece(piece))
+        kernels = {}
+        for level in levels:
+            kernels[level] = kernel_at(level, piece)
+            got = kernels[level].apply(x)  # x rounded to int8 blocks: within 1% of the output's scale
+            err = float((got - want).abs().max() / want.abs().max())
+            if err > 0.02:
+                sys.exit(f"error: {kind} at {level} is {err:.3f} (relative) from the reference")
+        nbytes = sum(t.numel() * t.element_size() for t in kernels[levels[0]].piece.tensors.values())
+        times = {level: [] for level in levels}
+        reads = []
+        for r in range(args.rounds):
+            src.sum()
+            t0 = time.perf_counter()
+            src.sum()
+            reads.append(READ_BYTES / (time.perf_counter() - t0) / 1e9)
+            for level in levels[r % len(levels):] + levels[:r % len(levels)]:
+                t0 = time.perf_counter()
+                kernels[level].apply(x)
+                times[level].append(time.perf_counter() - t0)
+        read = statistics.median(reads)
+        for level in levels:
+            seconds = statistics.median(times[level])
+            row = {"kind": kind, "level": level, "mb": nbytes / 1e6, "us": seconds * 1e6,
+                   "gbps": nbytes / seconds / 1e9, "read_gbps": read,
+                   "read_fraction": statistics.median(nbytes / t / 1e9 / g for t, g in zip(times[level], reads))}
+            results.append(row)
+            print(f"  {kind:10s} {level:12s} {row['mb']:7.1f} MB {row['us']:9.1f} us  {row['gbps']:5.1f} GB/s  "
+                  f"read {read:5.1f} GB/s  -> {row['read_fraction']:.0%} of the round's read")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
