@@ -151,18 +151,18 @@ def test_cpu_gemm(tmp_path):
     assert len(rows) == 10 and all(r["us"]["omni_gemm"] > 0 and r["us"]["onednn"] > 0 for r in rows)
 
 
-def test_cpu_quant_stream(tmp_path):
+def test_cpu_stream(tmp_path):
     from omniinfer_cpu.kernels import build
 
     if build.load() is None:
         pytest.skip(f"omni_qlinear needs the CPU kernels: {build.unavailable_reason()}")
     out = tmp_path / "q.json"
     level = build.load().level.name
-    text = run("cpu_quant_stream.py", "--rows", "64", "--cols", "256", "--rounds", "2", "--level", level,
+    text = run("cpu_stream.py", "--rows", "64", "--cols", "256", "--rounds", "2", "--level", level,
                "--json", str(out))
     assert "of the round's read" in text
     rows = json.loads(out.read_text())
-    assert [r["kind"] for r in rows] == ["gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_K", "gguf:Q6_K"]
+    assert [r["kind"] for r in rows] == ["gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_K", "gguf:Q6_K", "bfloat16", "float32"]
     assert all(r["level"] == level and r["gbps"] > 0 and r["read_fraction"] > 0 for r in rows)
 
 

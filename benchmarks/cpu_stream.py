@@ -1,10 +1,11 @@
-"""Batch-1 quantised products on the CPU against the machine's read bandwidth: one row of x times
-a GGUF-format weight larger than the caches (``omni_qlinear``, int8 activations, as decode runs
-it; Q4_0 / Q8_0 repacked in groups of 8 rows), the weight's bytes over the call's time, next to
+"""Batch-1 products on the CPU against the machine's read bandwidth: one row of x times a weight
+larger than the caches (GGUF formats through ``omni_qlinear``, int8 activations, as decode runs
+it, Q4_0 / Q8_0 repacked in groups of 8 rows; float32 / bfloat16 through the CPU linear method,
+``omni_linear``), the weight's bytes over the call's time, next to
 a torch sum over 256 MiB timed in the same round (the read bandwidth a streaming kernel can
 reach). Each kernel is first checked against the reference (dequantise, then F.linear).
 
-    python benchmarks/cpu_quant_stream.py [--kind gguf:Q4_0 ...] [--level avx2 --level avx2_vnni]
+    python benchmarks/cpu_stream.py [--kind gguf:Q4_0 ...] [--level avx2 --level avx2_vnni]
         [--rows 32768] [--cols 4096] [--rounds 9] [--json out.json]
 
 Levels (OMNIINFER_CPU_ISA names; default the one loaded) are timed in turns, round by round. To
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from common import machine_line  # noqa: E402
 
-KINDS = ("gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_K", "gguf:Q6_K")
+KINDS = ("gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_K", "gguf:Q6_K", "bfloat16", "float32")
 READ_BYTES = 1 << 28
 
 
@@ -46,7 +47,26 @@ def piece_of(kind: str, weight: torch.Tensor):
     return QuantPiece(kind, tuple(weight.shape), {"blocks": raw})
 
 
-def kernel_at(level: str, piece):
+class FloatProduct:
+    """A float weight through the CPU linear method, as a model's layer holds it."""
+
+    def __init__(self, weight: torch.Tensor):
+        from omniinfer_cpu.kernels import build
+        from omniinfer_cpu.linear import CpuLinearMethod
+
+        self.layer = torch.nn.Module()
+        self.layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.layer.bias = None
+        self.method = CpuLinearMethod(build.load())
+        self.method.process_weights_after_loading(self.layer)
+        self.dtype = weight.dtype
+        self.nbytes = weight.numel() * weight.element_size()
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self.layer, x.to(self.dtype)).float()
+
+
+def kernel_at(level: str, kind: str, piece):
     from omniinfer_cpu.kernels import build, isa
     from omniinfer_cpu.quant import CpuQuantKernel
 
@@ -54,7 +74,11 @@ def kernel_at(level: str, piece):
     build.reset()
     if build.load() is None or build.load().level.name != level:
         sys.exit(f"error: --level {level}: {build.unavailable_reason() or build.selection()[1]}")
-    return CpuQuantKernel(piece)
+    if kind in ("float32", "bfloat16"):
+        return FloatProduct(piece.to(getattr(torch, kind)))
+    kernel = CpuQuantKernel(piece)
+    kernel.nbytes = sum(t.numel() * t.element_size() for t in kernel.piece.tensors.values())
+    return kernel
 
 
 def main() -> None:
@@ -85,19 +109,24 @@ def main() -> None:
     src = torch.ones(READ_BYTES // 4)
     results = []
     for kind in args.kind or KINDS:
-        piece = piece_of(kind, torch.randn(args.rows, args.cols, generator=gen) * 0.05)
-        x = torch.randn(1, args.cols, generator=gen)
         from omniinfer.quantization.base import dequantize_piece
 
-        want = F.linear(x, dequantize_piece(piece))
+        weight = torch.randn(args.rows, args.cols, generator=gen) * 0.05
+        x = torch.randn(1, args.cols, generator=gen)
+        if kind in ("float32", "bfloat16"):
+            piece, want = weight, F.linear(x.to(getattr(torch, kind)).float(), weight.to(getattr(torch, kind)).float())
+        else:
+            piece = piece_of(kind, weight)
+            want = F.linear(x, dequantize_piece(piece))
+        del weight
         kernels = {}
         for level in levels:
-            kernels[level] = kernel_at(level, piece)
-            got = kernels[level].apply(x)  # x rounded to int8 blocks: within 1% of the output's scale
+            kernels[level] = kernel_at(level, kind, piece)
+            got = kernels[level].apply(x)  # int8 x: within 1% of the output's scale; bf16: its rounding
             err = float((got - want).abs().max() / want.abs().max())
             if err > 0.02:
                 sys.exit(f"error: {kind} at {level} is {err:.3f} (relative) from the reference")
-        nbytes = sum(t.numel() * t.element_size() for t in kernels[levels[0]].piece.tensors.values())
+        nbytes = kernels[levels[0]].nbytes
         times = {level: [] for level in levels}
         reads = []
         for r in range(args.rounds):
