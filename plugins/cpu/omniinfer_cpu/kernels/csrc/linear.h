@@ -3,6 +3,7 @@
 #ifndef OMNI_LINEAR_H
 #define OMNI_LINEAR_H
 #include "omni.h"
+#include "prefetch.h"
 
 /* ---- linear: small M ----------------------------------------------------------------------- */
 /* One weight row at a time, so each thread reads its share of W as one sequential stream (on the
@@ -86,9 +87,6 @@ INLINE void gemv_row_bf16(const uint16_t *x, size_t ldx, const uint16_t *w, int 
 #define GEMV_ROW gemv_row
 #endif
 
-INLINE void stream_ahead(const void *p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + 4096 + o);
-}
 /* One row of W dotted with x, as a vector whose lanes still need summing (the K tail is added
  * to lane 0). */
 INLINE vf row_vec(const void *x, const void *w, int dt, int K) {
@@ -101,7 +99,7 @@ INLINE vf row_vec(const void *x, const void *w, int dt, int K) {
 #define DP(acc, i) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wb + (i)), \
                                           (__m512bh)_mm512_loadu_si512(xb + (i)))
         for (; k + 128 <= K; k += 128) {
-            stream_ahead(wb + k, 256);
+            prefetch_ahead(wb + k, 256);
             DP(b0, k); DP(b1, k + 32); DP(b2, k + 64); DP(b3, k + 96);
         }
         for (; k + 32 <= K; k += 32) DP(b0, k);
@@ -112,7 +110,7 @@ INLINE vf row_vec(const void *x, const void *w, int dt, int K) {
 #endif
     {
         for (; k + 4 * VL <= K; k += 4 * VL) {
-            stream_ahead((const char *)w + k * (dt == F32 ? 4 : 2), 4 * VL * (dt == F32 ? 4 : 2));
+            prefetch_ahead((const char *)w + k * (dt == F32 ? 4 : 2), 4 * VL * (dt == F32 ? 4 : 2));
             a0 += ld(w, dt, k) * ld(x, dt, k);
             a1 += ld(w, dt, k + VL) * ld(x, dt, k + VL);
             a2 += ld(w, dt, k + 2 * VL) * ld(x, dt, k + 2 * VL);

@@ -4,6 +4,7 @@
 #ifndef OMNI_QUANT_BLOCKS_H
 #define OMNI_QUANT_BLOCKS_H
 #include "omni.h"
+#include "prefetch.h"
 
 enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6 };
 /* Q4_0X8: Q4_0 rows repacked in groups of 8 for the int8-activation path (quant_x8.c). Group g
@@ -19,13 +20,6 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6 };
 #elif defined(__AVXVNNI__)
 #define DPBUSD256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #endif
-/* A streamed weight prefetched PREFETCH_AHEAD bytes ahead, a cache line per 64 of the `bytes`
- * just reached. On a 2-core Sapphire Rapids VM the hardware prefetchers alone left a batch-1
- * Q4_0 product at 62-65% of the machine's read bandwidth; 2-9 KB ahead, at 89-98%. */
-#define PREFETCH_AHEAD 4096
-INLINE void prefetch_ahead(const uint8_t *p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) __builtin_prefetch(p + PREFETCH_AHEAD + o);
-}
 /* set in a kind code: x is rounded to int8 blocks and multiplied in integers (quant_q8.c) */
 #define QACT_INT8 16
 
