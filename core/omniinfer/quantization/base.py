@@ -51,10 +51,20 @@ class QuantPiece:
 class Segment:
     row0: int  # the first output row of the layer it covers
     piece: QuantPiece
+    kernel: QuantKernel | None = None  # the platform's, once a linear method chose it (else None)
 
     @property
     def rows(self) -> int:
         return self.piece.shape[0]
+
+    def rows_of(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Float rows `ids` (local) of this segment: its kernel's lookup where it has one, else
+        the format's own narrow and dequantise."""
+        if self.kernel is not None:
+            rows = self.kernel.rows(ids, dtype)
+            if rows is not None:
+                return rows
+        return dequantize_piece(narrow_piece(self.piece, 0, ids)).to(dtype)
 
 
 class QuantizedWeight:
@@ -78,13 +88,13 @@ class QuantizedWeight:
 
     def rows_of(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Float rows `ids` (an embedding lookup): only those rows are dequantised."""
+        if len(self.segments) == 1 and self.segments[0].row0 == 0:  # (one table: no masks)
+            return self.segments[0].rows_of(ids, dtype)
         out = torch.empty(ids.numel(), self.shape[1], dtype=dtype, device=ids.device)
         for s in self.segments:
             hit = (ids >= s.row0) & (ids < s.row0 + s.rows)
             if bool(hit.any()):
-                local = ids[hit] - s.row0
-                sub = narrow_piece(s.piece, 0, local)
-                out[hit] = dequantize_piece(sub).to(dtype)
+                out[hit] = s.rows_of(ids[hit] - s.row0, dtype)
         return out
 
 
@@ -238,6 +248,12 @@ class QuantKernel:
         """x [M, cols] -> x @ W^T [M, rows] in x's dtype (float32 sums)."""
         raise NotImplementedError
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Rows `ids` of its piece as float `dtype`, the values `dequantize_piece` gives (an
+        embedding that shares the LM head's weight looks up through it); None: the format's
+        reference does it."""
+        return None
+
 
 class ReferenceKernel(QuantKernel):
     """Dequantise in slices of rows, multiply with torch: any format, any device."""
@@ -305,6 +321,7 @@ class QuantLinearMethod(LinearMethod):
             layer.quant_choices.append((s.piece.kind, kernel.name, why))
             if kernel.piece is not s.piece:  # it repacked: the layout it runs is the one held
                 s.piece = kernel.piece
+            s.kernel = kernel
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         kernels = layer.quant_kernels

@@ -108,6 +108,23 @@ class CpuQuantKernel(QuantKernel):
             raise RuntimeError(f"omni_qlinear failed ({rc}) for a {self.piece.kind} weight of shape {self.piece.shape}")
         return out
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """Rows `ids` decoded in C (quant_rows.c: the reference's values, bit for bit)."""
+        if dtype not in DTYPE_CODES or ids.device.type != "cpu":
+            return None
+        rows, cols = self.piece.shape
+        ids = ids.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(ids.numel(), cols, dtype=dtype)
+        rc = self.k.qrows(self.w.data_ptr(), None if self.scale is None else self.scale.data_ptr(), self.code,
+                          rows, cols, ids.data_ptr(), ids.numel(), out.data_ptr(), DTYPE_CODES[dtype],
+                          torch.get_num_threads())
+        if rc == -2:
+            bad = ids[(ids < 0) | (ids >= rows)][0].item()
+            raise IndexError(f"row {bad} of a {self.piece.kind} table of {rows} rows: ids must be in [0, {rows})")
+        if rc != 0:
+            raise RuntimeError(f"omni_qrows failed ({rc}) for a {self.piece.kind} weight of shape {self.piece.shape}")
+        return out
+
 
 def as_blocks(piece) -> torch.Tensor:
     """A symmetric wint4 / wint8 piece as Q4_0 / Q8_0 blocks, uint8 [rows, blocks * bytes]."""

@@ -134,3 +134,29 @@ def test_rows_repacked_in_groups_of_8(isa_level, kind, monkeypatch):
             got = kernel.apply(x).double()
             want = F.linear(int8_blocks(x).double(), w.double())
             torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", ["float", "int8"])
+def test_an_embedding_lookup_decodes_the_references_rows(isa_level, kind, mode, monkeypatch):
+    """omni_qrows (an embedding sharing the LM head's weight looks up through its kernel): the rows
+    `dequantize_piece` gives, bit for bit, in each layout the kernel holds (the groups of 8 of the
+    int8 mode included) and both dtypes; an id outside the table is an IndexError naming it."""
+    from omniinfer.quantization.base import QuantizedWeight, Segment
+
+    monkeypatch.setenv(ACT_ENV, mode)
+    gen = torch.Generator().manual_seed(20 + KINDS.index(kind))
+    rows, cols = 37, 512
+    piece = piece_of(kind, torch.randn(rows, cols, generator=gen) * 0.05)
+    kernel = CpuQuantKernel(piece)
+    w = dequantize_piece(piece)
+    ids = torch.tensor([rows - 1, 0, 9, 8, 7, rows - 1, 16])
+    for dtype in (torch.float32, torch.bfloat16):
+        got = kernel.rows(ids, dtype)
+        assert got.dtype == dtype and torch.equal(got, w[ids].to(dtype))
+    table = QuantizedWeight((rows, cols), [Segment(0, kernel.piece, kernel)])
+    assert torch.equal(table.rows_of(ids, torch.float32), w[ids])
+    assert torch.equal(QuantizedWeight((rows, cols), [Segment(0, kernel.piece)]).rows_of(ids, torch.float32), w[ids])
+    with pytest.raises(IndexError, match=rf"row {rows} of a .* table of {rows} rows: ids must be in \[0, {rows}\)"):
+        kernel.rows(torch.tensor([3, rows]), torch.float32)
+    assert kernel.rows(ids, torch.float16) is None  # (the reference's, then)

@@ -82,6 +82,9 @@ SIGNATURES = {
     "omni_quant_supported": ([_I32], _I32),
     # x, ldx, w (blocks, or int8 q), scale (int8's, else NULL), y, ldy, M, N, K, kind, dtype, nthreads
     "omni_qlinear": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
+    # w (blocks, or int8 q), scale (int8's, else NULL), kind, N, K, ids (int64 [n]), n, out [n, K],
+    # dtype, nthreads
+    "omni_qrows": ([_P, _P, _I32, _I32, _I32, _P, _I32, _P, _I32, _I32], _I32),
     # w, N, K, dtype, q (int8 [N, K]), scale [N], coef [2N], nthreads
     "omni_q8_pack": ([_P, _I32, _I32, _I32, _P, _P, _P, _I32], None),
     # x, ldx, w, q, scale, coef, out (int64), M, N, K, dtype, max_candidates, nthreads

@@ -1,0 +1,118 @@
+/* omni_qrows: an embedding's lookup in a quantised table: the float rows asked for, decoded from
+ * the blocks the products read (quant_blocks.h's kinds, the groups of 8 included), each value
+ * computed as the core's reference dequantiser computes it (omniinfer/quantization/gguf_blocks.py,
+ * int8.py: d * (q - 8), (d * sc) * q - dmin * m, ...), in float32, then rounded to the output
+ * dtype: bit for bit the reference's rows. Through torch ops a one-token lookup in the medium
+ * model's tied Q4_0 table took 0.3-0.8 ms (~40 small ops undoing the groups of 8), 4% of a
+ * decode step; here a few microseconds. */
+#include "quant_blocks.h"
+
+/* no fused multiply-adds: the reference rounds each product before the subtraction. (These
+ * formats' products of scales and codes are exact in float32, so one would not change a value
+ * today; this keeps it so whatever a later format's arithmetic.) */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#define NO_CONTRACT
+#else
+#define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#endif
+
+/* row r of W [N, K] of `kind` -> out (float32, K values) */
+NO_CONTRACT static void decode_row(const uint8_t *w, const float *scale, int kind, int64_t r, int K, float *out) {
+    size_t rb = qrow_bytes(kind, K);
+    if (kind == I8) {
+        const int8_t *q = (const int8_t *)w + (size_t)r * K;
+        for (int k = 0; k < K; k++) out[k] = (float)q[k] * scale[r];
+        return;
+    }
+    if (kind == Q4_0X8 || kind == Q8_0X8) {  /* block b of row r within its group's blocks */
+        int bytes = kind == Q4_0X8 ? 144 : 272, rr = (int)(r % 8);
+        const uint8_t *g = w + (size_t)(r / 8) * (size_t)(K / 32) * bytes;
+        for (int b = 0; b < K / 32; b++) {
+            const uint8_t *blk = g + (size_t)b * bytes;
+            float d = f16_to_f32(u16_at(blk + 2 * rr));
+            float *o = out + 32 * b;
+            if (kind == Q4_0X8) {  /* chunk c, byte 4 rr + i: weight 8c + i (low), 8c + 4 + i (high) */
+                for (int c = 0; c < 4; c++)
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t v = blk[16 + 32 * c + 4 * rr + i];
+                        o[8 * c + i] = d * (float)((v & 15) - 8);
+                        o[8 * c + 4 + i] = d * (float)((v >> 4) - 8);
+                    }
+            } else {  /* chunk j, byte 4 rr + i: weight 4j + i */
+                for (int j = 0; j < 8; j++)
+                    for (int i = 0; i < 4; i++) o[4 * j + i] = (float)(int8_t)blk[16 + 32 * j + 4 * rr + i] * d;
+            }
+        }
+        return;
+    }
+    const uint8_t *row = w + (size_t)r * rb;
+    for (int b = 0; b < K / qblock(kind); b++) {
+        float *o = out + (size_t)b * qblock(kind);
+        if (kind == Q8_0) {
+            const uint8_t *blk = row + (size_t)b * 34;
+            float d = f16_to_f32(u16_at(blk));
+            for (int i = 0; i < 32; i++) o[i] = (float)(int8_t)blk[2 + i] * d;
+        } else if (kind == Q4_0) {
+            const uint8_t *blk = row + (size_t)b * 18;
+            float d = f16_to_f32(u16_at(blk));
+            for (int i = 0; i < 16; i++) {
+                o[i] = d * (float)((blk[2 + i] & 15) - 8);
+                o[i + 16] = d * (float)((blk[2 + i] >> 4) - 8);
+            }
+        } else if (kind == Q4_K) {  /* sub-block s: run s / 2's low nibbles (s even) or high ones */
+            const uint8_t *blk = row + (size_t)b * 144, *qs = blk + 16;
+            float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
+            uint8_t sc[8], mn[8];
+            k_scales(blk + 4, sc, mn);
+            for (int s = 0; s < 8; s++) {
+                float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
+                for (int l = 0; l < 32; l++) {
+                    float p = ds * (float)((qs[32 * (s / 2) + l] >> (4 * (s & 1))) & 15);
+                    o[32 * s + l] = p - dm;
+                }
+            }
+        } else {  /* Q6_K: weight 128 h + 32 part + l, its scale the one of each 16 */
+            const uint8_t *blk = row + (size_t)b * 210, *ql = blk, *qh = blk + 128;
+            const int8_t *scales = (const int8_t *)(blk + 192);
+            float d = f16_to_f32(u16_at(blk + 208));
+            for (int h = 0; h < 2; h++)
+                for (int part = 0; part < 4; part++)
+                    for (int l = 0; l < 32; l++) {
+                        int e = 128 * h + 32 * part + l;
+                        int lo = (ql[64 * h + 32 * (part & 1) + l] >> (part >= 2 ? 4 : 0)) & 15;
+                        int hi = (qh[32 * h + l] >> (2 * part)) & 3;
+                        o[e] = (d * (float)scales[e / 16]) * (float)((lo | (hi << 4)) - 32);
+                    }
+        }
+    }
+}
+
+/* out [n, K] (dtype dt) = rows ids[0..n) of W [N, K] of `kind` (int8: w is q, scale [N]).
+ * Returns 0; -1 for a kind not built or a K that is not whole blocks; -2 for an id outside
+ * [0, N) (before anything is written). */
+int omni_qrows(const uint8_t *w, const float *scale, int kind, int N, int K, const int64_t *ids, int n,
+               void *out, int dt, int nthreads) {
+    kind &= ~QACT_INT8;
+    if (!omni_quant_supported(kind) || K <= 0 || K % qblock(kind) || (kind == I8 && !scale)) return -1;
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= N) return -2;
+    if (nthreads < 1) nthreads = 1;
+    nthreads = threads_for((int64_t)n * K, nthreads);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        int64_t i0, i1;
+        thread_share(n, &i0, &i1);
+        float *row = dt == F32 ? NULL : malloc(sizeof(float) * (size_t)K);
+        if (dt != F32 && !row) failed = 1;
+        for (int64_t i = i0; i < i1 && !failed; i++) {
+            float *o = dt == F32 ? (float *)out + (size_t)i * K : row;
+            decode_row(w, scale, kind, ids[i], K, o);
+            if (dt != F32)
+                for (int k = 0; k < K; k++) st1(out, dt, (size_t)i * K + k, row[k]);
+        }
+        free(row);
+    }
+    return failed ? -1 : 0;
+}
