@@ -112,15 +112,15 @@ class CpuQuantKernel(QuantKernel):
         """Rows `ids` decoded in C (quant_rows.c: the reference's values, bit for bit)."""
         if dtype not in DTYPE_CODES or ids.device.type != "cpu":
             return None
-        rows, cols = self.piece.shape
+        num_rows, cols = self.piece.shape
         ids = ids.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(ids.numel(), cols, dtype=dtype)
         rc = self.k.qrows(self.w.data_ptr(), None if self.scale is None else self.scale.data_ptr(), self.code,
-                          rows, cols, ids.data_ptr(), ids.numel(), out.data_ptr(), DTYPE_CODES[dtype],
+                          num_rows, cols, ids.data_ptr(), ids.numel(), out.data_ptr(), DTYPE_CODES[dtype],
                           torch.get_num_threads())
         if rc == -2:
-            bad = ids[(ids < 0) | (ids >= rows)][0].item()
-            raise IndexError(f"row {bad} of a {self.piece.kind} table of {rows} rows: ids must be in [0, {rows})")
+            bad = ids[(ids < 0) | (ids >= num_rows)][0].item()
+            raise IndexError(f"row {bad} of a {self.piece.kind} table of {num_rows} rows: ids must be in [0, {num_rows})")
         if rc != 0:
             raise RuntimeError(f"omni_qrows failed ({rc}) for a {self.piece.kind} weight of shape {self.piece.shape}")
         return out
