@@ -299,6 +299,8 @@ def latency_table(r: dict) -> str:
         lines.append(f"  resident memory (a fresh process): weights held {held / 1e6:.0f} MB = {held / file:.2f}x the "
                      f"file's {file / 1e6:.0f} MB; the process grew {mem['rss_growth_bytes'] / 1e6:.0f} MB = "
                      f"{mem['rss_growth_bytes'] / (file + kv):.2f}x the file plus its KV cache ({kv / 1e6:.0f} MB)"
+                     + (f", its own data (anonymous memory) {mem['anon_growth_bytes'] / 1e6:.0f} MB = "
+                        f"{mem['anon_growth_bytes'] / (file + kv):.2f}x" if "anon_growth_bytes" in mem else "")
                      + (f"; its tokenizer alone {mem['tokenizer_rss_bytes'] / 1e6:.0f} MB"
                         if "tokenizer_rss_bytes" in mem else ""))
     return "\n".join(lines)

@@ -7,7 +7,10 @@ process, because a benchmark that built a checkpoint first keeps that memory in 
 The baseline is the engine with its code imported — the engine, the platform's plugin and model
 runner, the tokenizer library: code is the same whatever the model (~50 MB here, most of it
 transformers) — so the growth is what this model's data costs: weights, KV cache, tokenizer,
-and whatever else loading leaves behind."""
+and whatever else loading leaves behind. The growth is given twice: all of it, and the
+anonymous part alone (the process's own data: what the model costs), without the pages of the
+libraries' files that running the model touched for the first time (code, shared with every
+other process that maps them, and dropped by the kernel first under pressure)."""
 
 from __future__ import annotations
 
@@ -26,6 +29,19 @@ def resident_bytes() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return 0
+
+
+def anonymous_bytes() -> int:
+    """The resident set less the pages of files (the libraries' code and data that running
+    touched: ~10 MB of libtorch alone, whatever the model): the process's own data."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
 
 
 def import_engine():
@@ -56,13 +72,14 @@ def main(model: str, dtype: str) -> dict:
     import_engine()
     from omniinfer import LLM, SamplingParams
 
-    before = resident_bytes()
+    before, before_anon = resident_bytes(), anonymous_bytes()
     llm = LLM(model, dtype=dtype, max_num_seqs=1, max_model_len=MAX_MODEL_LEN,
               num_kv_blocks=MAX_MODEL_LEN // 16 + 1)  # one sequence's cache (zero-filled: resident)
     llm.generate({"prompt_token_ids": [1] * 128}, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
-    after = resident_bytes()
+    after, after_anon = resident_bytes(), anonymous_bytes()
     worker = llm.llm_engine.executor.worker
     result = {"baseline_rss_bytes": before, "rss_growth_bytes": after - before,
+              "anon_growth_bytes": after_anon - before_anon,
               "kv_cache_bytes": sum(t.numel() * t.element_size() for t in worker.cache_engine.device_cache),
               "model_bytes": worker.model_runner.model_bytes()}
     llm.shutdown()

@@ -193,7 +193,10 @@ class LLMEngine:
         self.last_step_tokens = (sum(sched.num_scheduled_tokens), len(results))
         for result in results:  # one per decode step (several with multi-step decoding)
             self.output_processor.process(self.scheduler.update_from_output(sched, result))
-        return self.output_processor.outputs()
+        outputs = self.output_processor.outputs()  # (forgets the finished requests)
+        if results and not self.groups:  # idle now: what the steps freed goes back
+            self.executor.release_idle_memory()
+        return outputs
 
     # ---- introspection ----------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -13,6 +13,7 @@ import importlib
 from collections.abc import Callable
 
 from omniinfer.config import EngineConfig
+from omniinfer.heap import release_freed_memory
 from omniinfer.step import ModelRunnerOutput, SchedulerOutput
 
 
@@ -47,6 +48,14 @@ class Executor:
     def execute_model(self, sched: SchedulerOutput) -> list[ModelRunnerOutput]:
         """The output of each of the schedule's `num_steps` steps (plain data both ways)."""
         raise NotImplementedError
+
+    def release_idle_memory(self) -> None:
+        """The engine has nothing left to run: the engine's process (the only rank, or the
+        driver) gives the heap pages its steps' temporaries freed back to the system. glibc keeps
+        them otherwise: a 128-token prompt on the medium model leaves ~20 MB in its free lists
+        for good. (~2 ms when there is something to give back, ~0.2 ms when not; the next
+        prompt faults its pages in again, ~5k of them. The other ranks' processes keep theirs.)"""
+        release_freed_memory()
 
     @property
     def worker_pids(self) -> list[int]:
