@@ -1,5 +1,5 @@
-"""Q4_0 and Q8_0 rows repacked in groups of 8 for the int8-activation products
-(csrc/quant_x8.c), as the formats "cpu:Q4_0x8" and "cpu:Q8_0x8": the same bytes as the blocks
+"""Q4_0, Q8_0 and Q4_K rows repacked in groups of 8 for the int8-activation products
+(csrc/quant_x8.c), as the formats "cpu:Q4_0x8", "cpu:Q8_0x8" and "cpu:Q4_Kx8": the same bytes as the blocks
 they come from, interleaved so that one 32-bit lane holds 4 codes of one row (quant_blocks.h says
 the byte order). The piece replaces the original one in its layer (the memory held stays the
 file's); the formats' dequantise and narrow undo the interleaving, so an embedding that shares
@@ -14,14 +14,46 @@ from omniinfer.quantization.base import QuantPiece, dequantize_piece, narrow_pie
 GROUP = 8
 CHUNK_GROUPS = 512  # groups repacked at a time (bounds the transient copies)
 # original kind -> (repacked kind, the original's block bytes)
-REPACKED = {"gguf:Q4_0": ("cpu:Q4_0x8", 18), "gguf:Q8_0": ("cpu:Q8_0x8", 34)}
+REPACKED = {"gguf:Q4_0": ("cpu:Q4_0x8", 18), "gguf:Q8_0": ("cpu:Q8_0x8", 34), "gguf:Q4_K": ("cpu:Q4_Kx8", 144)}
 ORIGINAL = {packed: (kind, size) for kind, (packed, size) in REPACKED.items()}
+Q4_K = 144  # (its block: 256 columns, the others' 32)
+
+
+def _block_cols(size: int) -> int:
+    return 256 if size == Q4_K else 32
+
+
+def _pack_q4_k(b: torch.Tensor) -> torch.Tensor:
+    """Q4_K blocks [G, 8, nb, 144] -> [G, nb, 1152]: the 8 rows' d, dmin, scale bytes (byte t of
+    row r at 8t + r), then each sub-block's codes as Q4_0x8's chunks (quant_blocks.h)."""
+    groups, _, nb, _ = b.shape
+    qs = b[..., 16:].reshape(groups, GROUP, nb, 4, 1, 32)  # run j: sub-block 2j low nibbles, 2j + 1 high
+    codes = torch.cat([qs & 15, qs >> 4], dim=-2).reshape(groups, GROUP, nb, 8, 4, 2, 4)  # [s, c, h, i]
+    packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).permute(0, 2, 3, 4, 1, 5)  # [G, nb, s, c, r, i]
+    d, dmin = b[..., 0:2].permute(0, 2, 1, 3), b[..., 2:4].permute(0, 2, 1, 3)  # [G, nb, r, 2]
+    scales = b[..., 4:16].permute(0, 2, 3, 1)  # [G, nb, t, r]
+    return torch.cat([d.reshape(groups, nb, 16), dmin.reshape(groups, nb, 16), scales.reshape(groups, nb, 96),
+                      packed.reshape(groups, nb, 1024)], dim=-1)
+
+
+def _unpack_q4_k(p: torch.Tensor) -> torch.Tensor:
+    """[G, nb, 1152] -> Q4_K blocks [G, 8, nb, 144]."""
+    groups, nb, _ = p.shape
+    d = p[..., :16].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)
+    dmin = p[..., 16:32].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)
+    scales = p[..., 32:128].reshape(groups, nb, 12, GROUP).permute(0, 3, 1, 2)
+    c = p[..., 128:].reshape(groups, nb, 8, 4, GROUP, 4).permute(0, 4, 1, 2, 3, 5)  # [G, r, nb, s, c, i]
+    codes = torch.stack([c & 15, c >> 4], dim=-2).reshape(groups, GROUP, nb, 4, 2, 32)  # [run j, h, l]
+    qs = (codes[..., 0, :] | (codes[..., 1, :] << 4)).reshape(groups, GROUP, nb, 128)
+    return torch.cat([d, dmin, scales, qs], dim=-1)
 
 
 def _pack(blocks: torch.Tensor, cols: int, size: int) -> torch.Tensor:
     """blocks uint8 [8G, nb * size] -> uint8 [G, nb * 8 * size]."""
-    nb, groups = cols // 32, blocks.shape[0] // GROUP
+    nb, groups = cols // _block_cols(size), blocks.shape[0] // GROUP
     b = blocks.reshape(groups, GROUP, nb, size)
+    if size == Q4_K:
+        return _pack_q4_k(b).reshape(groups, -1)
     if size == 18:  # Q4_0: byte j holds weight j (low nibble), weight j + 16 (high)
         qs = b[..., 2:]
         codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(groups, GROUP, nb, 4, 2, 4)  # 8c + 4h + i
@@ -34,8 +66,10 @@ def _pack(blocks: torch.Tensor, cols: int, size: int) -> torch.Tensor:
 
 def _unpack(packed: torch.Tensor, cols: int, size: int) -> torch.Tensor:
     """uint8 [G, nb * 8 * size] -> the blocks, uint8 [8G, nb * size]."""
-    nb, groups = cols // 32, packed.shape[0]
+    nb, groups = cols // _block_cols(size), packed.shape[0]
     p = packed.reshape(groups, nb, GROUP * size)
+    if size == Q4_K:
+        return _unpack_q4_k(p).reshape(groups * GROUP, nb * size)
     d = p[..., :16].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)  # [G, r, nb, 2]
     if size == 18:
         c = p[..., 16:].reshape(groups, nb, 4, GROUP, 4).permute(0, 3, 1, 2, 4)  # [G, r, nb, c, i]
@@ -47,11 +81,11 @@ def _unpack(packed: torch.Tensor, cols: int, size: int) -> torch.Tensor:
 
 
 def repack(kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> QuantPiece:
-    """`kind` blocks [rows, cols / 32 * size] (a last group padded with zero rows) as its repacked piece."""
+    """`kind` blocks [rows, cols / block * size] (a last group padded with zero rows) as its repacked piece."""
     rows, cols = shape
     packed_kind, size = REPACKED[kind]
     groups = -(-rows // GROUP)
-    out = torch.empty(groups, cols // 32 * GROUP * size, dtype=torch.uint8)
+    out = torch.empty(groups, cols // _block_cols(size) * GROUP * size, dtype=torch.uint8)
     for g0 in range(0, groups, CHUNK_GROUPS):
         g1 = min(groups, g0 + CHUNK_GROUPS)
         part = blocks[g0 * GROUP:g1 * GROUP]

@@ -46,6 +46,29 @@ NO_CONTRACT static void decode_row(const uint8_t *w, const float *scale, int kin
         }
         return;
     }
+    if (kind == Q4_KX8) {  /* block b of row r: its d, dmin and 12 scale bytes, sub-block s's chunks */
+        int rr = (int)(r % 8);
+        const uint8_t *g = w + (size_t)(r / 8) * (size_t)(K / 256) * 1152;
+        for (int b = 0; b < K / 256; b++) {
+            const uint8_t *blk = g + (size_t)b * 1152;
+            float d = f16_to_f32(u16_at(blk + 2 * rr)), dmin = f16_to_f32(u16_at(blk + 16 + 2 * rr));
+            uint8_t packed[12], sc[8], mn[8];
+            for (int t = 0; t < 12; t++) packed[t] = blk[32 + 8 * t + rr];
+            k_scales(packed, sc, mn);
+            for (int s = 0; s < 8; s++) {
+                float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
+                float *o = out + 256 * b + 32 * s;
+                for (int c = 0; c < 4; c++)
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t v = blk[128 + 128 * s + 32 * c + 4 * rr + i];
+                        float lo = ds * (float)(v & 15), hi = ds * (float)(v >> 4);
+                        o[8 * c + i] = lo - dm;
+                        o[8 * c + 4 + i] = hi - dm;
+                    }
+            }
+        }
+        return;
+    }
     const uint8_t *row = w + (size_t)r * rb;
     for (int b = 0; b < K / qblock(kind); b++) {
         float *o = out + (size_t)b * qblock(kind);

@@ -14,6 +14,22 @@
 #define XMB 4  /* x rows a group's block meets while its codes are in registers */
 #define X_CHUNK_BYTES (32 << 10)
 
+/* Q4_KX8: per 256 columns the 8 rows' d and dmin, their 12 scale bytes (byte 8t + r: row r's byte
+ * t), then sub-block s's codes as Q4_0X8's; each row's scale and minimum of sub-block s unpacked
+ * for the 8 rows at once, 8 bytes to a 64-bit word (k4_scales) */
+#define K4_BYTES 1152
+INLINE void k4_scales(const uint8_t *blk, int s, uint64_t *sc, uint64_t *mn) {
+    const uint64_t m6 = 0x3f3f3f3f3f3f3f3full, m4 = 0x0f0f0f0f0f0f0f0full, m2 = 0x0303030303030303ull;
+    uint64_t t[3];  /* the 8 rows' bytes s, s + 4, s + 8 (s < 4) or s - 4, s, s + 4 */
+    for (int i = 0; i < 3; i++) memcpy(&t[i], blk + 32 + 8 * ((s & 3) + 4 * i), 8);
+    if (s < 4) {
+        *sc = t[0] & m6, *mn = t[1] & m6;
+    } else {  /* sc = byte s + 4's low nibble, byte s - 4's top 2 bits above; mn = its high nibble, byte s's */
+        *sc = (t[2] & m4) | (((t[0] >> 6) & m2) << 4);
+        *mn = ((t[2] >> 4) & m4) | (((t[1] >> 6) & m2) << 4);
+    }
+}
+
 #if defined(__AVX2__)
 INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
     __m256 acc[XMB];
@@ -92,6 +108,53 @@ INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     }
     for (int m = 0; m < MB; m++) _mm256_storeu_ps(out[m], acc[m]);
 }
+INLINE void k4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+    __m256 acc[XMB];
+    for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
+    const __m256i nib = _mm256_set1_epi8(15);
+    const int nbx = X->K / 32;
+    for (int b = 0; b < X->K / 256; b++) {
+        const uint8_t *blk = g + (size_t)b * K4_BYTES;
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256 dmw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        for (int s = 0; s < 8; s++) {
+            const uint8_t *cs = blk + 128 + 128 * s;
+            prefetch_ahead(cs, 128);
+            uint64_t sc, mn;
+            k4_scales(blk, s, &sc, &mn);
+            __m256 ds = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
+            __m256 dm = _mm256_mul_ps(dmw, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
+            __m256i c[8];
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(cs + 32 * j));
+                c[2 * j] = _mm256_and_si256(v, nib);
+                c[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+            }
+            int xb = 8 * b + s;
+            for (int m = 0; m < MB; m++) {
+                size_t r = (size_t)(m0 + m);
+                int32_t x4[8];
+                memcpy(x4, X->q + r * X->K + 32 * xb, 32);
+#if defined(DPBUSD256)
+                __m256i t = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++) t = DPBUSD256(t, c[j], _mm256_set1_epi32(x4[j]));
+#else
+                __m256i s16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(x4[0]));
+#pragma GCC unroll 8
+                for (int j = 1; j < 8; j++)
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[j], _mm256_set1_epi32(x4[j])));
+                __m256i t = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+#endif
+                acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(ds, _mm256_set1_ps(X->d[r * nbx + xb])),
+                                         acc[m]);
+                acc[m] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(X->s32[r * nbx + xb]), acc[m]);
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++) _mm256_storeu_ps(out[m], acc[m]);
+}
 #elif defined(__aarch64__) && defined(__ARM_NEON)
 INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
     float32x4_t acc[XMB][2];
@@ -157,6 +220,56 @@ INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     }
     for (int m = 0; m < MB; m++) vst1q_f32(out[m], acc[m][0]), vst1q_f32(out[m] + 4, acc[m][1]);
 }
+INLINE void k4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+    float32x4_t acc[XMB][2];
+    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
+    const int nbx = X->K / 32;
+    for (int b = 0; b < X->K / 256; b++) {
+        const uint8_t *blk = g + (size_t)b * K4_BYTES;
+        float32x4_t dw[2], dmw[2];
+        for (int h = 0; h < 2; h++) {
+            dw[h] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk + 4 * h)));
+            dmw[h] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)(blk + 16) + 4 * h)));
+        }
+        for (int s = 0; s < 8; s++) {
+            const uint8_t *cs = blk + 128 + 128 * s;
+            prefetch_ahead(cs, 128);
+            uint64_t sc, mn;
+            k4_scales(blk, s, &sc, &mn);
+            uint16x8_t sc16 = vmovl_u8(vcreate_u8(sc)), mn16 = vmovl_u8(vcreate_u8(mn));
+            float32x4_t ds[2] = {vmulq_f32(dw[0], vcvtq_f32_u32(vmovl_u16(vget_low_u16(sc16)))),
+                                 vmulq_f32(dw[1], vcvtq_f32_u32(vmovl_high_u16(sc16)))};
+            float32x4_t dm[2] = {vmulq_f32(dmw[0], vcvtq_f32_u32(vmovl_u16(vget_low_u16(mn16)))),
+                                 vmulq_f32(dmw[1], vcvtq_f32_u32(vmovl_high_u16(mn16)))};
+            int8x16_t c[8][2];  /* codes of 4-weight step j for rows 0-3, 4-7 */
+            for (int j = 0; j < 4; j++)
+                for (int h = 0; h < 2; h++) {
+                    uint8x16_t v = vld1q_u8(cs + 32 * j + 16 * h);
+                    c[2 * j][h] = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15)));
+                    c[2 * j + 1][h] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+                }
+            int xb = 8 * b + s;
+            for (int m = 0; m < MB; m++) {
+                size_t r = (size_t)(m0 + m);
+                int32_t x4[8];
+                memcpy(x4, X->q + r * X->K + 32 * xb, 32);
+                float d = X->d[r * nbx + xb], s32 = X->s32[r * nbx + xb];
+                for (int h = 0; h < 2; h++) {
+                    int16x8_t lo = vdupq_n_s16(0), hi = vdupq_n_s16(0);  /* rows 4h, 4h+1 | 4h+2, 4h+3 */
+                    for (int j = 0; j < 8; j++) {
+                        int8x16_t xv = vreinterpretq_s8_s32(vdupq_n_s32(x4[j]));
+                        lo = vmlal_s8(lo, vget_low_s8(c[j][h]), vget_low_s8(xv));
+                        hi = vmlal_s8(hi, vget_high_s8(c[j][h]), vget_high_s8(xv));
+                    }
+                    int32x4_t t = vpaddlq_s16(vpaddq_s16(lo, hi));
+                    acc[m][h] = vfmaq_f32(acc[m][h], vcvtq_f32_s32(t), vmulq_n_f32(ds[h], d));
+                    acc[m][h] = vfmsq_f32(acc[m][h], dm[h], vdupq_n_f32(s32));
+                }
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++) vst1q_f32(out[m], acc[m][0]), vst1q_f32(out[m] + 4, acc[m][1]);
+}
 #else
 INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
     for (int m = 0; m < MB; m++)
@@ -198,6 +311,37 @@ INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
         }
     }
 }
+INLINE void k4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < 8; r++) out[m][r] = 0.f;
+    const int nbx = X->K / 32;
+    for (int b = 0; b < X->K / 256; b++) {
+        const uint8_t *blk = g + (size_t)b * K4_BYTES;
+        for (int s = 0; s < 8; s++) {
+            const uint8_t *cs = blk + 128 + 128 * s;
+            prefetch_ahead(cs, 128);
+            uint64_t sc, mn;
+            k4_scales(blk, s, &sc, &mn);
+            int xb = 8 * b + s;
+            for (int m = 0; m < MB; m++) {
+                size_t row = (size_t)(m0 + m);
+                const int8_t *xs = X->q + row * X->K + 32 * xb;
+                float d = X->d[row * nbx + xb], s32 = X->s32[row * nbx + xb];
+                for (int r = 0; r < 8; r++) {
+                    int32_t t = 0;
+                    for (int c = 0; c < 4; c++)
+                        for (int i = 0; i < 4; i++) {
+                            uint8_t v = cs[32 * c + 4 * r + i];
+                            t += (v & 15) * xs[8 * c + i] + (v >> 4) * xs[8 * c + 4 + i];
+                        }
+                    float ds = f16_to_f32(u16_at(blk + 2 * r)) * (float)((sc >> (8 * r)) & 255);
+                    float dm = f16_to_f32(u16_at(blk + 16 + 2 * r)) * (float)((mn >> (8 * r)) & 255);
+                    out[m][r] += (float)t * (ds * d) - dm * s32;
+                }
+            }
+        }
+    }
+}
 #endif
 
 /* one of the row counts 1..XMB, a constant inside */
@@ -212,12 +356,14 @@ INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     }
 ROWS_OF(q4_rows)
 ROWS_OF(q8_rows)
+ROWS_OF(k4_rows)
 
 void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt,
                    int nthreads) {
     int64_t G = (N + 7) / 8;
-    size_t group_bytes = (size_t)(X->K / 32) * (kind == Q8_0X8 ? 272 : 144);
-    void (*group)(const uint8_t *, const xq *, int, int, float[XMB][8]) = kind == Q8_0X8 ? q8_rows_n : q4_rows_n;
+    size_t group_bytes = (size_t)(X->K / 32) * (kind == Q8_0X8 ? 272 : 144);  /* (Q4_KX8: K / 256 of K4_BYTES) */
+    void (*group)(const uint8_t *, const xq *, int, int, float[XMB][8]) =
+        kind == Q8_0X8 ? q8_rows_n : kind == Q4_KX8 ? k4_rows_n : q4_rows_n;
     if (nthreads < 1) nthreads = 1;
     nthreads = threads_for((int64_t)N * X->K, nthreads);
     /* rows of x in chunks of about X_CHUNK_BYTES (they stay in L1 while every group meets them) */
