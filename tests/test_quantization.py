@@ -108,17 +108,17 @@ def test_a_gguf_model_holds_no_float_copy(models):
         assert {type(m).__name__ for m in quantised} >= {"QKVParallelLinear", "RowParallelLinear",
                                                        "MergedColumnParallelLinear", "VocabParallelEmbedding"}
         assert all(m.weight.is_meta for m in quantised)
-        # (the CPU plugin's int8-activation kernels hold Q4_K rows repacked in groups of 8: the
-        # same bytes, as its format cpu:Q4_Kx8)
-        regrouped = "cpu:Q4_Kx8" if runner.device.type == "cpu" and os.environ.get(
-            "OMNIINFER_CPU_QUANT_ACTIVATIONS", "int8") == "int8" else "gguf:Q4_K"
+        # (the CPU plugin's int8-activation kernels hold Q4_K and Q6_K rows repacked in groups of
+        # 8: the same bytes, as its formats cpu:Q4_Kx8 and cpu:Q6_Kx8)
+        grouped = runner.device.type == "cpu" and os.environ.get("OMNIINFER_CPU_QUANT_ACTIVATIONS", "int8") == "int8"
+        q4_k, q6_k = ("cpu:Q4_Kx8", "cpu:Q6_Kx8") if grouped else ("gguf:Q4_K", "gguf:Q6_K")
         table = model.model.embed_tokens
         assert table.qweight.kinds == ["gguf:Q4_K"]  # (untied: looked up, never multiplied; as the file has it)
         kinds = {k for m in quantised if m is not table for k in m.qweight.kinds}
-        assert kinds == {regrouped, "gguf:Q6_K"}
+        assert kinds == {q4_k, q6_k}
         # q, k in Q4_K and v in Q6_K: the CPU decoder stack runs the fused qkv as its row ranges
         qkv = model.model.layers["0"].self_attn.qkv_proj
-        assert qkv.qweight.kinds == [regrouped, "gguf:Q6_K"]
+        assert qkv.qweight.kinds == [q4_k, q6_k]
         if runner.device.type == "cpu":
             assert model.decoder_stack is not None
             run(llm)  # (the stack's structs are made at its first step)

@@ -32,7 +32,7 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ACT_ENV = "OMNIINFER_CPU_QUANT_ACTIVATIONS"
 ACT_MODES = ("int8", "float")
 QACT_INT8 = 16  # quant_blocks.h: set in a kind code, x is rounded to int8 blocks
-X8_CODES = {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7}  # quant_blocks.h: rows in groups of 8 (int8 activations only)
+X8_CODES = {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7, "gguf:Q6_K": 8}  # quant_blocks.h: rows in groups of 8 (int8 activations only)
 
 
 def activation_mode() -> str:
@@ -83,8 +83,8 @@ class CpuQuantKernel(QuantKernel):
         self.activations = activation_mode() if piece.shape[1] % 32 == 0 else "float"
         if self.activations == "int8":
             self.code |= QACT_INT8
-            original = {0: "gguf:Q8_0", 1: "gguf:Q4_0", 2: "gguf:Q4_K"}.get(self.code & ~QACT_INT8)
-            if original:  # Q8_0 / Q4_0 / Q4_K rows (symmetric wint8 / wint4 too) in groups of 8 (quant_x8.py)
+            original = {0: "gguf:Q8_0", 1: "gguf:Q4_0", 2: "gguf:Q4_K", 3: "gguf:Q6_K"}.get(self.code & ~QACT_INT8)
+            if original:  # Q8_0 / Q4_0 / Q4_K / Q6_K rows (symmetric wint8 / wint4 too) in groups of 8 (quant_x8.py)
                 from omniinfer_cpu import quant_x8
 
                 self.piece = quant_x8.repack(original, self.w, piece.shape)  # (replaces the layer's piece)

@@ -1,5 +1,5 @@
-"""Q4_0, Q8_0 and Q4_K rows repacked in groups of 8 for the int8-activation products
-(csrc/quant_x8.c), as the formats "cpu:Q4_0x8", "cpu:Q8_0x8" and "cpu:Q4_Kx8": the same bytes as the blocks
+"""Q4_0, Q8_0, Q4_K and Q6_K rows repacked in groups of 8 for the int8-activation products
+(csrc/quant_x8.c), as the formats "cpu:Q4_0x8", "cpu:Q8_0x8", "cpu:Q4_Kx8" and "cpu:Q6_Kx8": the same bytes as the blocks
 they come from, interleaved so that one 32-bit lane holds 4 codes of one row (quant_blocks.h says
 the byte order). The piece replaces the original one in its layer (the memory held stays the
 file's); the formats' dequantise and narrow undo the interleaving, so an embedding that shares
@@ -14,13 +14,14 @@ from omniinfer.quantization.base import QuantPiece, dequantize_piece, narrow_pie
 GROUP = 8
 CHUNK_GROUPS = 512  # groups repacked at a time (bounds the transient copies)
 # original kind -> (repacked kind, the original's block bytes)
-REPACKED = {"gguf:Q4_0": ("cpu:Q4_0x8", 18), "gguf:Q8_0": ("cpu:Q8_0x8", 34), "gguf:Q4_K": ("cpu:Q4_Kx8", 144)}
+REPACKED = {"gguf:Q4_0": ("cpu:Q4_0x8", 18), "gguf:Q8_0": ("cpu:Q8_0x8", 34), "gguf:Q4_K": ("cpu:Q4_Kx8", 144),
+            "gguf:Q6_K": ("cpu:Q6_Kx8", 210)}
 ORIGINAL = {packed: (kind, size) for kind, (packed, size) in REPACKED.items()}
-Q4_K = 144  # (its block: 256 columns, the others' 32)
+Q4_K, Q6_K = 144, 210  # (their blocks: 256 columns, the others' 32)
 
 
 def _block_cols(size: int) -> int:
-    return 256 if size == Q4_K else 32
+    return 256 if size in (Q4_K, Q6_K) else 32
 
 
 def _pack_q4_k(b: torch.Tensor) -> torch.Tensor:
@@ -48,12 +49,47 @@ def _unpack_q4_k(p: torch.Tensor) -> torch.Tensor:
     return torch.cat([d, dmin, scales, qs], dim=-1)
 
 
+def _pack_q6_k(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks [G, 8, nb, 210] -> [G, nb, 1680]: the 8 rows' d, their scales (scale t of row r
+    at 8t + r), then per sub-block its low 4 bits as Q4_0x8's chunks and its top 2 bits (quant_x8.c)."""
+    groups, _, nb, _ = b.shape
+    ql = b[..., :128].reshape(groups, GROUP, nb, 2, 1, 2, 32)  # [h, -, part & 1, l]
+    lo = torch.cat([ql & 15, ql >> 4], dim=-3).reshape(groups, GROUP, nb, 8, 4, 2, 4)  # [s = 4h + part, c, hh, i]
+    qh = b[..., 128:192].reshape(groups, GROUP, nb, 2, 1, 32)
+    hi = torch.cat([(qh >> (2 * p)) & 3 for p in range(4)], dim=-2).reshape(groups, GROUP, nb, 8, 2, 2, 2, 4)
+    low = (lo[..., 0, :] | (lo[..., 1, :] << 4)).permute(0, 2, 3, 4, 1, 5)  # [G, nb, s, c, r, i]
+    top = (hi[..., 0, 0, :] | (hi[..., 0, 1, :] << 2) | (hi[..., 1, 0, :] << 4) | (hi[..., 1, 1, :] << 6))
+    top = top.permute(0, 2, 3, 4, 1, 5)  # [G, nb, s, k, r, i]
+    sub = torch.cat([low.reshape(groups, nb, 8, 128), top.reshape(groups, nb, 8, 64)], dim=-1)
+    d = b[..., 208:210].permute(0, 2, 1, 3)  # [G, nb, r, 2]
+    scales = b[..., 192:208].permute(0, 2, 3, 1)  # [G, nb, t, r]
+    return torch.cat([d.reshape(groups, nb, 16), scales.reshape(groups, nb, 128), sub.reshape(groups, nb, 1536)], dim=-1)
+
+
+def _unpack_q6_k(p: torch.Tensor) -> torch.Tensor:
+    """[G, nb, 1680] -> Q6_K blocks [G, 8, nb, 210]."""
+    groups, nb, _ = p.shape
+    d = p[..., :16].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)
+    scales = p[..., 16:144].reshape(groups, nb, 16, GROUP).permute(0, 3, 1, 2)
+    sub = p[..., 144:].reshape(groups, nb, 8, 192)
+    low = sub[..., :128].reshape(groups, nb, 8, 4, GROUP, 4).permute(0, 4, 1, 2, 3, 5)  # [G, r, nb, s, c, i]
+    top = sub[..., 128:].reshape(groups, nb, 8, 2, GROUP, 4).permute(0, 4, 1, 2, 3, 5)  # [G, r, nb, s, k, i]
+    lo = torch.stack([low & 15, low >> 4], dim=-2)  # [G, r, nb, s, c, hh, i]
+    hi = torch.stack([torch.stack([(top >> (4 * cc + 2 * hh)) & 3 for hh in range(2)], dim=-2)
+                      for cc in range(2)], dim=-3)  # [G, r, nb, s, k, cc, hh, i]
+    lo = lo.reshape(groups, GROUP, nb, 2, 2, 2, 32)  # [h, part >= 2, part & 1, l]
+    ql = (lo[..., 0, :, :] | (lo[..., 1, :, :] << 4)).reshape(groups, GROUP, nb, 128)
+    hi = hi.reshape(groups, GROUP, nb, 2, 4, 32)  # [h, part, l]
+    qh = (hi[..., 0, :] | (hi[..., 1, :] << 2) | (hi[..., 2, :] << 4) | (hi[..., 3, :] << 6)).reshape(groups, GROUP, nb, 64)
+    return torch.cat([ql, qh, scales, d], dim=-1)
+
+
 def _pack(blocks: torch.Tensor, cols: int, size: int) -> torch.Tensor:
     """blocks uint8 [8G, nb * size] -> uint8 [G, nb * 8 * size]."""
     nb, groups = cols // _block_cols(size), blocks.shape[0] // GROUP
     b = blocks.reshape(groups, GROUP, nb, size)
-    if size == Q4_K:
-        return _pack_q4_k(b).reshape(groups, -1)
+    if size in (Q4_K, Q6_K):
+        return (_pack_q4_k if size == Q4_K else _pack_q6_k)(b).reshape(groups, -1)
     if size == 18:  # Q4_0: byte j holds weight j (low nibble), weight j + 16 (high)
         qs = b[..., 2:]
         codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(groups, GROUP, nb, 4, 2, 4)  # 8c + 4h + i
@@ -68,8 +104,8 @@ def _unpack(packed: torch.Tensor, cols: int, size: int) -> torch.Tensor:
     """uint8 [G, nb * 8 * size] -> the blocks, uint8 [8G, nb * size]."""
     nb, groups = cols // _block_cols(size), packed.shape[0]
     p = packed.reshape(groups, nb, GROUP * size)
-    if size == Q4_K:
-        return _unpack_q4_k(p).reshape(groups * GROUP, nb * size)
+    if size in (Q4_K, Q6_K):
+        return (_unpack_q4_k if size == Q4_K else _unpack_q6_k)(p).reshape(groups * GROUP, nb * size)
     d = p[..., :16].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)  # [G, r, nb, 2]
     if size == 18:
         c = p[..., 16:].reshape(groups, nb, 4, GROUP, 4).permute(0, 3, 1, 2, 4)  # [G, r, nb, c, i]

@@ -222,9 +222,9 @@ def quant_cases(gen):
                                                                      torch.zeros(m, 19, dtype=TORCH_DTYPE[dt])]),
                         lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
             # the int8-activation path (kind | 16; up to 8 rows, beyond: the float panels) against x
-            # rounded as it rounds it; Q4_0 / Q8_0 / Q4_K also as their rows repacked in groups of 8 (5, 6, 7)
+            # rounded as it rounds it; Q4_0 / Q8_0 / Q4_K / Q6_K also as their rows repacked in groups of 8 (5-8)
             rounded = F.linear(int8_blocks(x).double(), ref.double())
-            x8 = {"Q4_0": 5, "Q8_0": 6, "Q4_K": 7}.get(kind)
+            x8 = {"Q4_0": 5, "Q8_0": 6, "Q4_K": 7, "Q6_K": 8}.get(kind)
             for c, w in [(code, blocks)] + ([(x8, repack(f"gguf:{kind}", blocks, (19, 512)).tensors["blocks8"])]
                                             if x8 else []):
                 want = rounded if m <= 8 or c == x8 else want  # (the X8 groups: int8 at any row count)

@@ -84,7 +84,7 @@ def test_int8_activations_match_x_rounded_the_same_way(isa_level, kind, dtype, m
             x[0, :32] *= 50  # one block far larger than the rest: its own scale
             got = kernel.apply(x)
             exact = F.linear(x.double(), w)
-            rounded = m <= 8 or kind in ("gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_K")  # (more rows: float panels; X8: int8)
+            rounded = m <= 8 or kind in ("gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_K", "gguf:Q6_K")  # (more rows: float panels; X8: int8)
             want = F.linear(int8_blocks(x).double(), w) if rounded else exact
             assert got.dtype == dtype and got.shape == (m, rows)
             if dtype == torch.float32:
@@ -106,9 +106,9 @@ def test_the_activation_mode_is_checked(monkeypatch):
     assert activation_mode() == "int8"
 
 
-@pytest.mark.parametrize("kind", ["gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_K"])
+@pytest.mark.parametrize("kind", ["gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_K", "gguf:Q6_K"])
 def test_rows_repacked_in_groups_of_8(isa_level, kind, monkeypatch):
-    """int8 activations: Q4_0 / Q8_0 / Q4_K rows in groups of 8 (cpu:Q4_0x8 / cpu:Q8_0x8 / cpu:Q4_Kx8), any row count
+    """int8 activations: Q4_0 / Q8_0 / Q4_K / Q6_K rows in groups of 8 (cpu:Q4_0x8 ... cpu:Q6_Kx8), any row count
     (a last group padded), the same sums as x rounded to int8 gives; the repacked piece dequantises
     and narrows back to the very rows (a tied embedding reads them); at every row count."""
     from omniinfer.quantization.base import narrow_piece
@@ -121,7 +121,7 @@ def test_rows_repacked_in_groups_of_8(isa_level, kind, monkeypatch):
         piece = piece_of(kind, weight)
         kernel = CpuQuantKernel(piece)
         assert kernel.piece.kind == quant_x8.REPACKED[kind][0]
-        assert kernel.code == {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7}[kind] | 16
+        assert kernel.code == {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7, "gguf:Q6_K": 8}[kind] | 16
         assert kernel.piece.tensors["blocks8"].numel() == -(-rows // 8) * 8 * piece.tensors["blocks"].shape[1]
         assert torch.equal(quant_x8.as_original(kernel.piece).tensors["blocks"], piece.tensors["blocks"])
         w = dequantize_piece(piece)

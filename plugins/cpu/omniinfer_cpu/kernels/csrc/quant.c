@@ -6,13 +6,13 @@
  * each 16 weights computed once per call; so a result differs from dequantise-then-multiply by
  * float32 rounding only. Each thread takes a contiguous range of W's rows and reads each once per
  * group of up to 4 x rows. A kind with QACT_INT8 set takes quant_q8.c's int8-activation path
- * (up to QGEMM_ROWS rows; the Q4_0X8 / Q8_0X8 / Q4_KX8 groups of quant_x8.c at any row count). */
+ * (up to QGEMM_ROWS rows; the Q4_0X8 / Q8_0X8 / Q4_KX8 / Q6_KX8 groups of quant_x8.c at any row count). */
 #include "quant_blocks.h"
 
 #define QMB 4  /* x rows a weight row meets while its block is in registers */
 #define QGEMM_ROWS 8  /* above this many rows, quant_gemm.c's panels */
 
-int omni_quant_supported(int kind) { return (kind & ~QACT_INT8) >= Q8_0 && (kind & ~QACT_INT8) <= Q4_KX8; }
+int omni_quant_supported(int kind) { return (kind & ~QACT_INT8) >= Q8_0 && (kind & ~QACT_INT8) <= Q6_KX8; }
 
 /* Sum over [e, e + VL * n) of q * x for n chunks of VL decoded weights, one x row */
 #define CHUNKS(n, decode, xrow, e) ({                                          \
@@ -157,7 +157,7 @@ int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scal
     if (kind == I8 && !scale) return -1;
     /* int8 activations: up to QGEMM_ROWS rows, and the X8 groups at any row count (their grouped
      * sums beat the float panels from 16 rows to prefills); they have no float-activation path */
-    int x8 = kind == Q4_0X8 || kind == Q8_0X8 || kind == Q4_KX8;
+    int x8 = kind == Q4_0X8 || kind == Q8_0X8 || kind == Q4_KX8 || kind == Q6_KX8;
     if (q8 && (M <= QGEMM_ROWS || x8)) return omni_qlinear_q8(x, ldx, w, scale, y, ldy, M, N, K, kind, dt, nthreads);
     if (x8) return -1;
     int ldxs = K / 16;

@@ -6,7 +6,7 @@
 #include "omni.h"
 #include "prefetch.h"
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q4_KX8 = 7 };
+enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q4_KX8 = 7, Q6_KX8 = 8 };
 /* Q4_0X8: Q4_0 rows repacked in groups of 8 for the int8-activation path (quant_x8.c). Group g
  * (rows 8g .. 8g + 7; a last group padded with zero rows) is K / 32 blocks of 144 bytes: the 8
  * rows' float16 d, then 4 chunks of 32 bytes; byte 4r + i of chunk c holds row r's weight
@@ -16,7 +16,10 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q
  * Q4_KX8 likewise from Q4_K: blocks of 1152 bytes (256 columns of 8 rows): the 8 rows' float16 d,
  * their float16 dmin, their 12 bytes of packed scales and minimums (byte 8t + r: row r's byte t),
  * then sub-block s (weights 32s .. 32s + 31) at 128 + 128s, its codes as Q4_0X8's chunks (byte
- * 4r + i of chunk c: row r's weight 32s + 8c + i in the low nibble, 32s + 8c + 4 + i in the high). */
+ * 4r + i of chunk c: row r's weight 32s + 8c + i in the low nibble, 32s + 8c + 4 + i in the high).
+ * Q6_KX8 from Q6_K: blocks of 1680 bytes: the 8 rows' float16 d, their 16 int8 scales (byte 8t + r:
+ * row r's scale t), then sub-block s at 144 + 192s: the low 4 bits of its codes as Q4_0X8's
+ * chunks, then their top 2 bits (quant_x8.c says where). */
 /* vpdpbusd on 8 int32 lanes (each += 4 products of unsigned by signed bytes): AVX-512 VNNI's
  * EVEX form, or AVX-VNNI's VEX one (the avx2_vnni level: Intel cores since Alder Lake, Zen 5) */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -27,10 +30,10 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q
 /* set in a kind code: x is rounded to int8 blocks and multiplied in integers (quant_q8.c) */
 #define QACT_INT8 16
 
-INLINE int qblock(int kind) { return kind == Q4_K || kind == Q6_K || kind == Q4_KX8 ? 256 : kind == I8 ? 1 : 32; }
+INLINE int qblock(int kind) { return kind == Q4_K || kind == Q6_K || kind == Q4_KX8 || kind == Q6_KX8 ? 256 : kind == I8 ? 1 : 32; }
 
 INLINE size_t qrow_bytes(int kind, int K) {
-    static const int bytes[] = {34, 18, 144, 210, 0, 18, 34, 144};  /* (X8: a row's share of its group) */
+    static const int bytes[] = {34, 18, 144, 210, 0, 18, 34, 144, 210};  /* (X8: a row's share of its group) */
     return kind == I8 ? (size_t)K : (size_t)(K / qblock(kind)) * bytes[kind];
 }
 
@@ -79,7 +82,7 @@ typedef struct {
     int K;
 } xq;
 
-/* quant_x8.c: y [M, ldy] (dt) = X @ W^T for W's N rows in Q4_0X8, Q8_0X8 or Q4_KX8 groups at w */
+/* quant_x8.c: y [M, ldy] (dt) = X @ W^T for W's N rows in Q4_0X8, Q8_0X8, Q4_KX8 or Q6_KX8 groups at w */
 void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt,
                    int nthreads);
 

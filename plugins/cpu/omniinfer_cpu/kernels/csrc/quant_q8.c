@@ -375,7 +375,7 @@ int omni_qlinear_q8(const void *x, int64_t ldx, const uint8_t *w, const float *s
     float *dx = (float *)(((uintptr_t)(qx + (size_t)M * K) + 63) & ~(uintptr_t)63), *sx = dx + nb, *s32 = sx + 2 * nb;
     int32_t *xsum = (int32_t *)(s32 + nb);
     quantize_x(x, ldx, dt, M, K, qx, dx, sx, s32, xsum);
-    if (kind == Q4_0X8 || kind == Q8_0X8 || kind == Q4_KX8) {
+    if (kind == Q4_0X8 || kind == Q8_0X8 || kind == Q4_KX8 || kind == Q6_KX8) {
         xq X = {qx, dx, sx, s32, xsum, K};
         omni_qx8_rows(kind, w, &X, y, ldy, M, N, dt, nthreads);
         free(qx);

@@ -69,6 +69,26 @@ NO_CONTRACT static void decode_row(const uint8_t *w, const float *scale, int kin
         }
         return;
     }
+    if (kind == Q6_KX8) {  /* block b of row r: its d and 16 scales, sub-block s's low and top bits */
+        int rr = (int)(r % 8);
+        const uint8_t *g = w + (size_t)(r / 8) * (size_t)(K / 256) * 1680;
+        for (int b = 0; b < K / 256; b++) {
+            const uint8_t *blk = g + (size_t)b * 1680;
+            float d = f16_to_f32(u16_at(blk + 2 * rr));
+            for (int s = 0; s < 8; s++) {
+                const uint8_t *cs = blk + 144 + 192 * s;
+                for (int c = 0; c < 4; c++)
+                    for (int i = 0; i < 4; i++) {
+                        uint8_t l = cs[32 * c + 4 * rr + i], h = cs[128 + 32 * (c / 2) + 4 * rr + i];
+                        int sh = 4 * (c & 1), e = 32 * s + 8 * c + i;
+                        int q0 = (l & 15) | (((h >> sh) & 3) << 4), q1 = (l >> 4) | (((h >> (sh + 2)) & 3) << 4);
+                        out[256 * b + e] = (d * (float)(int8_t)blk[16 + 8 * (e / 16) + rr]) * (float)(q0 - 32);
+                        out[256 * b + e + 4] = (d * (float)(int8_t)blk[16 + 8 * ((e + 4) / 16) + rr]) * (float)(q1 - 32);
+                    }
+            }
+        }
+        return;
+    }
     const uint8_t *row = w + (size_t)r * rb;
     for (int b = 0; b < K / qblock(kind); b++) {
         float *o = out + (size_t)b * qblock(kind);
