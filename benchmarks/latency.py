@@ -39,7 +39,7 @@ def main() -> None:
         parser.error(f"--output-len {args.output_len}: ms per output token needs at least 2 tokens")
     quiet()
     unwind_on_sigterm()
-    result = latency(args.shape, args.dtype, args.input_len, args.output_len, args.repeats,
+    result = latency(None if args.model else args.shape, args.dtype, args.input_len, args.output_len, args.repeats,
                      args.compare, args.model, args.llama_cpp_bin, args.gguf)
     print(latency_table(result))
     if args.json:

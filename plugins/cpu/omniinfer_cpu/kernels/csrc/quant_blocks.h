@@ -82,6 +82,22 @@ typedef struct {
     int K;
 } xq;
 
+#define XMB 4  /* x rows a group's block meets while its codes are in registers (quant_x8.c) */
+/* a group of 8 rows (at g) against x rows m0 .. m0 + MB - 1: out[m][r] */
+typedef void (*x8_group_fn)(const uint8_t *g, const xq *X, int m0, int MB, float out[XMB][8]);
+/* one of the row counts 1..XMB, a constant inside */
+#define ROWS_OF(fn)                                                      \
+    static void fn##_n(const uint8_t *g, const xq *X, int m0, int MB, float out[XMB][8]) { \
+        switch (MB) {                                                    \
+        case 1: fn(g, X, m0, 1, out); break;                             \
+        case 2: fn(g, X, m0, 2, out); break;                             \
+        case 3: fn(g, X, m0, 3, out); break;                             \
+        default: fn(g, X, m0, 4, out); break;                            \
+        }                                                                \
+    }
+/* quant_kx8.c: the group function of Q4_KX8 or Q6_KX8 */
+x8_group_fn omni_kx8_group(int kind);
+
 /* quant_x8.c: y [M, ldy] (dt) = X @ W^T for W's N rows in Q4_0X8, Q8_0X8, Q4_KX8 or Q6_KX8 groups at w */
 void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt,
                    int nthreads);
