@@ -11,7 +11,6 @@ allocated: every tensor's bytes must lie inside the file and match its type and 
 from __future__ import annotations
 
 import contextlib
-
 import os
 
 import numpy as np
@@ -220,7 +219,10 @@ def load_tokenizer(path: str):
     modules (accelerate's among them), before building the TokenizersBackend built here directly
     in 0.6 s and 30 MB. tests/test_gguf_header.py checks both give the same tokenizer.)"""
     from transformers import AutoTokenizer
-    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES, tokenizer_class_from_name
+    from transformers.models.auto.tokenization_auto import (
+        TOKENIZER_MAPPING_NAMES,
+        tokenizer_class_from_name,
+    )
 
     file = GGUFFile(path)
     # by the architecture's name: importing its config class (AutoConfig.for_model) imports
