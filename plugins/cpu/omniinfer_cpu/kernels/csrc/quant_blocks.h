@@ -82,6 +82,32 @@ typedef struct {
     int K;
 } xq;
 
+#if defined(__AVX2__)
+/* a Q4_0X8 block's (or a Q4_KX8 sub-block's) 4 chunks of nibbles at p -> its 8 code vectors */
+INLINE void x8_nibbles(const uint8_t *p, __m256i c[8]) {
+    const __m256i nib = _mm256_set1_epi8(15);
+    for (int j = 0; j < 4; j++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(p + 32 * j));
+        c[2 * j] = _mm256_and_si256(v, nib);
+        c[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    }
+}
+/* the 8 rows' Sum code * x over those 8 code vectors and x's 32 int8 at x (codes 0..15: the
+ * vpmaddubsw sums fit int16, 8 pairs of at most 15 * 127) */
+INLINE __m256i x8_nibble_dot(const __m256i c[8], const int8_t *x) {
+    int32_t x4[8];
+    memcpy(x4, x, 32);
+#if defined(DPBUSD256)
+    __m256i s = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j++) s = DPBUSD256(s, c[j], _mm256_set1_epi32(x4[j]));
+    return s;
+#else
+    __m256i s16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(x4[0]));
+    for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[j], _mm256_set1_epi32(x4[j])));
+    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+#endif
+}
+#endif
 #define XMB 4  /* x rows a group's block meets while its codes are in registers (quant_x8.c) */
 /* a group of 8 rows (at g) against x rows m0 .. m0 + MB - 1: out[m][r] */
 typedef void (*x8_group_fn)(const uint8_t *g, const xq *X, int m0, int MB, float out[XMB][8]);

@@ -31,7 +31,6 @@ INLINE void k4_scales(const uint8_t *blk, int s, uint64_t *sc, uint64_t *mn) {
 INLINE void k4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
     __m256 acc[XMB];
     for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
-    const __m256i nib = _mm256_set1_epi8(15);
     const int nbx = X->K / 32;
     for (int b = 0; b < X->K / 256; b++) {
         const uint8_t *blk = g + (size_t)b * K4_BYTES;
@@ -45,28 +44,11 @@ INLINE void k4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
             __m256 ds = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
             __m256 dm = _mm256_mul_ps(dmw, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
             __m256i c[8];
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) {
-                __m256i v = _mm256_loadu_si256((const __m256i *)(cs + 32 * j));
-                c[2 * j] = _mm256_and_si256(v, nib);
-                c[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-            }
+            x8_nibbles(cs, c);
             int xb = 8 * b + s;
             for (int m = 0; m < MB; m++) {
                 size_t r = (size_t)(m0 + m);
-                int32_t x4[8];
-                memcpy(x4, X->q + r * X->K + 32 * xb, 32);
-#if defined(DPBUSD256)
-                __m256i t = _mm256_setzero_si256();
-#pragma GCC unroll 8
-                for (int j = 0; j < 8; j++) t = DPBUSD256(t, c[j], _mm256_set1_epi32(x4[j]));
-#else
-                __m256i s16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(x4[0]));
-#pragma GCC unroll 8
-                for (int j = 1; j < 8; j++)
-                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[j], _mm256_set1_epi32(x4[j])));
-                __m256i t = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-#endif
+                __m256i t = x8_nibble_dot(c, X->q + r * X->K + 32 * xb);
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(ds, _mm256_set1_ps(X->d[r * nbx + xb])),
                                          acc[m]);
                 acc[m] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(X->s32[r * nbx + xb]), acc[m]);

@@ -18,35 +18,16 @@
 INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
     __m256 acc[XMB];
     for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
-    const __m256i nib = _mm256_set1_epi8(15);
     for (int b = 0; b < X->K / 32; b++) {
         const uint8_t *blk = g + (size_t)b * 144;
         prefetch_ahead(blk, 144);
         __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256i c[8];
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; j++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(blk + 16 + 32 * j));
-            c[2 * j] = _mm256_and_si256(v, nib);
-            c[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-        }
+        x8_nibbles(blk + 16, c);
         for (int m = 0; m < MB; m++) {
             size_t r = (size_t)(m0 + m);
-            const int8_t *xb = X->q + r * X->K + 32 * b;
-            int32_t x4[8];
-            memcpy(x4, xb, 32);
-            __m256i off = _mm256_set1_epi32(-8 * X->isum[r * (X->K / 32) + b]);
-#if defined(DPBUSD256)
-            __m256i s = off;
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) s = DPBUSD256(s, c[j], _mm256_set1_epi32(x4[j]));
-#else
-            __m256i s16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(x4[0]));
-#pragma GCC unroll 8
-            for (int j = 1; j < 8; j++)
-                s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[j], _mm256_set1_epi32(x4[j])));
-            __m256i s = _mm256_add_epi32(_mm256_madd_epi16(s16, _mm256_set1_epi16(1)), off);
-#endif
+            __m256i s = _mm256_add_epi32(x8_nibble_dot(c, X->q + r * X->K + 32 * b),
+                                         _mm256_set1_epi32(-8 * X->isum[r * (X->K / 32) + b]));
             __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[r * (X->K / 32) + b]));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[m]);
         }
