@@ -1,6 +1,6 @@
 """Batch-1 products on the CPU against the machine's read bandwidth: one row of x times a weight
 larger than the caches (GGUF formats through ``omni_qlinear``, int8 activations, as decode runs
-it, Q4_0 / Q8_0 repacked in groups of 8 rows; float32 / bfloat16 through the CPU linear method,
+it, every GGUF kind repacked in groups of 8 rows; float32 / bfloat16 through the CPU linear method,
 ``omni_linear``), the weight's bytes over the call's time, next to
 a torch sum over 256 MiB timed in the same round (the read bandwidth a streaming kernel can
 reach). Each kernel is first checked against the reference (dequantise, then F.linear).
@@ -29,7 +29,8 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 from common import machine_line  # noqa: E402
 
-KINDS = ("gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_K", "gguf:Q6_K", "bfloat16", "float32")
+KINDS = ("gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1", "gguf:Q4_K", "gguf:Q5_K", "gguf:Q6_K",
+         "bfloat16", "float32")
 READ_BYTES = 1 << 28
 
 

@@ -1,11 +1,12 @@
 """The CPU plugin's products for quantised weights (quant.c's `omni_qlinear`): GGUF's Q8_0, Q4_0,
-Q4_K and Q6_K blocks, as the file stores them, and omniinfer's int8; decoded in registers at
-every ISA level. Other GGUF types run the core's reference.
+Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks, and omniinfer's int8; at every ISA level. (F16,
+BF16 and F32 tensors load as float weights.)
 
 Activations: by default each row of x is rounded to int8 in blocks of 32 and meets the weight
-blocks in integer multiply-adds (quant_q8.c, as llama.cpp's q8 dot products); with
-``OMNIINFER_CPU_QUANT_ACTIVATIONS=float`` x stays float32 and the product differs from
-dequantise-then-multiply by float32 rounding only (quant.c). docs/quantization.md states both.
+blocks in integer multiply-adds (quant_q8.c, as llama.cpp's q8 dot products; the GGUF kinds'
+rows repacked in groups of 8 first, quant_x8.py); with ``OMNIINFER_CPU_QUANT_ACTIVATIONS=float``
+x stays float32 and the product differs from dequantise-then-multiply by float32 rounding only
+(quant.c). docs/quantization.md states both.
 
 Symmetric GPTQ / AWQ / compressed-tensors weights (wint4, wint8 without zero points or act-order)
 are the same numbers as Q4_0 / Q8_0 blocks when their scales are float16 values: `(code - 8) *
@@ -22,8 +23,10 @@ import torch
 from omniinfer.quantization.base import QuantKernel
 from omniinfer.quantization.int_pieces import WINT_KINDS
 
-KIND_CODES = {"gguf:Q8_0": 0, "gguf:Q4_0": 1, "gguf:Q4_K": 2, "gguf:Q6_K": 3, "int8": 4}
-BLOCK = {"gguf:Q8_0": 32, "gguf:Q4_0": 32, "gguf:Q4_K": 256, "gguf:Q6_K": 256, "int8": 1}
+KIND_CODES = {"gguf:Q8_0": 0, "gguf:Q4_0": 1, "gguf:Q4_K": 2, "gguf:Q6_K": 3, "int8": 4, "gguf:Q4_1": 9,
+              "gguf:Q5_0": 10, "gguf:Q5_1": 11, "gguf:Q5_K": 12}
+BLOCK = {"gguf:Q8_0": 32, "gguf:Q4_0": 32, "gguf:Q4_K": 256, "gguf:Q6_K": 256, "int8": 1, "gguf:Q4_1": 32,
+         "gguf:Q5_0": 32, "gguf:Q5_1": 32, "gguf:Q5_K": 256}
 # symmetric n-bit weights of any group size the blocks divide, repacked as Q4_0 / Q8_0
 WINT = {k: 1 if k.startswith("wint4") else 0 for k in WINT_KINDS if k.count(":") == 1}  # symmetric, no g_idx
 KIND_CODES.update({**WINT, "w8a8": 4, "w8a8:static": 4})
@@ -31,8 +34,11 @@ BLOCK.update({**dict.fromkeys(WINT, 32), "w8a8": 1, "w8a8:static": 1})
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 ACT_ENV = "OMNIINFER_CPU_QUANT_ACTIVATIONS"
 ACT_MODES = ("int8", "float")
-QACT_INT8 = 16  # quant_blocks.h: set in a kind code, x is rounded to int8 blocks
-X8_CODES = {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7, "gguf:Q6_K": 8}  # quant_blocks.h: rows in groups of 8 (int8 activations only)
+QACT_INT8 = 64  # quant_blocks.h: set in a kind code, x is rounded to int8 blocks
+# quant_blocks.h: rows in groups of 8 (int8 activations only), by the kind they come from
+X8_CODES = {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7, "gguf:Q6_K": 8, "gguf:Q4_1": 13, "gguf:Q5_0": 14,
+            "gguf:Q5_1": 15, "gguf:Q5_K": 16}
+GGUF_OF_CODE = {code: kind for kind, code in KIND_CODES.items() if kind.startswith("gguf:")}
 
 
 def activation_mode() -> str:
@@ -83,8 +89,8 @@ class CpuQuantKernel(QuantKernel):
         self.activations = activation_mode() if piece.shape[1] % 32 == 0 else "float"
         if self.activations == "int8":
             self.code |= QACT_INT8
-            original = {0: "gguf:Q8_0", 1: "gguf:Q4_0", 2: "gguf:Q4_K", 3: "gguf:Q6_K"}.get(self.code & ~QACT_INT8)
-            if original:  # Q8_0 / Q4_0 / Q4_K / Q6_K rows (symmetric wint8 / wint4 too) in groups of 8 (quant_x8.py)
+            original = GGUF_OF_CODE.get(self.code & ~QACT_INT8)
+            if original:  # GGUF rows (symmetric wint8 / wint4 as Q8_0 / Q4_0 too) in groups of 8 (quant_x8.py)
                 from omniinfer_cpu import quant_x8
 
                 self.piece = quant_x8.repack(original, self.w, piece.shape)  # (replaces the layer's piece)

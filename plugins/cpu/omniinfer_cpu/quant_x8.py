@@ -1,7 +1,7 @@
-"""Q4_0, Q8_0, Q4_K and Q6_K rows repacked in groups of 8 for the int8-activation products
-(csrc/quant_x8.c), as the formats "cpu:Q4_0x8", "cpu:Q8_0x8", "cpu:Q4_Kx8" and "cpu:Q6_Kx8": the same bytes as the blocks
-they come from, interleaved so that one 32-bit lane holds 4 codes of one row (quant_blocks.h says
-the byte order). The piece replaces the original one in its layer (the memory held stays the
+"""GGUF rows repacked in groups of 8 for the int8-activation products (csrc/quant_x8.c), as the
+formats "cpu:Q4_0x8", "cpu:Q8_0x8", "cpu:Q4_1x8", "cpu:Q5_0x8", "cpu:Q5_1x8", "cpu:Q4_Kx8",
+"cpu:Q5_Kx8" and "cpu:Q6_Kx8": the same bytes as the blocks they come from, interleaved so that
+one 32-bit lane holds 4 codes of one row (quant_blocks.h says the byte order). The piece replaces the original one in its layer (the memory held stays the
 file's); the formats' dequantise and narrow undo the interleaving, so an embedding that shares
 the weight (tied) still reads its rows."""
 
@@ -15,13 +15,102 @@ GROUP = 8
 CHUNK_GROUPS = 512  # groups repacked at a time (bounds the transient copies)
 # original kind -> (repacked kind, the original's block bytes)
 REPACKED = {"gguf:Q4_0": ("cpu:Q4_0x8", 18), "gguf:Q8_0": ("cpu:Q8_0x8", 34), "gguf:Q4_K": ("cpu:Q4_Kx8", 144),
-            "gguf:Q6_K": ("cpu:Q6_Kx8", 210)}
+            "gguf:Q6_K": ("cpu:Q6_Kx8", 210), "gguf:Q4_1": ("cpu:Q4_1x8", 20), "gguf:Q5_0": ("cpu:Q5_0x8", 22),
+            "gguf:Q5_1": ("cpu:Q5_1x8", 24), "gguf:Q5_K": ("cpu:Q5_Kx8", 176)}
 ORIGINAL = {packed: (kind, size) for kind, (packed, size) in REPACKED.items()}
-Q4_K, Q6_K = 144, 210  # (their blocks: 256 columns, the others' 32)
+Q4_K, Q5_K, Q6_K = 144, 176, 210  # (their blocks: 256 columns, the others' 32)
+LEGACY = {20: (True, False), 22: (False, True), 24: (True, True)}  # Q4_1, Q5_0, Q5_1: (has m, has fifth bits)
 
 
 def _block_cols(size: int) -> int:
-    return 256 if size in (Q4_K, Q6_K) else 32
+    return 256 if size in (Q4_K, Q5_K, Q6_K) else 32
+
+
+def _chunks(qs: torch.Tensor) -> torch.Tensor:
+    """A classic block's 16 nibble bytes [G, 8, nb, 16] -> Q4_0x8's chunks [G, nb, 128] (byte 4r + i
+    of chunk c: row r's weight 8c + i in the low nibble, 8c + 4 + i in the high one)."""
+    groups, _, nb, _ = qs.shape
+    codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(groups, GROUP, nb, 4, 2, 4)  # 8c + 4h + i
+    return (codes[..., 0, :] | (codes[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).reshape(groups, nb, 128)
+
+
+def _nibble_bytes(chunks: torch.Tensor) -> torch.Tensor:
+    """_chunks' inverse: [G, nb, 128] -> [G, 8, nb, 16]."""
+    groups, nb, _ = chunks.shape
+    c = chunks.reshape(groups, nb, 4, GROUP, 4).permute(0, 3, 1, 2, 4)  # [G, r, nb, c, i]
+    codes = torch.stack([c & 15, c >> 4], dim=-2).reshape(groups, GROUP, nb, 32)
+    return codes[..., :16] | (codes[..., 16:] << 4)
+
+
+_SHIFTS = (2 * torch.arange(4)[:, None] + torch.arange(2)[None, :])[..., None]  # [c, h, 1]: bit 2c + h
+
+
+def _fifth_bits(bits: torch.Tensor) -> torch.Tensor:
+    """Fifth bits [..., 8 (row), 32 (weight 8c + 4h + i)] (0 / 1) -> [..., 32]: byte 4r + i holds
+    row r's weight 8c + 4h + i at bit 2c + h (quant_blocks.h)."""
+    x = bits.reshape(*bits.shape[:-1], 4, 2, 4).to(torch.int32)
+    return (x << _SHIFTS).sum(dim=(-3, -2)).to(torch.uint8).reshape(*bits.shape[:-2], 32)
+
+
+def _bits_of(hb: torch.Tensor) -> torch.Tensor:
+    """_fifth_bits' inverse: [..., 32] -> [..., 8, 32] (uint8 0 / 1)."""
+    h = hb.reshape(*hb.shape[:-1], GROUP, 1, 1, 4)
+    return ((h >> _SHIFTS.to(torch.uint8)) & 1).reshape(*hb.shape[:-1], GROUP, 32)
+
+
+_BIT = torch.arange(8, dtype=torch.uint8)
+
+
+def _pack_legacy(b: torch.Tensor, has_min: bool, has_hi: bool) -> torch.Tensor:
+    """Q4_1 / Q5_0 / Q5_1 blocks [G, 8, nb, size] -> [G, nb, 8 * size]: the 8 rows' d, their m
+    (Q4_1, Q5_1), the low 4 bits of the codes as Q4_0x8's chunks, then (Q5) their fifth bits."""
+    groups, _, nb, size = b.shape
+    parts = [b[..., 0:2].permute(0, 2, 1, 3).reshape(groups, nb, 16)]
+    if has_min:
+        parts.append(b[..., 2:4].permute(0, 2, 1, 3).reshape(groups, nb, 16))
+    parts.append(_chunks(b[..., size - 16:]))
+    if has_hi:  # qh: a little-endian uint32, bit j weight j's fifth bit
+        qh = b[..., 2 + 2 * has_min:6 + 2 * has_min]
+        bits = ((qh[..., None] >> _BIT) & 1).reshape(groups, GROUP, nb, 32)
+        parts.append(_fifth_bits(bits.permute(0, 2, 1, 3)))
+    return torch.cat(parts, dim=-1)
+
+
+def _unpack_legacy(p: torch.Tensor, has_min: bool, has_hi: bool) -> torch.Tensor:
+    """[G, nb, 8 * size] -> Q4_1 / Q5_0 / Q5_1 blocks [G, 8, nb, size]."""
+    groups, nb, _ = p.shape
+    parts = [p[..., :16].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)]
+    at = 16
+    if has_min:
+        parts.append(p[..., 16:32].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3))
+        at = 32
+    if has_hi:
+        bits = _bits_of(p[..., at + 128:at + 160]).permute(0, 2, 1, 3).reshape(groups, GROUP, nb, 4, 8)
+        parts.append((bits << _BIT).sum(dim=-1, dtype=torch.int32).to(torch.uint8))
+    parts.append(_nibble_bytes(p[..., at:at + 128]))
+    return torch.cat(parts, dim=-1)
+
+
+def _pack_q5_k(b: torch.Tensor) -> torch.Tensor:
+    """Q5_K blocks [G, 8, nb, 176] -> [G, nb, 1408]: Q4_Kx8's d, dmin and scales, then each
+    sub-block's codes as Q4_Kx8's, followed by their fifth bits (qh byte l, bit s: sub-block s's
+    weight l) as Q5_0x8's."""
+    groups, _, nb, _ = b.shape
+    p = _pack_q4_k(torch.cat([b[..., :16], b[..., 48:]], dim=-1))
+    bits = ((b[..., 16:48].unsqueeze(-2) >> _BIT[:, None]) & 1)  # [G, r, nb, s, l]
+    hb = _fifth_bits(bits.permute(0, 2, 3, 1, 4))  # [G, nb, s, 32]
+    subs = torch.cat([p[..., 128:].reshape(groups, nb, 8, 128), hb], dim=-1)
+    return torch.cat([p[..., :128], subs.reshape(groups, nb, 1280)], dim=-1)
+
+
+def _unpack_q5_k(p: torch.Tensor) -> torch.Tensor:
+    """[G, nb, 1408] -> Q5_K blocks [G, 8, nb, 176]."""
+    groups, nb, _ = p.shape
+    subs = p[..., 128:].reshape(groups, nb, 8, 160)
+    q4 = _unpack_q4_k(torch.cat([p[..., :128], subs[..., :128].reshape(groups, nb, 1024)], dim=-1))
+    bits = _bits_of(subs[..., 128:]).permute(0, 3, 1, 4, 2)  # [G, nb, s, r, l] -> [G, r, nb, l, s]
+    qh = (bits << _BIT).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
+    return torch.cat([q4[..., :16], qh, q4[..., 16:]], dim=-1)
 
 
 def _pack_q4_k(b: torch.Tensor) -> torch.Tensor:
@@ -88,12 +177,12 @@ def _pack(blocks: torch.Tensor, cols: int, size: int) -> torch.Tensor:
     """blocks uint8 [8G, nb * size] -> uint8 [G, nb * 8 * size]."""
     nb, groups = cols // _block_cols(size), blocks.shape[0] // GROUP
     b = blocks.reshape(groups, GROUP, nb, size)
-    if size in (Q4_K, Q6_K):
-        return (_pack_q4_k if size == Q4_K else _pack_q6_k)(b).reshape(groups, -1)
+    if size in (Q4_K, Q5_K, Q6_K):
+        return {Q4_K: _pack_q4_k, Q5_K: _pack_q5_k, Q6_K: _pack_q6_k}[size](b).reshape(groups, -1)
+    if size in LEGACY:
+        return _pack_legacy(b, *LEGACY[size]).reshape(groups, -1)
     if size == 18:  # Q4_0: byte j holds weight j (low nibble), weight j + 16 (high)
-        qs = b[..., 2:]
-        codes = torch.cat([qs & 15, qs >> 4], dim=-1).reshape(groups, GROUP, nb, 4, 2, 4)  # 8c + 4h + i
-        packed = (codes[..., 0, :] | (codes[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)  # [G, nb, c, r, i]
+        packed = _chunks(b[..., 2:])
     else:  # Q8_0: weight 4j + i
         packed = b[..., 2:].reshape(groups, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [G, nb, j, r, i]
     d = b[..., :2].permute(0, 2, 1, 3)  # [G, nb, r, 2]
@@ -104,13 +193,14 @@ def _unpack(packed: torch.Tensor, cols: int, size: int) -> torch.Tensor:
     """uint8 [G, nb * 8 * size] -> the blocks, uint8 [8G, nb * size]."""
     nb, groups = cols // _block_cols(size), packed.shape[0]
     p = packed.reshape(groups, nb, GROUP * size)
-    if size in (Q4_K, Q6_K):
-        return (_unpack_q4_k if size == Q4_K else _unpack_q6_k)(p).reshape(groups * GROUP, nb * size)
+    if size in (Q4_K, Q5_K, Q6_K):
+        unpack = {Q4_K: _unpack_q4_k, Q5_K: _unpack_q5_k, Q6_K: _unpack_q6_k}[size]
+        return unpack(p).reshape(groups * GROUP, nb * size)
+    if size in LEGACY:
+        return _unpack_legacy(p, *LEGACY[size]).reshape(groups * GROUP, nb * size)
     d = p[..., :16].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)  # [G, r, nb, 2]
     if size == 18:
-        c = p[..., 16:].reshape(groups, nb, 4, GROUP, 4).permute(0, 3, 1, 2, 4)  # [G, r, nb, c, i]
-        codes = torch.stack([c & 15, c >> 4], dim=-2).reshape(groups, GROUP, nb, 32)
-        qs = codes[..., :16] | (codes[..., 16:] << 4)
+        qs = _nibble_bytes(p[..., 16:])
     else:
         qs = p[..., 16:].reshape(groups, nb, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(groups, GROUP, nb, 32)
     return torch.cat([d, qs], dim=-1).reshape(groups * GROUP, nb * size)

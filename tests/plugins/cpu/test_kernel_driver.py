@@ -200,10 +200,12 @@ def quant_cases(gen):
 
     gguf = pytest.importorskip("gguf")
     from omniinfer.testing import kquant
+    from omniinfer_cpu.quant import KIND_CODES, QACT_INT8, X8_CODES
     from omniinfer_cpu.quant_x8 import repack
 
     out = []
-    for code, kind in enumerate(("Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8")):
+    for kind in ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8", "Q4_1", "Q5_0", "Q5_1", "Q5_K"):
+        code = KIND_CODES[kind if kind == "int8" else f"gguf:{kind}"]
         w = torch.randn(19, 512, generator=gen) * 0.05
         if kind == "int8":
             piece = quantize(w)
@@ -221,14 +223,16 @@ def quant_cases(gen):
             out.append((("qlinear", [m, 19, 512, code, dt, 2], [], [x, blocks, scale,
                                                                      torch.zeros(m, 19, dtype=TORCH_DTYPE[dt])]),
                         lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
-            # the int8-activation path (kind | 16; up to 8 rows, beyond: the float panels) against x
-            # rounded as it rounds it; Q4_0 / Q8_0 / Q4_K / Q6_K also as their rows repacked in groups of 8 (5-8)
+            # the int8-activation path (kind | QACT_INT8; up to 8 rows, beyond: the float panels) against
+            # x rounded as it rounds it; the GGUF kinds also as their rows repacked in groups of 8 (the
+            # only int8 path Q4_1 / Q5_0 / Q5_1 / Q5_K have)
             rounded = F.linear(int8_blocks(x).double(), ref.double())
-            x8 = {"Q4_0": 5, "Q8_0": 6, "Q4_K": 7, "Q6_K": 8}.get(kind)
-            for c, w in [(code, blocks)] + ([(x8, repack(f"gguf:{kind}", blocks, (19, 512)).tensors["blocks8"])]
-                                            if x8 else []):
+            x8 = X8_CODES.get(f"gguf:{kind}")
+            rows_as_stored = [(code, blocks)] if code <= KIND_CODES["int8"] else []
+            for c, w in rows_as_stored + ([(x8, repack(f"gguf:{kind}", blocks, (19, 512)).tensors["blocks8"])]
+                                          if x8 else []):
                 want = rounded if m <= 8 or c == x8 else want  # (the X8 groups: int8 at any row count)
-                out.append((("qlinear", [m, 19, 512, c | 16, dt, 2], [], [x, w, scale,
+                out.append((("qlinear", [m, 19, 512, c | QACT_INT8, dt, 2], [], [x, w, scale,
                                                                           torch.zeros(m, 19, dtype=TORCH_DTYPE[dt])]),
                             lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
     return out

@@ -17,7 +17,9 @@ from omniinfer.quantization.base import QuantPiece, dequantize_piece  # noqa: E4
 from omniinfer.testing import kquant  # noqa: E402
 from omniinfer_cpu.quant import ACT_ENV, CpuQuantKernel, activation_mode  # noqa: E402
 
-KINDS = ["gguf:Q8_0", "gguf:Q4_0", "gguf:Q4_K", "gguf:Q6_K", "int8"]
+KINDS = ["gguf:Q8_0", "gguf:Q4_0", "gguf:Q4_K", "gguf:Q6_K", "int8", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1",
+         "gguf:Q5_K"]
+GGUF_KINDS = [k for k in KINDS if k.startswith("gguf:")]
 
 
 def piece_of(kind: str, weight: torch.Tensor) -> QuantPiece:
@@ -56,7 +58,15 @@ def test_qlinear_matches_the_reference(isa_level, kind, dtype, monkeypatch):
 
 def test_what_the_kernel_leaves_to_the_reference(isa_level):
     assert CpuQuantKernel.unavailable("gguf:Q4_K", (8, 128)) == "128 columns are not whole blocks"
-    assert "gguf:Q5_K" not in CpuQuantKernel.kinds  # (the reference runs it)
+    assert CpuQuantKernel.unavailable("gguf:Q5_K", (8, 384)) == "384 columns are not whole blocks"
+    assert CpuQuantKernel.unavailable("gguf:Q5_0", (8, 48)) == "48 columns are not whole blocks"
+    assert CpuQuantKernel.unavailable("gguf:IQ4_NL", (8, 256)) == "omni_qlinear has no gguf:IQ4_NL"
+    # every GGUF block type omniinfer loads runs here (llama.cpp's Q4_K_M and Q5_K_M files fall back
+    # to Q5_0 / Q5_1 / Q8_0 where a row is not whole 256-blocks: Qwen2.5-0.5B's 896 columns)
+    from omniinfer.quantization import gguf_blocks
+
+    blocks = {f"gguf:{t.name}" for t in gguf_blocks.TYPES.values() if t.block > 1}
+    assert blocks <= set(CpuQuantKernel.kinds)
 
 
 def int8_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +94,7 @@ def test_int8_activations_match_x_rounded_the_same_way(isa_level, kind, dtype, m
             x[0, :32] *= 50  # one block far larger than the rest: its own scale
             got = kernel.apply(x)
             exact = F.linear(x.double(), w)
-            rounded = m <= 8 or kind in ("gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_K", "gguf:Q6_K")  # (more rows: float panels; X8: int8)
+            rounded = m <= 8 or kind.startswith("gguf:")  # (more rows: float panels; GGUF's groups of 8: int8)
             want = F.linear(int8_blocks(x).double(), w) if rounded else exact
             assert got.dtype == dtype and got.shape == (m, rows)
             if dtype == torch.float32:
@@ -106,9 +116,9 @@ def test_the_activation_mode_is_checked(monkeypatch):
     assert activation_mode() == "int8"
 
 
-@pytest.mark.parametrize("kind", ["gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_K", "gguf:Q6_K"])
+@pytest.mark.parametrize("kind", GGUF_KINDS)
 def test_rows_repacked_in_groups_of_8(isa_level, kind, monkeypatch):
-    """int8 activations: Q4_0 / Q8_0 / Q4_K / Q6_K rows in groups of 8 (cpu:Q4_0x8 ... cpu:Q6_Kx8), any row count
+    """int8 activations: GGUF rows in groups of 8 (cpu:Q4_0x8 ... cpu:Q6_Kx8), any row count
     (a last group padded), the same sums as x rounded to int8 gives; the repacked piece dequantises
     and narrows back to the very rows (a tied embedding reads them); at every row count."""
     from omniinfer.quantization.base import narrow_piece
@@ -121,7 +131,8 @@ def test_rows_repacked_in_groups_of_8(isa_level, kind, monkeypatch):
         piece = piece_of(kind, weight)
         kernel = CpuQuantKernel(piece)
         assert kernel.piece.kind == quant_x8.REPACKED[kind][0]
-        assert kernel.code == {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7, "gguf:Q6_K": 8}[kind] | 16
+        assert kernel.code == {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7, "gguf:Q6_K": 8, "gguf:Q4_1": 13,
+                               "gguf:Q5_0": 14, "gguf:Q5_1": 15, "gguf:Q5_K": 16}[kind] | 64
         assert kernel.piece.tensors["blocks8"].numel() == -(-rows // 8) * 8 * piece.tensors["blocks"].shape[1]
         assert torch.equal(quant_x8.as_original(kernel.piece).tensors["blocks"], piece.tensors["blocks"])
         w = dequantize_piece(piece)

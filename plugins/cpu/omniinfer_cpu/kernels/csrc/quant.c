@@ -1,18 +1,20 @@
 /* omni_qlinear: y = x @ W^T with W quantised, as a GGUF file stores it (rows of blocks: Q8_0,
- * Q4_0, Q4_K, Q6_K) or as omniinfer's int8 (q [N, K] int8 and a float32 scale a row). The weights
+ * Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K) or as omniinfer's int8 (q [N, K] int8 and a float32
+ * scale a row). The weights
  * are decoded in registers and multiplied in float32 (x as the caller gives it, widened from
  * bfloat16 once): no float copy of W exists. A block's offset term is taken out of the sum as
  * llama.cpp does, Sum d * (q - o) * x = d * Sum q * x - d * o * Sum x, with the sums of x over
  * each 16 weights computed once per call; so a result differs from dequantise-then-multiply by
  * float32 rounding only. Each thread takes a contiguous range of W's rows and reads each once per
  * group of up to 4 x rows. A kind with QACT_INT8 set takes quant_q8.c's int8-activation path
- * (up to QGEMM_ROWS rows; the Q4_0X8 / Q8_0X8 / Q4_KX8 / Q6_KX8 groups of quant_x8.c at any row count). */
+ * (up to QGEMM_ROWS rows; the groups of 8 of quant_x8.c at any row count). Q4_1, Q5_0, Q5_1 and
+ * Q5_K take float activations through their decoded blocks (dot_decoded). */
 #include "quant_blocks.h"
 
 #define QMB 4  /* x rows a weight row meets while its block is in registers */
 #define QGEMM_ROWS 8  /* above this many rows, quant_gemm.c's panels */
 
-int omni_quant_supported(int kind) { return (kind & ~QACT_INT8) >= Q8_0 && (kind & ~QACT_INT8) <= Q6_KX8; }
+int omni_quant_supported(int kind) { return (kind & ~QACT_INT8) >= 0 && (kind & ~QACT_INT8) < NUM_KINDS; }
 
 /* Sum over [e, e + VL * n) of q * x for n chunks of VL decoded weights, one x row */
 #define CHUNKS(n, decode, xrow, e) ({                                          \
@@ -142,8 +144,35 @@ static void dot_i8(const uint8_t *w, const float *x, size_t ldx, const float *xs
     }
 }
 
+/* Q4_1, Q5_0, Q5_1, Q5_K: each block decoded to float32 first (omni_qdecode_block: the reference's
+ * values), then multiplied; the int8-activation path is their groups of 8 */
+INLINE void dot_decoded(int kind, const uint8_t *w, const float *x, size_t ldx, int K, int MB, float *out) {
+    const int block = qblock(kind), bytes = qblock_bytes(kind);
+    float buf[256] __attribute__((aligned(64)));
+    vf acc[QMB] = {{0}};
+    for (int b = 0; b < K / block; b++) {
+        prefetch_ahead(w + (size_t)b * bytes, bytes);
+        omni_qdecode_block(kind, w + (size_t)b * bytes, buf);
+        for (int m = 0; m < MB; m++)
+            for (int c = 0; c < block; c += VL) acc[m] += *(const vf *)(buf + c) * *(const vfu *)(x + m * ldx + b * block + c);
+    }
+    for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]);
+}
+#define DOT_DECODED(name, kind)                                                                       \
+    static void name(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K, \
+                     int MB, float *out) {                                                            \
+        (void)xs, (void)ldxs;                                                                         \
+        dot_decoded(kind, w, x, ldx, K, MB, out);                                                     \
+    }
+DOT_DECODED(dot_q4_1, Q4_1)
+DOT_DECODED(dot_q5_0, Q5_0)
+DOT_DECODED(dot_q5_1, Q5_1)
+DOT_DECODED(dot_q5_k, Q5_K)
+
 typedef void (*qdot_fn)(const uint8_t *, const float *, size_t, const float *, size_t, int, int, float *);
-static const qdot_fn QDOT[] = {dot_q8_0, dot_q4_0, dot_q4_k, dot_q6_k, dot_i8};
+static const qdot_fn QDOT[NUM_KINDS] = {[Q8_0] = dot_q8_0, [Q4_0] = dot_q4_0, [Q4_K] = dot_q4_k, [Q6_K] = dot_q6_k,
+                                        [I8] = dot_i8, [Q4_1] = dot_q4_1, [Q5_0] = dot_q5_0, [Q5_1] = dot_q5_1,
+                                        [Q5_K] = dot_q5_k};
 
 /* y [M, ldy] (dtype dt) = x [M, ldx] (dt) @ W^T, W [N, K] of `kind` (int8: w is q, scale [N]).
  * Returns 0; -1 for a kind not built, a K that is not whole blocks, or no memory. */
@@ -156,8 +185,10 @@ int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scal
         return -1;
     if (kind == I8 && !scale) return -1;
     /* int8 activations: up to QGEMM_ROWS rows, and the X8 groups at any row count (their grouped
-     * sums beat the float panels from 16 rows to prefills); they have no float-activation path */
-    int x8 = kind == Q4_0X8 || kind == Q8_0X8 || kind == Q4_KX8 || kind == Q6_KX8;
+     * sums beat the float panels from 16 rows to prefills); they have no float-activation path,
+     * and Q4_1, Q5_0, Q5_1, Q5_K have no int8 path but theirs */
+    int x8 = is_x8(kind);
+    if (q8 && !x8 && kind > I8) return -1;
     if (q8 && (M <= QGEMM_ROWS || x8)) return omni_qlinear_q8(x, ldx, w, scale, y, ldy, M, N, K, kind, dt, nthreads);
     if (x8) return -1;
     int ldxs = K / 16;

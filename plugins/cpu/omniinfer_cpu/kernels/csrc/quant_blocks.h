@@ -1,12 +1,14 @@
 /* The quantised blocks' layouts, decoded a vector at a time (quant.c's products and
- * quant_gemm.c's panels share them). Formats: GGUF's Q8_0, Q4_0, Q4_K, Q6_K as the file stores
- * them, and omniinfer's int8 (a row of int8 and one float32 scale). */
+ * quant_gemm.c's panels share them). Formats: GGUF's Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K,
+ * Q6_K as the file stores them, and omniinfer's int8 (a row of int8 and one float32 scale). */
 #ifndef OMNI_QUANT_BLOCKS_H
 #define OMNI_QUANT_BLOCKS_H
 #include "omni.h"
 #include "prefetch.h"
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q4_KX8 = 7, Q6_KX8 = 8 };
+enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q4_KX8 = 7, Q6_KX8 = 8,
+       Q4_1 = 9, Q5_0 = 10, Q5_1 = 11, Q5_K = 12, Q4_1X8 = 13, Q5_0X8 = 14, Q5_1X8 = 15, Q5_KX8 = 16,
+       NUM_KINDS = 17 };
 /* Q4_0X8: Q4_0 rows repacked in groups of 8 for the int8-activation path (quant_x8.c). Group g
  * (rows 8g .. 8g + 7; a last group padded with zero rows) is K / 32 blocks of 144 bytes: the 8
  * rows' float16 d, then 4 chunks of 32 bytes; byte 4r + i of chunk c holds row r's weight
@@ -19,7 +21,14 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q
  * 4r + i of chunk c: row r's weight 32s + 8c + i in the low nibble, 32s + 8c + 4 + i in the high).
  * Q6_KX8 from Q6_K: blocks of 1680 bytes: the 8 rows' float16 d, their 16 int8 scales (byte 8t + r:
  * row r's scale t), then sub-block s at 144 + 192s: the low 4 bits of its codes as Q4_0X8's
- * chunks, then their top 2 bits (quant_x8.c says where). */
+ * chunks, then their top 2 bits (quant_x8.c says where).
+ * Q4_1X8, Q5_0X8, Q5_1X8 from Q4_1, Q5_0, Q5_1 (32 columns a block): the 8 rows' float16 d, their
+ * float16 m (Q4_1, Q5_1), then the low 4 bits of the codes as Q4_0X8's 4 chunks, then (Q5_0, Q5_1)
+ * their fifth bits in 32 bytes: bit k of byte 4r + i is the fifth bit of the code in byte 4r + i
+ * of code vector k, chunk k / 2's low (k even) or high nibbles: row r's weight 8 (k / 2) + 4 (k & 1)
+ * + i (x5_codes). Blocks of 160, 176 and 192 bytes.
+ * Q5_KX8 from Q5_K: blocks of 1408 bytes: the 8 rows' d, dmin and 12 scale bytes as Q4_KX8's, then
+ * sub-block s at 128 + 160s: its low 4 bits as Q4_KX8's chunks, then their fifth bits as Q5_0X8's. */
 /* vpdpbusd on 8 int32 lanes (each += 4 products of unsigned by signed bytes): AVX-512 VNNI's
  * EVEX form, or AVX-VNNI's VEX one (the avx2_vnni level: Intel cores since Alder Lake, Zen 5) */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -28,14 +37,25 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q
 #define DPBUSD256(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
 #endif
 /* set in a kind code: x is rounded to int8 blocks and multiplied in integers (quant_q8.c) */
-#define QACT_INT8 16
+#define QACT_INT8 64
 
-INLINE int qblock(int kind) { return kind == Q4_K || kind == Q6_K || kind == Q4_KX8 || kind == Q6_KX8 ? 256 : kind == I8 ? 1 : 32; }
+INLINE int qblock(int kind) {
+    return kind == Q4_K || kind == Q5_K || kind == Q6_K || kind == Q4_KX8 || kind == Q5_KX8 || kind == Q6_KX8 ? 256
+         : kind == I8 ? 1 : 32;
+}
+
+/* a block's bytes (X8: a row's share of its group's block) */
+INLINE int qblock_bytes(int kind) {
+    static const int bytes[NUM_KINDS] = {34, 18, 144, 210, 0, 18, 34, 144, 210, 20, 22, 24, 176, 20, 22, 24, 176};
+    return bytes[kind];
+}
 
 INLINE size_t qrow_bytes(int kind, int K) {
-    static const int bytes[] = {34, 18, 144, 210, 0, 18, 34, 144, 210};  /* (X8: a row's share of its group) */
-    return kind == I8 ? (size_t)K : (size_t)(K / qblock(kind)) * bytes[kind];
+    return kind == I8 ? (size_t)K : (size_t)(K / qblock(kind)) * qblock_bytes(kind);
 }
+
+/* the kinds held in groups of 8 rows (quant_x8.c; int8 activations only) */
+INLINE int is_x8(int kind) { return (kind >= Q4_0X8 && kind <= Q6_KX8) || (kind >= Q4_1X8 && kind <= Q5_KX8); }
 
 INLINE uint16_t u16_at(const uint8_t *p) {
     uint16_t v;
@@ -107,7 +127,82 @@ INLINE __m256i x8_nibble_dot(const __m256i c[8], const int8_t *x) {
     return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
 #endif
 }
+/* the fifth bits at hb of a group's 8 code vectors (bit k of each byte: vector k) set as 16 in c[k] */
+INLINE void x5_codes(const uint8_t *hb, __m256i c[8]) {
+    const __m256i bit4 = _mm256_set1_epi8(16);
+    __m256i h = _mm256_loadu_si256((const __m256i *)hb);
+    /* (16-bit shifts: what crosses into a byte's neighbour lands outside bit 4 and is masked off) */
+    c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
+    c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
+    c[2] = _mm256_or_si256(c[2], _mm256_and_si256(_mm256_slli_epi16(h, 2), bit4));
+    c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_slli_epi16(h, 1), bit4));
+    c[4] = _mm256_or_si256(c[4], _mm256_and_si256(h, bit4));
+    c[5] = _mm256_or_si256(c[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), bit4));
+    c[6] = _mm256_or_si256(c[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4));
+    c[7] = _mm256_or_si256(c[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4));
+}
+/* x8_nibble_dot for codes 0..31: without VNNI the vpmaddubsw sums are widened every 4 (a pair is
+ * at most 2 * 31 * 127: four fit int16, eight do not) */
+INLINE __m256i x8_dot5(const __m256i c[8], const int8_t *x) {
+#if defined(DPBUSD256)
+    return x8_nibble_dot(c, x);
+#else
+    int32_t x4[8];
+    memcpy(x4, x, 32);
+    const __m256i one = _mm256_set1_epi16(1);
+    __m256i s[2];
+    for (int h = 0; h < 2; h++) {
+        __m256i s16 = _mm256_maddubs_epi16(c[4 * h], _mm256_set1_epi32(x4[4 * h]));
+        for (int j = 1; j < 4; j++)
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[4 * h + j], _mm256_set1_epi32(x4[4 * h + j])));
+        s[h] = _mm256_madd_epi16(s16, one);
+    }
+    return _mm256_add_epi32(s[0], s[1]);
 #endif
+}
+#endif
+#if defined(__aarch64__) && defined(__ARM_NEON)
+/* a Q4_0X8 block's (or a Q4_KX8 sub-block's) chunks at p, and (hb non-NULL) their fifth bits at
+ * hb, as 8 code vectors of 4 weights for rows 0-3 (c[j][0]) and 4-7 (c[j][1]) */
+INLINE void x8_codes_neon(const uint8_t *p, const uint8_t *hb, int8x16_t c[8][2]) {
+    for (int j = 0; j < 4; j++)
+        for (int h = 0; h < 2; h++) {
+            uint8x16_t v = vld1q_u8(p + 32 * j + 16 * h);
+            uint8x16_t lo = vandq_u8(v, vdupq_n_u8(15)), hi = vshrq_n_u8(v, 4);
+            if (hb) {
+                uint8x16_t b = vld1q_u8(hb + 16 * h), bit4 = vdupq_n_u8(16);
+                /* bit 2j of each byte to bit 4 (lo), bit 2j + 1 (hi) */
+                uint8x16_t b0 = j == 0 ? vshlq_n_u8(b, 4) : j == 1 ? vshlq_n_u8(b, 2) : j == 2 ? b : vshrq_n_u8(b, 2);
+                uint8x16_t b1 = j == 0 ? vshlq_n_u8(b, 3) : j == 1 ? vshlq_n_u8(b, 1) : j == 2 ? vshrq_n_u8(b, 1)
+                                                                                      : vshrq_n_u8(b, 3);
+                lo = vorrq_u8(lo, vandq_u8(b0, bit4));
+                hi = vorrq_u8(hi, vandq_u8(b1, bit4));
+            }
+            c[2 * j][h] = vreinterpretq_s8_u8(lo);
+            c[2 * j + 1][h] = vreinterpretq_s8_u8(hi);
+        }
+}
+/* the 8 rows' Sum code * x of those code vectors and x's 32 int8 at x: 4 int32 a half (rows 4h ..
+ * 4h + 3). 8 products of at most 15 * 127 (31 * 127 for 5-bit codes) a 16-bit lane; 4-bit codes'
+ * lanes add in pairs before widening, 5-bit ones (wide) cannot */
+INLINE int32x4_t x8_dot_neon(int8x16_t c[8][2], const int8_t *x, int h, const int wide) {
+    int32_t x4[8];
+    memcpy(x4, x, 32);
+    int16x8_t lo = vdupq_n_s16(0), hi = vdupq_n_s16(0);  /* rows 4h, 4h+1 | 4h+2, 4h+3 */
+    for (int j = 0; j < 8; j++) {
+        int8x16_t xv = vreinterpretq_s8_s32(vdupq_n_s32(x4[j]));
+        lo = vmlal_s8(lo, vget_low_s8(c[j][h]), vget_low_s8(xv));
+        hi = vmlal_s8(hi, vget_high_s8(c[j][h]), vget_high_s8(xv));
+    }
+    return wide ? vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi)) : vpaddlq_s16(vpaddq_s16(lo, hi));
+}
+#endif
+/* the code (0..31) of row r's weight 8c + 4h + i in a group's chunks at p and fifth bits at hb
+ * (hb NULL: 4-bit codes) */
+INLINE int x8_code(const uint8_t *p, const uint8_t *hb, int r, int c, int h, int i) {
+    int v = (p[32 * c + 4 * r + i] >> (4 * h)) & 15;
+    return hb ? v | (((hb[4 * r + i] >> (2 * c + h)) & 1) << 4) : v;
+}
 #define XMB 4  /* x rows a group's block meets while its codes are in registers (quant_x8.c) */
 /* a group of 8 rows (at g) against x rows m0 .. m0 + MB - 1: out[m][r] */
 typedef void (*x8_group_fn)(const uint8_t *g, const xq *X, int m0, int MB, float out[XMB][8]);
@@ -121,12 +216,16 @@ typedef void (*x8_group_fn)(const uint8_t *g, const xq *X, int m0, int MB, float
         default: fn(g, X, m0, 4, out); break;                            \
         }                                                                \
     }
-/* quant_kx8.c: the group function of Q4_KX8 or Q6_KX8 */
+/* quant_kx8.c: the group function of Q4_KX8, Q5_KX8 or Q6_KX8 */
 x8_group_fn omni_kx8_group(int kind);
 
-/* quant_x8.c: y [M, ldy] (dt) = X @ W^T for W's N rows in Q4_0X8, Q8_0X8, Q4_KX8 or Q6_KX8 groups at w */
+/* quant_x8.c: y [M, ldy] (dt) = X @ W^T for W's N rows in groups of 8 (is_x8) at w */
 void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt,
                    int nthreads);
+
+/* quant_rows.c: one block of Q4_1, Q5_0, Q5_1 or Q5_K -> its 32 or 256 float32 weights, exactly the
+ * reference's (the float-activation products of these kinds decode through it) */
+void omni_qdecode_block(int kind, const uint8_t *blk, float *out);
 
 /* quant_q8.c: the int8-activation path (kind without QACT_INT8; K whole blocks of 32) */
 int omni_qlinear_q8(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy,

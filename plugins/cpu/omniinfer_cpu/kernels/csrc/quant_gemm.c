@@ -9,7 +9,9 @@
 /* weight row w (of `kind`, K wide; int8: times scale) -> K floats */
 static void decode_row(int kind, const uint8_t *w, float scale, int K, float *out) {
     for (int b = 0; b < K / qblock(kind); b++) {
-        if (kind == Q8_0) {
+        if (kind >= Q4_1 && kind <= Q5_K) {
+            omni_qdecode_block(kind, w + (size_t)b * qblock_bytes(kind), out + (size_t)b * qblock(kind));
+        } else if (kind == Q8_0) {
             const uint8_t *blk = w + (size_t)b * 34;
             float d = f16_to_f32(u16_at(blk));
             for (int c = 0; c < 32; c += VL) *(vfu *)(out + 32 * b + c) = d * s8_load((const int8_t *)blk + 2 + c);

@@ -1,14 +1,14 @@
-/* The K-quants' groups of 8 (Q4_KX8, Q6_KX8: quant_blocks.h) for omni_qx8_rows (quant_x8.c): the
- * same integer sums as its Q4_0X8 groups, per 32-weight sub-block, then each row's sub-block
- * scale (Q4_K: d * scale and dmin * minimum; Q6_K: d * scale per 16 weights, less 32 times x's
+/* The K-quants' groups of 8 (Q4_KX8, Q5_KX8, Q6_KX8: quant_blocks.h) for omni_qx8_rows
+ * (quant_x8.c): the same integer sums as its Q4_0X8 groups, per 32-weight sub-block, then each row's sub-block
+ * scale (Q4_K, Q5_K: d * scale and dmin * minimum; Q6_K: d * scale per 16 weights, less 32 times x's
  * sum) for the 8 rows in one vector, where the row-at-a-time dots of quant_q8.c take them a
  * row and a sub-block at a time. */
 #include "quant_blocks.h"
 
 /* Q4_KX8: per 256 columns the 8 rows' d and dmin, their 12 scale bytes (byte 8t + r: row r's byte
- * t), then sub-block s's codes as Q4_0X8's; each row's scale and minimum of sub-block s unpacked
- * for the 8 rows at once, 8 bytes to a 64-bit word (k4_scales) */
-#define K4_BYTES 1152
+ * t), then sub-block s's codes as Q4_0X8's (Q5_KX8: and their fifth bits after them, as Q5_0X8's);
+ * each row's scale and minimum of sub-block s unpacked for the 8 rows at once, 8 bytes to a
+ * 64-bit word (k4_scales) */
 INLINE void k4_scales(const uint8_t *blk, int s, uint64_t *sc, uint64_t *mn) {
     const uint64_t m6 = 0x3f3f3f3f3f3f3f3full, m4 = 0x0f0f0f0f0f0f0f0full, m2 = 0x0303030303030303ull;
     uint64_t t[3];  /* the 8 rows' bytes s, s + 4, s + 8 (s < 4) or s - 4, s, s + 4 */
@@ -28,27 +28,29 @@ INLINE void k4_scales(const uint8_t *blk, int s, uint64_t *sc, uint64_t *mn) {
 #define K6_BYTES 1680
 
 #if defined(__AVX2__)
-INLINE void k4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+INLINE void kq_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8], const int hi) {
     __m256 acc[XMB];
     for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
-    const int nbx = X->K / 32;
+    const int nbx = X->K / 32, sub = 128 + 32 * hi;
     for (int b = 0; b < X->K / 256; b++) {
-        const uint8_t *blk = g + (size_t)b * K4_BYTES;
+        const uint8_t *blk = g + (size_t)b * (128 + 8 * sub);
         __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256 dmw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         for (int s = 0; s < 8; s++) {
-            const uint8_t *cs = blk + 128 + 128 * s;
-            prefetch_ahead(cs, 128);
+            const uint8_t *cs = blk + 128 + sub * s;
+            prefetch_ahead(cs, sub);
             uint64_t sc, mn;
             k4_scales(blk, s, &sc, &mn);
             __m256 ds = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)sc))));
             __m256 dm = _mm256_mul_ps(dmw, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn))));
             __m256i c[8];
             x8_nibbles(cs, c);
+            if (hi) x5_codes(cs + 128, c);
             int xb = 8 * b + s;
             for (int m = 0; m < MB; m++) {
                 size_t r = (size_t)(m0 + m);
-                __m256i t = x8_nibble_dot(c, X->q + r * X->K + 32 * xb);
+                const int8_t *xs = X->q + r * X->K + 32 * xb;
+                __m256i t = hi ? x8_dot5(c, xs) : x8_nibble_dot(c, xs);
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(ds, _mm256_set1_ps(X->d[r * nbx + xb])),
                                          acc[m]);
                 acc[m] = _mm256_fnmadd_ps(dm, _mm256_set1_ps(X->s32[r * nbx + xb]), acc[m]);
@@ -115,20 +117,20 @@ INLINE void k6_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     for (int m = 0; m < MB; m++) _mm256_storeu_ps(out[m], acc[m]);
 }
 #elif defined(__aarch64__) && defined(__ARM_NEON)
-INLINE void k4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+INLINE void kq_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8], const int hi) {
     float32x4_t acc[XMB][2];
     for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
-    const int nbx = X->K / 32;
+    const int nbx = X->K / 32, sub = 128 + 32 * hi;
     for (int b = 0; b < X->K / 256; b++) {
-        const uint8_t *blk = g + (size_t)b * K4_BYTES;
+        const uint8_t *blk = g + (size_t)b * (128 + 8 * sub);
         float32x4_t dw[2], dmw[2];
         for (int h = 0; h < 2; h++) {
             dw[h] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk + 4 * h)));
             dmw[h] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)(blk + 16) + 4 * h)));
         }
         for (int s = 0; s < 8; s++) {
-            const uint8_t *cs = blk + 128 + 128 * s;
-            prefetch_ahead(cs, 128);
+            const uint8_t *cs = blk + 128 + sub * s;
+            prefetch_ahead(cs, sub);
             uint64_t sc, mn;
             k4_scales(blk, s, &sc, &mn);
             uint16x8_t sc16 = vmovl_u8(vcreate_u8(sc)), mn16 = vmovl_u8(vcreate_u8(mn));
@@ -137,26 +139,13 @@ INLINE void k4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
             float32x4_t dm[2] = {vmulq_f32(dmw[0], vcvtq_f32_u32(vmovl_u16(vget_low_u16(mn16)))),
                                  vmulq_f32(dmw[1], vcvtq_f32_u32(vmovl_high_u16(mn16)))};
             int8x16_t c[8][2];  /* codes of 4-weight step j for rows 0-3, 4-7 */
-            for (int j = 0; j < 4; j++)
-                for (int h = 0; h < 2; h++) {
-                    uint8x16_t v = vld1q_u8(cs + 32 * j + 16 * h);
-                    c[2 * j][h] = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15)));
-                    c[2 * j + 1][h] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
-                }
+            x8_codes_neon(cs, hi ? cs + 128 : NULL, c);
             int xb = 8 * b + s;
             for (int m = 0; m < MB; m++) {
                 size_t r = (size_t)(m0 + m);
-                int32_t x4[8];
-                memcpy(x4, X->q + r * X->K + 32 * xb, 32);
                 float d = X->d[r * nbx + xb], s32 = X->s32[r * nbx + xb];
                 for (int h = 0; h < 2; h++) {
-                    int16x8_t lo = vdupq_n_s16(0), hi = vdupq_n_s16(0);  /* rows 4h, 4h+1 | 4h+2, 4h+3 */
-                    for (int j = 0; j < 8; j++) {
-                        int8x16_t xv = vreinterpretq_s8_s32(vdupq_n_s32(x4[j]));
-                        lo = vmlal_s8(lo, vget_low_s8(c[j][h]), vget_low_s8(xv));
-                        hi = vmlal_s8(hi, vget_high_s8(c[j][h]), vget_high_s8(xv));
-                    }
-                    int32x4_t t = vpaddlq_s16(vpaddq_s16(lo, hi));
+                    int32x4_t t = x8_dot_neon(c, X->q + r * X->K + 32 * xb, h, hi);
                     acc[m][h] = vfmaq_f32(acc[m][h], vcvtq_f32_s32(t), vmulq_n_f32(ds[h], d));
                     acc[m][h] = vfmsq_f32(acc[m][h], dm[h], vdupq_n_f32(s32));
                 }
@@ -218,15 +207,15 @@ INLINE void k6_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     for (int m = 0; m < MB; m++) vst1q_f32(out[m], acc[m][0]), vst1q_f32(out[m] + 4, acc[m][1]);
 }
 #else
-INLINE void k4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
+INLINE void kq_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8], const int hi) {
     for (int m = 0; m < MB; m++)
         for (int r = 0; r < 8; r++) out[m][r] = 0.f;
-    const int nbx = X->K / 32;
+    const int nbx = X->K / 32, sub = 128 + 32 * hi;
     for (int b = 0; b < X->K / 256; b++) {
-        const uint8_t *blk = g + (size_t)b * K4_BYTES;
+        const uint8_t *blk = g + (size_t)b * (128 + 8 * sub);
         for (int s = 0; s < 8; s++) {
-            const uint8_t *cs = blk + 128 + 128 * s;
-            prefetch_ahead(cs, 128);
+            const uint8_t *cs = blk + 128 + sub * s, *hb = hi ? cs + 128 : NULL;
+            prefetch_ahead(cs, sub);
             uint64_t sc, mn;
             k4_scales(blk, s, &sc, &mn);
             int xb = 8 * b + s;
@@ -237,10 +226,8 @@ INLINE void k4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
                 for (int r = 0; r < 8; r++) {
                     int32_t t = 0;
                     for (int c = 0; c < 4; c++)
-                        for (int i = 0; i < 4; i++) {
-                            uint8_t v = cs[32 * c + 4 * r + i];
-                            t += (v & 15) * xs[8 * c + i] + (v >> 4) * xs[8 * c + 4 + i];
-                        }
+                        for (int h = 0; h < 2; h++)
+                            for (int i = 0; i < 4; i++) t += x8_code(cs, hb, r, c, h, i) * xs[8 * c + 4 * h + i];
                     float ds = f16_to_f32(u16_at(blk + 2 * r)) * (float)((sc >> (8 * r)) & 255);
                     float dm = f16_to_f32(u16_at(blk + 16 + 2 * r)) * (float)((mn >> (8 * r)) & 255);
                     out[m][r] += (float)t * (ds * d) - dm * s32;
@@ -285,7 +272,11 @@ INLINE void k6_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
 }
 #endif
 
+INLINE void k4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { kq_rows(g, X, m0, MB, out, 0); }
+INLINE void k5_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { kq_rows(g, X, m0, MB, out, 1); }
+
 ROWS_OF(k4_rows)
+ROWS_OF(k5_rows)
 ROWS_OF(k6_rows)
 
-x8_group_fn omni_kx8_group(int kind) { return kind == Q6_KX8 ? k6_rows_n : k4_rows_n; }
+x8_group_fn omni_kx8_group(int kind) { return kind == Q6_KX8 ? k6_rows_n : kind == Q5_KX8 ? k5_rows_n : k4_rows_n; }

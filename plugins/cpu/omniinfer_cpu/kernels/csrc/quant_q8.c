@@ -363,7 +363,7 @@ Q8DOT(q8dot_q6_k, 256, 210, blk_q6_k)
 Q8DOT(q8dot_i8, 32, 32, blk_i8)
 
 typedef void (*q8dot_fn)(const uint8_t *, const xq *, int, float *);
-static const q8dot_fn Q8DOT_FNS[] = {q8dot_q8_0, q8dot_q4_0, q8dot_q4_k, q8dot_q6_k, q8dot_i8};
+static const q8dot_fn Q8DOT_FNS[] = {q8dot_q8_0, q8dot_q4_0, q8dot_q4_k, q8dot_q6_k, q8dot_i8};  /* (kinds <= I8) */
 
 /* omni_qlinear with x rounded to int8 blocks (quant.c checks the arguments; here K % 32 == 0).
  * Each thread takes a contiguous range of W's rows and reads each once per group of QMB x rows. */
@@ -375,7 +375,7 @@ int omni_qlinear_q8(const void *x, int64_t ldx, const uint8_t *w, const float *s
     float *dx = (float *)(((uintptr_t)(qx + (size_t)M * K) + 63) & ~(uintptr_t)63), *sx = dx + nb, *s32 = sx + 2 * nb;
     int32_t *xsum = (int32_t *)(s32 + nb);
     quantize_x(x, ldx, dt, M, K, qx, dx, sx, s32, xsum);
-    if (kind == Q4_0X8 || kind == Q8_0X8 || kind == Q4_KX8 || kind == Q6_KX8) {
+    if (is_x8(kind)) {
         xq X = {qx, dx, sx, s32, xsum, K};
         omni_qx8_rows(kind, w, &X, y, ldy, M, N, dt, nthreads);
         free(qx);

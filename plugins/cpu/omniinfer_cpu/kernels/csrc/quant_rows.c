@@ -17,12 +17,100 @@
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 #endif
 
+/* one block of Q4_1, Q5_0, Q5_1 (32 weights) or Q5_K (256) at blk -> out, as the reference:
+ * d * q + m, d * (q - 16), (d * scale) * q - dmin * minimum (the products are exact in float32,
+ * so quant.c's and quant_gemm.c's float products, which decode through this too, see the very
+ * values the reference multiplies) */
+NO_CONTRACT void omni_qdecode_block(int kind, const uint8_t *blk, float *out) {
+    if (kind == Q5_K) {
+        const uint8_t *qh = blk + 16, *qs = blk + 48;
+        float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
+        uint8_t sc[8], mn[8];
+        k_scales(blk + 4, sc, mn);
+        for (int s = 0; s < 8; s++) {
+            float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
+            for (int l = 0; l < 32; l++) {
+                int q = ((qs[32 * (s / 2) + l] >> (4 * (s & 1))) & 15) | (((qh[l] >> s) & 1) << 4);
+                float p = ds * (float)q;
+                out[32 * s + l] = p - dm;
+            }
+        }
+        return;
+    }
+    int has_min = kind != Q5_0, has_hi = kind != Q4_1;
+    float d = f16_to_f32(u16_at(blk)), m = has_min ? f16_to_f32(u16_at(blk + 2)) : 0.f;
+    const uint8_t *qh = blk + 2 + 2 * has_min, *qs = qh + 4 * has_hi;
+    uint32_t h = 0;
+    if (has_hi) memcpy(&h, qh, 4);
+    for (int j = 0; j < 32; j++) {  /* weight j: byte j % 16's low (j < 16) or high nibble, bit j of h */
+        int q = ((qs[j % 16] >> (j < 16 ? 0 : 4)) & 15) | (((h >> j) & 1) << 4);
+        if (has_min) {
+            float p = d * (float)q;
+            out[j] = p + m;
+        } else {
+            out[j] = d * (float)(q - 16);
+        }
+    }
+}
+
+/* row r of a group-of-8 kind of Q4_1, Q5_0, Q5_1 or Q5_K (quant_blocks.h) -> out, as
+ * omni_qdecode_block decodes the block it came from */
+NO_CONTRACT static void decode_x8_row(const uint8_t *w, int kind, int64_t r, int K, float *out) {
+    int rr = (int)(r % 8), block = qblock(kind), bytes = 8 * qblock_bytes(kind);
+    const uint8_t *g = w + (size_t)(r / 8) * (size_t)(K / block) * bytes;
+    for (int b = 0; b < K / block; b++) {
+        const uint8_t *blk = g + (size_t)b * bytes;
+        float d = f16_to_f32(u16_at(blk + 2 * rr));
+        float *o = out + (size_t)b * block;
+        if (kind == Q5_KX8) {
+            float dmin = f16_to_f32(u16_at(blk + 16 + 2 * rr));
+            uint8_t packed[12], sc[8], mn[8];
+            for (int t = 0; t < 12; t++) packed[t] = blk[32 + 8 * t + rr];
+            k_scales(packed, sc, mn);
+            for (int s = 0; s < 8; s++) {
+                const uint8_t *cs = blk + 128 + 160 * s;
+                float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
+                for (int c = 0; c < 4; c++)
+                    for (int h = 0; h < 2; h++)
+                        for (int i = 0; i < 4; i++) {
+                            float p = ds * (float)x8_code(cs, cs + 128, rr, c, h, i);
+                            o[32 * s + 8 * c + 4 * h + i] = p - dm;
+                        }
+            }
+            continue;
+        }
+        int has_min = kind != Q5_0X8, has_hi = kind != Q4_1X8;
+        float m = has_min ? f16_to_f32(u16_at(blk + 16 + 2 * rr)) : 0.f;
+        const uint8_t *p = blk + 16 + 16 * has_min, *hb = has_hi ? p + 128 : NULL;
+        for (int c = 0; c < 4; c++)
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < 4; i++) {
+                    int q = x8_code(p, hb, rr, c, h, i);
+                    if (has_min) {
+                        float v = d * (float)q;
+                        o[8 * c + 4 * h + i] = v + m;
+                    } else {
+                        o[8 * c + 4 * h + i] = d * (float)(q - 16);
+                    }
+                }
+    }
+}
+
 /* row r of W [N, K] of `kind` -> out (float32, K values) */
 NO_CONTRACT static void decode_row(const uint8_t *w, const float *scale, int kind, int64_t r, int K, float *out) {
     size_t rb = qrow_bytes(kind, K);
     if (kind == I8) {
         const int8_t *q = (const int8_t *)w + (size_t)r * K;
         for (int k = 0; k < K; k++) out[k] = (float)q[k] * scale[r];
+        return;
+    }
+    if (kind >= Q4_1X8 && kind <= Q5_KX8) {
+        decode_x8_row(w, kind, r, K, out);
+        return;
+    }
+    if (kind >= Q4_1 && kind <= Q5_K) {
+        for (int b = 0; b < K / qblock(kind); b++)
+            omni_qdecode_block(kind, w + (size_t)r * rb + (size_t)b * qblock_bytes(kind), out + (size_t)b * qblock(kind));
         return;
     }
     if (kind == Q4_0X8 || kind == Q8_0X8) {  /* block b of row r within its group's blocks */

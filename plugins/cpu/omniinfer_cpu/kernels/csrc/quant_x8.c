@@ -1,11 +1,12 @@
-/* omni_qx8_rows: the int8-activation product for Q4_0, Q8_0, Q4_K and Q6_K weights repacked in
- * groups of 8 rows (Q4_0X8, Q8_0X8, Q4_KX8, Q6_KX8: quant_blocks.h; the K-quants' group
- * functions are quant_kx8.c's), the layout llama.cpp's repacked CPU buffers use the idea of:
+/* omni_qx8_rows: the int8-activation product for Q4_0, Q8_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and
+ * Q6_K weights repacked in groups of 8 rows (Q4_0X8 ... Q6_KX8: quant_blocks.h; the K-quants'
+ * group functions are quant_kx8.c's), the layout llama.cpp's repacked CPU buffers use the idea of:
  * one 32-bit lane per weight row, so a register of codes meets 4 values of x broadcast to
  * every lane and the 8 rows' sums come out in 8 lanes, scaled by the 8 rows' d at once; no
  * horizontal sums, and a quarter to a half of the per-row path's instructions a weight. Per row
  * the sum is the one quant_q8.c's per-row path computes, exact in integers per block
- * (Q4_0: Sum q * x_q - 8 * Sum x_q), then d_w * d_x once per block (float32).
+ * (Q4_0: Sum q * x_q - 8 * Sum x_q), then d_w * d_x once per block (float32); Q4_1's and Q5_1's
+ * minimum m adds m times x's rounded block sum.
  *
  * Products: AVX2's vpmaddubsw (Q4_0: summed in int16 over a block, 8 pairs of at most 15 * 127
  * each, below 2^15; Q8_0: |c| times x with c's sign, widened every step) then vpmaddwd; AVX-512
@@ -69,6 +70,33 @@ INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
 #endif
             __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[r * (X->K / 32) + b]));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[m]);
+        }
+    }
+    for (int m = 0; m < MB; m++) _mm256_storeu_ps(out[m], acc[m]);
+}
+/* Q4_1X8 (has_min), Q5_0X8 (has_hi), Q5_1X8 (both): Q4_0X8's sums of codes times x (5-bit codes
+ * with their fifth bits), then Q5_0's offset (16 * Sum x_q) or each row's m times x's block sum */
+INLINE void qn_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8], const int has_min,
+                    const int has_hi) {
+    const int bytes = 144 + 16 * has_min + 32 * has_hi, nbx = X->K / 32;
+    __m256 acc[XMB];
+    for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
+    for (int b = 0; b < nbx; b++) {
+        const uint8_t *blk = g + (size_t)b * bytes, *p = blk + 16 + 16 * has_min;
+        prefetch_ahead(blk, bytes);
+        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256 mw = has_min ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : _mm256_setzero_ps();
+        __m256i c[8];
+        x8_nibbles(p, c);
+        if (has_hi) x5_codes(p + 128, c);
+        for (int m = 0; m < MB; m++) {
+            size_t r = (size_t)(m0 + m);
+            const int8_t *xb = X->q + r * X->K + 32 * b;
+            __m256i s = has_hi ? x8_dot5(c, xb) : x8_nibble_dot(c, xb);
+            if (!has_min) s = _mm256_add_epi32(s, _mm256_set1_epi32(-16 * X->isum[r * nbx + b]));
+            __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[r * nbx + b]));
+            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[m]);
+            if (has_min) acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(X->s32[r * nbx + b]), acc[m]);
         }
     }
     for (int m = 0; m < MB; m++) _mm256_storeu_ps(out[m], acc[m]);
@@ -138,6 +166,35 @@ INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     }
     for (int m = 0; m < MB; m++) vst1q_f32(out[m], acc[m][0]), vst1q_f32(out[m] + 4, acc[m][1]);
 }
+INLINE void qn_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8], const int has_min,
+                    const int has_hi) {
+    const int bytes = 144 + 16 * has_min + 32 * has_hi, nbx = X->K / 32;
+    float32x4_t acc[XMB][2];
+    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
+    for (int b = 0; b < nbx; b++) {
+        const uint8_t *blk = g + (size_t)b * bytes, *p = blk + 16 + 16 * has_min;
+        prefetch_ahead(blk, bytes);
+        float32x4_t dw[2], mw[2];
+        for (int h = 0; h < 2; h++) {
+            dw[h] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk + 4 * h)));
+            mw[h] = has_min ? vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)(blk + 16) + 4 * h)))
+                            : vdupq_n_f32(0.f);
+        }
+        int8x16_t c[8][2];
+        x8_codes_neon(p, has_hi ? p + 128 : NULL, c);
+        for (int m = 0; m < MB; m++) {
+            size_t r = (size_t)(m0 + m);
+            float d = X->d[r * nbx + b], s32 = X->s32[r * nbx + b];
+            for (int h = 0; h < 2; h++) {
+                int32x4_t s = x8_dot_neon(c, X->q + r * X->K + 32 * b, h, has_hi);
+                if (!has_min) s = vaddq_s32(s, vdupq_n_s32(-16 * X->isum[r * nbx + b]));
+                acc[m][h] = vfmaq_f32(acc[m][h], vcvtq_f32_s32(s), vmulq_n_f32(dw[h], d));
+                if (has_min) acc[m][h] = vfmaq_n_f32(acc[m][h], mw[h], s32);
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++) vst1q_f32(out[m], acc[m][0]), vst1q_f32(out[m] + 4, acc[m][1]);
+}
 #else
 INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
     for (int m = 0; m < MB; m++)
@@ -179,18 +236,46 @@ INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
         }
     }
 }
+INLINE void qn_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8], const int has_min,
+                    const int has_hi) {
+    const int bytes = 144 + 16 * has_min + 32 * has_hi, nbx = X->K / 32;
+    for (int m = 0; m < MB; m++)
+        for (int r = 0; r < 8; r++) out[m][r] = 0.f;
+    for (int b = 0; b < nbx; b++) {
+        const uint8_t *blk = g + (size_t)b * bytes, *p = blk + 16 + 16 * has_min, *hb = has_hi ? p + 128 : NULL;
+        prefetch_ahead(blk, bytes);
+        for (int m = 0; m < MB; m++) {
+            size_t row = (size_t)(m0 + m);
+            const int8_t *xb = X->q + row * X->K + 32 * b;
+            for (int r = 0; r < 8; r++) {
+                int32_t s = has_min ? 0 : -16 * X->isum[row * nbx + b];
+                for (int c = 0; c < 4; c++)
+                    for (int h = 0; h < 2; h++)
+                        for (int i = 0; i < 4; i++) s += x8_code(p, hb, r, c, h, i) * xb[8 * c + 4 * h + i];
+                out[m][r] += (float)s * (f16_to_f32(u16_at(blk + 2 * r)) * X->d[row * nbx + b]);
+                if (has_min) out[m][r] += f16_to_f32(u16_at(blk + 16 + 2 * r)) * X->s32[row * nbx + b];
+            }
+        }
+    }
+}
 #endif
+
+INLINE void q41_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { qn_rows(g, X, m0, MB, out, 1, 0); }
+INLINE void q50_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { qn_rows(g, X, m0, MB, out, 0, 1); }
+INLINE void q51_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { qn_rows(g, X, m0, MB, out, 1, 1); }
 
 ROWS_OF(q4_rows)
 ROWS_OF(q8_rows)
+ROWS_OF(q41_rows)
+ROWS_OF(q50_rows)
+ROWS_OF(q51_rows)
 
 void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt,
                    int nthreads) {
     int64_t G = (N + 7) / 8;
-    size_t group_bytes = kind == Q6_KX8 ? (size_t)(X->K / 256) * 1680
-                                        : (size_t)(X->K / 32) * (kind == Q8_0X8 ? 272 : 144);  /* (Q4_KX8: K / 256 of 1152; Q6_KX8: of 1680) */
-    x8_group_fn group =
-        kind == Q8_0X8 ? q8_rows_n : kind == Q4_KX8 || kind == Q6_KX8 ? omni_kx8_group(kind) : q4_rows_n;
+    size_t group_bytes = 8 * qrow_bytes(kind, X->K);
+    x8_group_fn group = kind == Q8_0X8 ? q8_rows_n : kind == Q4_1X8 ? q41_rows_n : kind == Q5_0X8 ? q50_rows_n
+                      : kind == Q5_1X8 ? q51_rows_n : kind == Q4_0X8 ? q4_rows_n : omni_kx8_group(kind);
     if (nthreads < 1) nthreads = 1;
     nthreads = threads_for((int64_t)N * X->K, nthreads);
     /* rows of x in chunks of about X_CHUNK_BYTES (they stay in L1 while every group meets them) */
