@@ -31,6 +31,16 @@ def models(tmp_path_factory):
                                         vocab_size=1000, seed=3) for arch in ("llama", "qwen2")}
 
 
+@pytest.fixture(scope="module")
+def narrow(tmp_path_factory):
+    """A tied qwen2 checkpoint whose rows are not whole 256-blocks (Qwen2.5-0.5B's 896 columns are
+    not either): llama.cpp's q4_k_m and q5_k_m quantisers fall back to Q5_0 / Q5_1 / Q8_0 there."""
+    root = tmp_path_factory.mktemp("narrow")
+    return {"qwen2": build_tiny_checkpoint(str(root / "qwen2"), "qwen2", hidden_size=128, intermediate_size=384,
+                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=1000,
+                                           tie_word_embeddings=True, num_hidden_layers=3, seed=5)}
+
+
 def gguf_of(models, arch: str, file_type: str) -> str:
     path = os.path.join(os.path.dirname(models[arch]), f"{arch}-{file_type}.gguf")
     return path if os.path.isfile(path) else export(models[arch], path, file_type)
@@ -98,6 +108,64 @@ def test_gguf_with_int8_activations_follows_transformers_up_to_near_ties(models,
         agreed_steps(tokens, hf_greedy_gguf(path, prompt, PARAMS.max_tokens, scores=True)[1])
 
 
+# what llama.cpp's quantiser writes where a row is not whole 256-blocks (gguf_export.tensor_type)
+FALLBACK_MIX = {"q4_k_m": {"Q5_0", "Q8_0"}, "q5_k_m": {"Q5_1", "Q8_0"}}
+
+
+@pytest.mark.parametrize("file_type", ["q4_k_m", "q5_k_m"])
+@pytest.mark.parametrize("mode", ["float", "int8"])
+def test_the_k_m_files_of_a_narrow_model_run_on_the_kernels(narrow, file_type, mode, monkeypatch):
+    """A Qwen2.5-0.5B-like q4_k_m / q5_k_m file (every K-quant fallen back to Q5_0 or Q5_1 and
+    Q8_0) runs every layer on the platform's kernels, none on the reference; greedy tokens equal
+    transformers' on the same file (float activations), or up to near-ties (int8)."""
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", mode)
+    path = gguf_of(narrow, "qwen2", file_type)
+    types = {gguf.GGMLQuantizationType(t.tensor_type).name for t in gguf.GGUFReader(path).tensors
+             if len(t.shape) == 2}
+    assert types == FALLBACK_MIX[file_type]
+    llm = LLM(path, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        kernels = kernel_names(llm)
+        assert kernels and not any(k.startswith("reference") for k in kernels), kernels
+        got = run(llm)
+    finally:
+        llm.shutdown()
+    for prompt, tokens in zip(PROMPTS, got):
+        if mode == "float":
+            assert tokens == hf_greedy_gguf(path, prompt, PARAMS.max_tokens), file_type
+        else:
+            agreed_steps(tokens, hf_greedy_gguf(path, prompt, PARAMS.max_tokens, scores=True)[1])
+
+
+def test_the_exporter_writes_llama_cpps_mixes():
+    """gguf_export.tensor_type follows llama.cpp's quantiser: checked against the file sizes
+    llama.cpp wrote for the medium (Qwen2.5-0.5B-shaped) model in issue 21's measurements: q4_0
+    346 MB, q8_0 525 MB, q4_k_m 392 MB (within 1 MB)."""
+    from omniinfer.benchmarks.gguf_export import more_bits, tensor_type
+    from omniinfer.quantization.gguf_blocks import BY_NAME
+
+    hidden, layers, inter, vocab, kv = 896, 24, 4864, 151936, 128
+    shapes = {"token_embd.weight": (vocab, hidden)}
+    for i in range(layers):
+        shapes.update({f"blk.{i}.attn_q.weight": (hidden, hidden), f"blk.{i}.attn_k.weight": (kv, hidden),
+                       f"blk.{i}.attn_v.weight": (kv, hidden), f"blk.{i}.attn_output.weight": (hidden, hidden),
+                       f"blk.{i}.ffn_gate.weight": (inter, hidden), f"blk.{i}.ffn_up.weight": (inter, hidden),
+                       f"blk.{i}.ffn_down.weight": (hidden, inter)})
+    float32_bytes = layers * (2 * hidden + hidden + 2 * kv) * 4 + hidden * 4  # norms, biases
+    for file_type, mb in (("q4_0", 346), ("q8_0", 525), ("q4_k_m", 392)):
+        total = float32_bytes + sum(BY_NAME[tensor_type(n, file_type, c, layers, True)].row_bytes(c) * r
+                                    for n, (r, c) in shapes.items())
+        assert abs(total / 1e6 - mb) < 1, (file_type, total)
+    assert [i for i in range(layers) if more_bits(i, layers)] == [0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23]
+    assert tensor_type("token_embd.weight", "q4_k_m", hidden, layers, tied=True) == "Q8_0"
+    assert tensor_type("token_embd.weight", "q4_k_m", 2048, layers, tied=True) == "Q6_K"
+    assert tensor_type("token_embd.weight", "q4_k_m", 2048, layers, tied=False) == "Q4_K"
+    assert tensor_type("blk.5.ffn_down.weight", "q5_k_m", inter, layers) == "Q6_K"
+    assert tensor_type("blk.6.ffn_down.weight", "q5_k_m", inter, layers) == "Q5_K"
+    assert tensor_type("blk.6.ffn_up.weight", "q5_k_m", hidden, layers) == "Q5_1"
+    assert tensor_type("blk.6.ffn_up.weight", "q4_0", 40, layers) == "F16"
+
+
 def test_a_gguf_model_holds_no_float_copy(models):
     path = gguf_of(models, "qwen2", "q4_k_m")
     llm = LLM(path, num_kv_blocks=64)
@@ -116,13 +184,14 @@ def test_a_gguf_model_holds_no_float_copy(models):
         assert table.qweight.kinds == ["gguf:Q4_K"]  # (untied: looked up, never multiplied; as the file has it)
         kinds = {k for m in quantised if m is not table for k in m.qweight.kinds}
         assert kinds == {q4_k, q6_k}
-        # q, k in Q4_K and v in Q6_K: the CPU decoder stack runs the fused qkv as its row ranges
-        qkv = model.model.layers["0"].self_attn.qkv_proj
+        # q, k in Q4_K and v in Q6_K (llama.cpp's q4_k_m gives the last layer's v more bits): the
+        # CPU decoder stack runs the fused qkv as its row ranges
+        qkv = model.model.layers["1"].self_attn.qkv_proj
         assert qkv.qweight.kinds == [q4_k, q6_k]
         if runner.device.type == "cpu":
             assert model.decoder_stack is not None
             run(llm)  # (the stack's structs are made at its first step)
-            assert [model.decoder_stack.layers[0].qseg_rows[0][i] for i in range(3)] == [
+            assert [model.decoder_stack.layers[1].qseg_rows[0][i] for i in range(3)] == [
                 k.piece.shape[0] for _, k in qkv.quant_kernels] + [0]
         file_bytes = sum(GGUFFile(path).tensor_bytes().values())
         assert runner.model_bytes() <= file_bytes  # (tied: the embedding's table once)

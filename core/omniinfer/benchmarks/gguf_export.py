@@ -4,7 +4,8 @@ llama.cpp reads the very weights omniinfer runs (`--compare llama.cpp` in the be
 Names, shapes and metadata follow llama.cpp's own converter (convert_hf_to_gguf.py): tensors as
 ``blk.N.attn_q.weight`` and so on, Llama's q/k rows permuted from Hugging Face's rotate-half
 order to GGML's interleaved rotary (Qwen2 uses the NeoX order and keeps them), norms and
-biases in float32, the other 2-D weights in the file type asked for (the K-quants through
+biases in float32, the other 2-D weights in the types llama.cpp's quantiser gives them for the file
+type asked for (`tensor_type`: its mixes and its fallbacks; the K-quants through
 omniinfer.testing.kquant's round-to-nearest quantisers, as the gguf package has none). The vocabulary is the
 checkpoint's tokenizer, padded with unused tokens up to the model's vocabulary size (random
 checkpoints have a small tokenizer and a large embedding).
@@ -20,23 +21,53 @@ import numpy as np
 from omniinfer.testing import kquant
 
 FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k",
-              "q4_k_m")
+              "q4_k_m", "q5_k_m")
 # the GGUF file type code each writes (llama_ftype), for general.file_type
 _FTYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9,
-          "q4_k": 14, "q5_k": 16, "q6_k": 18, "q4_k_m": 15}
+          "q4_k": 14, "q5_k": 16, "q6_k": 18, "q4_k_m": 15, "q5_k_m": 17}
+_FLOAT = ("f32", "f16", "bf16")
+# llama.cpp's quantiser, where a row is not whole blocks of the type it chose: a K-quant falls back
+# to a 32-block type, then (as everything) to F16
+_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
-def tensor_type(gguf_tensor: str, file_type: str, cols: int) -> str:
-    """The type a 2-D tensor gets in a `file_type` file: Q4_K_M's mix (llama.cpp's rule of thumb:
-    attn_v, ffn_down and the output in Q6_K, the rest Q4_K); a K-quant where the row is not a
-    multiple of 256 falls back to Q8_0 (then F16), as llama.cpp's quantiser does."""
-    kind = file_type.upper()
-    if file_type == "q4_k_m":
-        kind = "Q6_K" if gguf_tensor.endswith(("attn_v.weight", "ffn_down.weight", "output.weight")) else "Q4_K"
-    block = 256 if kind.endswith("_K") else 32 if kind.startswith("Q") else 1
-    if cols % block:
-        kind = "Q8_0" if cols % 32 == 0 else "F16"
+def _block(kind: str) -> int:
+    return 256 if kind.endswith("_K") else 32 if kind.startswith("Q") else 1
+
+
+def more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v and ffn_down get Q6_K in a *_K_M file (the
+    first and last eighth, and every third between)."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def tensor_type(gguf_tensor: str, file_type: str, cols: int, num_layers: int = 1, tied: bool = False) -> str:
+    """The type llama.cpp's quantiser (llama-quant.cpp, llama_tensor_get_type) gives a 2-D tensor
+    of a `file_type` file, for the types here:
+
+    * the output (or, with tied embeddings, token_embd, which then is the output): Q6_K in every
+      quantised file type but q8_0, Q8_0 where the row is not whole blocks of the file's type;
+    * q4_k_m / q5_k_m: Q4_K / Q5_K, but attn_v and ffn_down in Q6_K in the layers `more_bits` picks;
+    * the rest in the file's type;
+    * a row that is not whole blocks of that type falls back: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to
+      Q8_0 (Qwen2.5-0.5B's 896 columns: its q4_k_m file is mostly Q5_0), then to F16.
+    """
+    if file_type in _FLOAT:
+        return file_type.upper()
+    base = {"q4_k_m": "Q4_K", "q5_k_m": "Q5_K"}.get(file_type, file_type.upper())
+    kind = base
+    if gguf_tensor == "output.weight" or (tied and gguf_tensor == "token_embd.weight"):
+        kind = "Q8_0" if cols % _block(base) or base == "Q8_0" else "Q6_K"
+    elif (file_type in ("q4_k_m", "q5_k_m") and gguf_tensor.endswith(("attn_v.weight", "ffn_down.weight"))
+          and more_bits(int(gguf_tensor.split(".")[1]), num_layers)):
+        kind = "Q6_K"
+    if cols % _block(kind):
+        kind = _FALLBACK.get(kind, "F16")
+        if cols % _block(kind):
+            kind = "F16"
     return kind
+
+
 _LAYER = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
     "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -96,14 +127,15 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
     for name in sorted(os.listdir(model_dir)):
         if name.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(model_dir, name)))
-    if cfg.get("tie_word_embeddings"):
+    tied = bool(cfg.get("tie_word_embeddings"))
+    if tied:
         tensors.pop("lm_head.weight", None)
     for hf_name, value in tensors.items():
         w = value.float().numpy()
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _permute_rotary(w, heads if "q_proj" in hf_name else kv_heads)
         name = gguf_name(hf_name)
-        kind = "F32" if w.ndim == 1 else tensor_type(name, file_type, w.shape[-1])
+        kind = "F32" if w.ndim == 1 else tensor_type(name, file_type, w.shape[-1], cfg["num_hidden_layers"], tied)
         if kind == "F32":
             writer.add_tensor(name, np.ascontiguousarray(w))  # norms and biases stay float32
             continue

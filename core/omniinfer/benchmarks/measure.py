@@ -23,7 +23,7 @@ SHAPES = {
                    intermediate_size=4864, vocab_size=151936, arch="qwen2", tie_word_embeddings=True),
     # Llama-3.2-1B's widths, 8 of its 16 layers: every row a whole number of K-quant blocks, so a
     # q4_k_m file is the Q4_K / Q6_K mix a downloaded 1B-8B file is (medium's 896 columns fall
-    # back to Q8_0)
+    # back to Q5_0 and Q8_0, as a downloaded Qwen2.5-0.5B q4_k_m file does)
     "1b-8l": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8,
                   intermediate_size=8192, vocab_size=128256, arch="llama", tie_word_embeddings=True),
     # for the CI smoke test of the scripts: every code path, seconds to run
