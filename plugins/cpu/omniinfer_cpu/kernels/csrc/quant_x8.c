@@ -16,25 +16,6 @@
 #define X_CHUNK_BYTES (32 << 10)
 
 #if defined(__AVX2__)
-INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
-    __m256 acc[XMB];
-    for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
-    for (int b = 0; b < X->K / 32; b++) {
-        const uint8_t *blk = g + (size_t)b * 144;
-        prefetch_ahead(blk, 144);
-        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        __m256i c[8];
-        x8_nibbles(blk + 16, c);
-        for (int m = 0; m < MB; m++) {
-            size_t r = (size_t)(m0 + m);
-            __m256i s = _mm256_add_epi32(x8_nibble_dot(c, X->q + r * X->K + 32 * b),
-                                         _mm256_set1_epi32(-8 * X->isum[r * (X->K / 32) + b]));
-            __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[r * (X->K / 32) + b]));
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[m]);
-        }
-    }
-    for (int m = 0; m < MB; m++) _mm256_storeu_ps(out[m], acc[m]);
-}
 INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
     __m256 acc[XMB];
     for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
@@ -74,8 +55,9 @@ INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     }
     for (int m = 0; m < MB; m++) _mm256_storeu_ps(out[m], acc[m]);
 }
-/* Q4_1X8 (has_min), Q5_0X8 (has_hi), Q5_1X8 (both): Q4_0X8's sums of codes times x (5-bit codes
- * with their fifth bits), then Q5_0's offset (16 * Sum x_q) or each row's m times x's block sum */
+/* Q4_0X8 (neither), Q4_1X8 (has_min), Q5_0X8 (has_hi), Q5_1X8 (both): the 8 rows' sums of codes
+ * times x (5-bit codes with their fifth bits), then Q4_0's or Q5_0's offset (8 or 16 times Sum x_q)
+ * or each row's m times x's block sum */
 INLINE void qn_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8], const int has_min,
                     const int has_hi) {
     const int bytes = 144 + 16 * has_min + 32 * has_hi, nbx = X->K / 32;
@@ -93,7 +75,7 @@ INLINE void qn_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
             size_t r = (size_t)(m0 + m);
             const int8_t *xb = X->q + r * X->K + 32 * b;
             __m256i s = has_hi ? x8_dot5(c, xb) : x8_nibble_dot(c, xb);
-            if (!has_min) s = _mm256_add_epi32(s, _mm256_set1_epi32(-16 * X->isum[r * nbx + b]));
+            if (!has_min) s = _mm256_add_epi32(s, _mm256_set1_epi32(-(8 << has_hi) * X->isum[r * nbx + b]));
             __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(X->d[r * nbx + b]));
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, acc[m]);
             if (has_min) acc[m] = _mm256_fmadd_ps(mw, _mm256_set1_ps(X->s32[r * nbx + b]), acc[m]);
@@ -102,42 +84,6 @@ INLINE void qn_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     for (int m = 0; m < MB; m++) _mm256_storeu_ps(out[m], acc[m]);
 }
 #elif defined(__aarch64__) && defined(__ARM_NEON)
-INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
-    float32x4_t acc[XMB][2];
-    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
-    for (int b = 0; b < X->K / 32; b++) {
-        const uint8_t *blk = g + (size_t)b * 144;
-        prefetch_ahead(blk, 144);
-        float32x4_t dw[2] = {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk))),
-                             vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk + 4)))};
-        int8x16_t c[8][2];  /* codes of 4-weight step j for rows 0-3, 4-7 */
-        for (int j = 0; j < 4; j++)
-            for (int h = 0; h < 2; h++) {
-                uint8x16_t v = vld1q_u8(blk + 16 + 32 * j + 16 * h);
-                c[2 * j][h] = vreinterpretq_s8_u8(vandq_u8(v, vdupq_n_u8(15)));
-                c[2 * j + 1][h] = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
-            }
-        for (int m = 0; m < MB; m++) {
-            size_t r = (size_t)(m0 + m);
-            const int8_t *xb = X->q + r * X->K + 32 * b;
-            int32_t x4[8];
-            memcpy(x4, xb, 32);
-            int32x4_t off = vdupq_n_s32(-8 * X->isum[r * (X->K / 32) + b]);
-            float d = X->d[r * (X->K / 32) + b];
-            for (int h = 0; h < 2; h++) {
-                int16x8_t lo = vdupq_n_s16(0), hi = vdupq_n_s16(0);  /* rows 4h, 4h+1 | 4h+2, 4h+3 */
-                for (int j = 0; j < 8; j++) {
-                    int8x16_t xv = vreinterpretq_s8_s32(vdupq_n_s32(x4[j]));
-                    lo = vmlal_s8(lo, vget_low_s8(c[j][h]), vget_low_s8(xv));
-                    hi = vmlal_s8(hi, vget_high_s8(c[j][h]), vget_high_s8(xv));
-                }
-                int32x4_t s = vaddq_s32(vpaddlq_s16(vpaddq_s16(lo, hi)), off);
-                acc[m][h] = vfmaq_f32(acc[m][h], vcvtq_f32_s32(s), vmulq_n_f32(dw[h], d));
-            }
-        }
-    }
-    for (int m = 0; m < MB; m++) vst1q_f32(out[m], acc[m][0]), vst1q_f32(out[m] + 4, acc[m][1]);
-}
 INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
     float32x4_t acc[XMB][2];
     for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
@@ -187,7 +133,7 @@ INLINE void qn_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
             float d = X->d[r * nbx + b], s32 = X->s32[r * nbx + b];
             for (int h = 0; h < 2; h++) {
                 int32x4_t s = x8_dot_neon(c, X->q + r * X->K + 32 * b, h, has_hi);
-                if (!has_min) s = vaddq_s32(s, vdupq_n_s32(-16 * X->isum[r * nbx + b]));
+                if (!has_min) s = vaddq_s32(s, vdupq_n_s32(-(8 << has_hi) * X->isum[r * nbx + b]));
                 acc[m][h] = vfmaq_f32(acc[m][h], vcvtq_f32_s32(s), vmulq_n_f32(dw[h], d));
                 if (has_min) acc[m][h] = vfmaq_n_f32(acc[m][h], mw[h], s32);
             }
@@ -196,28 +142,6 @@ INLINE void qn_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     for (int m = 0; m < MB; m++) vst1q_f32(out[m], acc[m][0]), vst1q_f32(out[m] + 4, acc[m][1]);
 }
 #else
-INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
-    for (int m = 0; m < MB; m++)
-        for (int r = 0; r < 8; r++) out[m][r] = 0.f;
-    for (int b = 0; b < X->K / 32; b++) {
-        const uint8_t *blk = g + (size_t)b * 144;
-        prefetch_ahead(blk, 144);
-        for (int m = 0; m < MB; m++) {
-            size_t row = (size_t)(m0 + m);
-            const int8_t *xb = X->q + row * X->K + 32 * b;
-            float d = X->d[row * (X->K / 32) + b];
-            for (int r = 0; r < 8; r++) {
-                int32_t s = -8 * X->isum[row * (X->K / 32) + b];
-                for (int c = 0; c < 4; c++)
-                    for (int i = 0; i < 4; i++) {
-                        uint8_t v = blk[16 + 32 * c + 4 * r + i];
-                        s += (v & 15) * xb[8 * c + i] + (v >> 4) * xb[8 * c + 4 + i];
-                    }
-                out[m][r] += (float)s * (f16_to_f32(u16_at(blk + 2 * r)) * d);
-            }
-        }
-    }
-}
 INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
     for (int m = 0; m < MB; m++)
         for (int r = 0; r < 8; r++) out[m][r] = 0.f;
@@ -248,7 +172,7 @@ INLINE void qn_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
             size_t row = (size_t)(m0 + m);
             const int8_t *xb = X->q + row * X->K + 32 * b;
             for (int r = 0; r < 8; r++) {
-                int32_t s = has_min ? 0 : -16 * X->isum[row * nbx + b];
+                int32_t s = has_min ? 0 : -(8 << has_hi) * X->isum[row * nbx + b];
                 for (int c = 0; c < 4; c++)
                     for (int h = 0; h < 2; h++)
                         for (int i = 0; i < 4; i++) s += x8_code(p, hb, r, c, h, i) * xb[8 * c + 4 * h + i];
@@ -260,6 +184,7 @@ INLINE void qn_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
 }
 #endif
 
+INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { qn_rows(g, X, m0, MB, out, 0, 0); }
 INLINE void q41_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { qn_rows(g, X, m0, MB, out, 1, 0); }
 INLINE void q50_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { qn_rows(g, X, m0, MB, out, 0, 1); }
 INLINE void q51_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { qn_rows(g, X, m0, MB, out, 1, 1); }
