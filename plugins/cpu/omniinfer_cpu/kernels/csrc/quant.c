@@ -7,8 +7,7 @@
  * each 16 weights computed once per call; so a result differs from dequantise-then-multiply by
  * float32 rounding only. Each thread takes a contiguous range of W's rows and reads each once per
  * group of up to 4 x rows. A kind with QACT_INT8 set takes quant_q8.c's int8-activation path
- * (up to QGEMM_ROWS rows; the groups of 8 of quant_x8.c at any row count). Q4_1, Q5_0, Q5_1 and
- * Q5_K take float activations through their decoded blocks (dot_decoded). */
+ * (up to QGEMM_ROWS rows; the groups of 8 of quant_x8.c at any row count). */
 #include "quant_blocks.h"
 
 #define QMB 4  /* x rows a weight row meets while its block is in registers */
@@ -144,30 +143,66 @@ static void dot_i8(const uint8_t *w, const float *x, size_t ldx, const float *xs
     }
 }
 
-/* Q4_1, Q5_0, Q5_1, Q5_K: each block decoded to float32 first (omni_qdecode_block: the reference's
- * values), then multiplied; the int8-activation path is their groups of 8 */
-INLINE void dot_decoded(int kind, const uint8_t *w, const float *x, size_t ldx, int K, int MB, float *out) {
-    const int block = qblock(kind), bytes = qblock_bytes(kind);
-    float buf[256] __attribute__((aligned(64)));
+/* Q4_1 (has_min), Q5_0 (has_hi), Q5_1 (both): Sum (d q + m) x = d Sum q x + m Sum x, and Q5_0's
+ * Sum d (q - 16) x = d Sum q x - 16 d Sum x */
+INLINE void dot_qn(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K, int MB,
+                   float *out, const int has_min, const int has_hi) {
+    const int bytes = 18 + 2 * has_min + 4 * has_hi;
     vf acc[QMB] = {{0}};
-    for (int b = 0; b < K / block; b++) {
-        prefetch_ahead(w + (size_t)b * bytes, bytes);
-        omni_qdecode_block(kind, w + (size_t)b * bytes, buf);
-        for (int m = 0; m < MB; m++)
-            for (int c = 0; c < block; c += VL) acc[m] += *(const vf *)(buf + c) * *(const vfu *)(x + m * ldx + b * block + c);
+    float corr[QMB] = {0};
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *blk = w + (size_t)b * bytes, *qs = blk + bytes - 16;
+        prefetch_ahead(blk, bytes);
+        float d = f16_to_f32(u16_at(blk)), off = has_min ? f16_to_f32(u16_at(blk + 2)) : -16.0f * d;
+        uint32_t qh = 0;
+        if (has_hi) memcpy(&qh, blk + 2 + 2 * has_min, 4);
+        vf qv[32 / VL];
+#pragma GCC unroll 8
+        for (int c = 0; c < 32 / VL; c++) qv[c] = has_hi ? q5_chunk(qs, qh, c * VL) : q4_0_chunk(qs, c * VL);
+        for (int m = 0; m < MB; m++) {
+#define QND(c) qv[c]
+            acc[m] += d * CHUNKS(32 / VL, QND, x + m * ldx, b * 32);
+#undef QND
+            corr[m] += off * (xs[m * ldxs + 2 * b] + xs[m * ldxs + 2 * b + 1]);
+        }
     }
-    for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]);
+    for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]) + corr[m];
 }
-#define DOT_DECODED(name, kind)                                                                       \
+#define DOT_QN(name, has_min, has_hi)                                                                 \
     static void name(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K, \
                      int MB, float *out) {                                                            \
-        (void)xs, (void)ldxs;                                                                         \
-        dot_decoded(kind, w, x, ldx, K, MB, out);                                                     \
+        dot_qn(w, x, ldx, xs, ldxs, K, MB, out, has_min, has_hi);                                     \
     }
-DOT_DECODED(dot_q4_1, Q4_1)
-DOT_DECODED(dot_q5_0, Q5_0)
-DOT_DECODED(dot_q5_1, Q5_1)
-DOT_DECODED(dot_q5_k, Q5_K)
+DOT_QN(dot_q4_1, 1, 0)
+DOT_QN(dot_q5_0, 0, 1)
+DOT_QN(dot_q5_1, 1, 1)
+
+static void dot_q5_k(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K,
+                     int MB, float *out) {
+    vf acc[QMB] = {{0}};
+    float corr[QMB] = {0};
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + (size_t)b * 176, *qh = blk + 16, *qs = blk + 48;
+        prefetch_ahead(blk, 176);
+        float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
+        uint8_t sc[8], mn[8];
+        k_scales(blk + 4, sc, mn);
+        for (int s = 0; s < 8; s++) {
+            int e0 = b * 256 + s * 32;
+            vf qv[32 / VL];
+#pragma GCC unroll 8
+            for (int c = 0; c < 32 / VL; c++) qv[c] = q5_k_chunk(qs, qh, s, c * VL);
+            float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
+            for (int m = 0; m < MB; m++) {
+#define Q5D(c) qv[c]
+                acc[m] += ds * CHUNKS(32 / VL, Q5D, x + m * ldx, e0);
+#undef Q5D
+                corr[m] += dm * (xs[m * ldxs + e0 / 16] + xs[m * ldxs + e0 / 16 + 1]);
+            }
+        }
+    }
+    for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]) - corr[m];
+}
 
 typedef void (*qdot_fn)(const uint8_t *, const float *, size_t, const float *, size_t, int, int, float *);
 static const qdot_fn QDOT[NUM_KINDS] = {[Q8_0] = dot_q8_0, [Q4_0] = dot_q4_0, [Q4_K] = dot_q4_k, [Q6_K] = dot_q6_k,

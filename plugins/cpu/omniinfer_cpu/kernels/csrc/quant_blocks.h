@@ -83,6 +83,21 @@ INLINE vf q4_k_chunk(const uint8_t *qs, int s, int c) {
     return u32_to_f((u8_widen(qs + 32 * (s / 2) + c) >> ((s & 1) * 4)) & 15u);
 }
 
+/* Q5_0 / Q5_1: weights e .. e + VL of a block's 32: the nibble as Q4_0's, bit e + lane of qh (the
+ * block's little-endian uint32 of fifth bits) as 16 */
+INLINE vf q5_chunk(const uint8_t *qs, uint32_t qh, int e) {
+    vu lane;
+    for (int i = 0; i < VL; i++) lane[i] = (uint32_t)(e + i);
+    vu hi = (((vu){0} + qh) >> lane) & 1u;
+    return u32_to_f(((u8_widen(qs + e % 16) >> (e >= 16 ? 4 : 0)) & 15u) | (hi << 4));
+}
+
+/* Q5_K: weights c .. c + VL of sub-block s: the nibble as Q4_K's, bit s of qh[c + lane] as 16 */
+INLINE vf q5_k_chunk(const uint8_t *qs, const uint8_t *qh, int s, int c) {
+    vu hi = (u8_widen(qh + c) >> (unsigned)s) & 1u;
+    return u32_to_f(((u8_widen(qs + 32 * (s / 2) + c) >> ((s & 1) * 4)) & 15u) | (hi << 4));
+}
+
 /* Q6_K: weights 128 h + 32 part + l .. + VL (l a multiple of VL below 32): 4 low bits from ql, 2
  * high from qh; 0..63 (the caller subtracts 32) */
 INLINE vf q6_k_chunk(const uint8_t *ql, const uint8_t *qh, int h, int part, int l) {
@@ -222,10 +237,6 @@ x8_group_fn omni_kx8_group(int kind);
 /* quant_x8.c: y [M, ldy] (dt) = X @ W^T for W's N rows in groups of 8 (is_x8) at w */
 void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt,
                    int nthreads);
-
-/* quant_rows.c: one block of Q4_1, Q5_0, Q5_1 or Q5_K -> its 32 or 256 float32 weights, exactly the
- * reference's (the float-activation products of these kinds decode through it) */
-void omni_qdecode_block(int kind, const uint8_t *blk, float *out);
 
 /* quant_q8.c: the int8-activation path (kind without QACT_INT8; K whole blocks of 32) */
 int omni_qlinear_q8(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy,

@@ -18,10 +18,8 @@
 #endif
 
 /* one block of Q4_1, Q5_0, Q5_1 (32 weights) or Q5_K (256) at blk -> out, as the reference:
- * d * q + m, d * (q - 16), (d * scale) * q - dmin * minimum (the products are exact in float32,
- * so quant.c's and quant_gemm.c's float products, which decode through this too, see the very
- * values the reference multiplies) */
-NO_CONTRACT void omni_qdecode_block(int kind, const uint8_t *blk, float *out) {
+ * d * q + m, d * (q - 16), (d * scale) * q - dmin * minimum */
+NO_CONTRACT static void decode_block(int kind, const uint8_t *blk, float *out) {
     if (kind == Q5_K) {
         const uint8_t *qh = blk + 16, *qs = blk + 48;
         float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
@@ -54,7 +52,7 @@ NO_CONTRACT void omni_qdecode_block(int kind, const uint8_t *blk, float *out) {
 }
 
 /* row r of a group-of-8 kind of Q4_1, Q5_0, Q5_1 or Q5_K (quant_blocks.h) -> out, as
- * omni_qdecode_block decodes the block it came from */
+ * decode_block decodes the block it came from */
 NO_CONTRACT static void decode_x8_row(const uint8_t *w, int kind, int64_t r, int K, float *out) {
     int rr = (int)(r % 8), block = qblock(kind), bytes = 8 * qblock_bytes(kind);
     const uint8_t *g = w + (size_t)(r / 8) * (size_t)(K / block) * bytes;
@@ -110,7 +108,7 @@ NO_CONTRACT static void decode_row(const uint8_t *w, const float *scale, int kin
     }
     if (kind >= Q4_1 && kind <= Q5_K) {
         for (int b = 0; b < K / qblock(kind); b++)
-            omni_qdecode_block(kind, w + (size_t)r * rb + (size_t)b * qblock_bytes(kind), out + (size_t)b * qblock(kind));
+            decode_block(kind, w + (size_t)r * rb + (size_t)b * qblock_bytes(kind), out + (size_t)b * qblock(kind));
         return;
     }
     if (kind == Q4_0X8 || kind == Q8_0X8) {  /* block b of row r within its group's blocks */
