@@ -45,34 +45,15 @@ static void dot_q8_0(const uint8_t *w, const float *x, size_t ldx, const float *
     for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]);
 }
 
-static void dot_q4_0(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K,
-                     int MB, float *out) {
-    vf acc[QMB] = {{0}};
-    float corr[QMB] = {0};
-    for (int b = 0; b < K / 32; b++) {
-        const uint8_t *blk = w + (size_t)b * 18, *qs = blk + 2;
-        prefetch_ahead(blk, 18);
-        float d = f16_to_f32(u16_at(blk));
-        vf qv[32 / VL];
-#pragma GCC unroll 8
-        for (int c = 0; c < 32 / VL; c++) qv[c] = q4_0_chunk(qs, c * VL);
-        for (int m = 0; m < MB; m++) {
-#define Q4D(c) qv[c]
-            acc[m] += d * CHUNKS(32 / VL, Q4D, x + m * ldx, b * 32);
-#undef Q4D
-            corr[m] += d * (xs[m * ldxs + 2 * b] + xs[m * ldxs + 2 * b + 1]);
-        }
-    }
-    for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]) - 8.0f * corr[m];
-}
-
-static void dot_q4_k(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K,
-                     int MB, float *out) {
+/* Q4_K (hi 0) and Q5_K (hi 1: 32 bytes of fifth bits before the nibbles) */
+INLINE void dot_qk(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K, int MB,
+                   float *out, const int hi) {
+    const int bytes = 144 + 32 * hi;
     vf acc[QMB] = {{0}};
     float corr[QMB] = {0};
     for (int b = 0; b < K / 256; b++) {
-        const uint8_t *blk = w + (size_t)b * 144, *qs = blk + 16;
-        prefetch_ahead(blk, 144);
+        const uint8_t *blk = w + (size_t)b * bytes, *qh = blk + 16, *qs = blk + 16 + 32 * hi;
+        prefetch_ahead(blk, bytes);
         float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
         uint8_t sc[8], mn[8];
         k_scales(blk + 4, sc, mn);
@@ -80,7 +61,7 @@ static void dot_q4_k(const uint8_t *w, const float *x, size_t ldx, const float *
             int e0 = b * 256 + s * 32;
             vf qv[32 / VL];
 #pragma GCC unroll 8
-            for (int c = 0; c < 32 / VL; c++) qv[c] = q4_k_chunk(qs, s, c * VL);
+            for (int c = 0; c < 32 / VL; c++) qv[c] = hi ? q5_k_chunk(qs, qh, s, c * VL) : q4_k_chunk(qs, s, c * VL);
             float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
             for (int m = 0; m < MB; m++) {
 #define QKD(c) qv[c]
@@ -143,8 +124,8 @@ static void dot_i8(const uint8_t *w, const float *x, size_t ldx, const float *xs
     }
 }
 
-/* Q4_1 (has_min), Q5_0 (has_hi), Q5_1 (both): Sum (d q + m) x = d Sum q x + m Sum x, and Q5_0's
- * Sum d (q - 16) x = d Sum q x - 16 d Sum x */
+/* Q4_0 (neither), Q4_1 (has_min), Q5_0 (has_hi), Q5_1 (both): Sum (d q + m) x = d Sum q x + m Sum x,
+ * and Q4_0's and Q5_0's Sum d (q - o) x = d Sum q x - o d Sum x (o = 8, 16) */
 INLINE void dot_qn(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K, int MB,
                    float *out, const int has_min, const int has_hi) {
     const int bytes = 18 + 2 * has_min + 4 * has_hi;
@@ -153,7 +134,7 @@ INLINE void dot_qn(const uint8_t *w, const float *x, size_t ldx, const float *xs
     for (int b = 0; b < K / 32; b++) {
         const uint8_t *blk = w + (size_t)b * bytes, *qs = blk + bytes - 16;
         prefetch_ahead(blk, bytes);
-        float d = f16_to_f32(u16_at(blk)), off = has_min ? f16_to_f32(u16_at(blk + 2)) : -16.0f * d;
+        float d = f16_to_f32(u16_at(blk)), off = has_min ? f16_to_f32(u16_at(blk + 2)) : -(float)(8 << has_hi) * d;
         uint32_t qh = 0;
         if (has_hi) memcpy(&qh, blk + 2 + 2 * has_min, 4);
         vf qv[32 / VL];
@@ -168,41 +149,17 @@ INLINE void dot_qn(const uint8_t *w, const float *x, size_t ldx, const float *xs
     }
     for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]) + corr[m];
 }
-#define DOT_QN(name, has_min, has_hi)                                                                 \
+#define DOT_OF(name, fn, ...)                                                                         \
     static void name(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K, \
                      int MB, float *out) {                                                            \
-        dot_qn(w, x, ldx, xs, ldxs, K, MB, out, has_min, has_hi);                                     \
+        fn(w, x, ldx, xs, ldxs, K, MB, out, __VA_ARGS__);                                             \
     }
-DOT_QN(dot_q4_1, 1, 0)
-DOT_QN(dot_q5_0, 0, 1)
-DOT_QN(dot_q5_1, 1, 1)
-
-static void dot_q5_k(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K,
-                     int MB, float *out) {
-    vf acc[QMB] = {{0}};
-    float corr[QMB] = {0};
-    for (int b = 0; b < K / 256; b++) {
-        const uint8_t *blk = w + (size_t)b * 176, *qh = blk + 16, *qs = blk + 48;
-        prefetch_ahead(blk, 176);
-        float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
-        uint8_t sc[8], mn[8];
-        k_scales(blk + 4, sc, mn);
-        for (int s = 0; s < 8; s++) {
-            int e0 = b * 256 + s * 32;
-            vf qv[32 / VL];
-#pragma GCC unroll 8
-            for (int c = 0; c < 32 / VL; c++) qv[c] = q5_k_chunk(qs, qh, s, c * VL);
-            float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
-            for (int m = 0; m < MB; m++) {
-#define Q5D(c) qv[c]
-                acc[m] += ds * CHUNKS(32 / VL, Q5D, x + m * ldx, e0);
-#undef Q5D
-                corr[m] += dm * (xs[m * ldxs + e0 / 16] + xs[m * ldxs + e0 / 16 + 1]);
-            }
-        }
-    }
-    for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]) - corr[m];
-}
+DOT_OF(dot_q4_0, dot_qn, 0, 0)
+DOT_OF(dot_q4_1, dot_qn, 1, 0)
+DOT_OF(dot_q5_0, dot_qn, 0, 1)
+DOT_OF(dot_q5_1, dot_qn, 1, 1)
+DOT_OF(dot_q4_k, dot_qk, 0)
+DOT_OF(dot_q5_k, dot_qk, 1)
 
 typedef void (*qdot_fn)(const uint8_t *, const float *, size_t, const float *, size_t, int, int, float *);
 static const qdot_fn QDOT[NUM_KINDS] = {[Q8_0] = dot_q8_0, [Q4_0] = dot_q4_0, [Q4_K] = dot_q4_k, [Q6_K] = dot_q6_k,

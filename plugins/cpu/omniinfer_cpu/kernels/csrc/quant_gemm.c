@@ -9,40 +9,29 @@
 /* weight row w (of `kind`, K wide; int8: times scale) -> K floats */
 static void decode_row(int kind, const uint8_t *w, float scale, int K, float *out) {
     for (int b = 0; b < K / qblock(kind); b++) {
-        if (kind == Q4_1 || kind == Q5_0 || kind == Q5_1) {
-            const int has_min = kind != Q5_0, bytes = qblock_bytes(kind);
+        if (kind == Q4_0 || kind == Q4_1 || kind == Q5_0 || kind == Q5_1) {  /* d q + m, or d q - o d */
+            const int has_min = kind == Q4_1 || kind == Q5_1, has_hi = kind == Q5_0 || kind == Q5_1;
+            const int bytes = qblock_bytes(kind);
             const uint8_t *blk = w + (size_t)b * bytes, *qs = blk + bytes - 16;
-            float d = f16_to_f32(u16_at(blk)), m = has_min ? f16_to_f32(u16_at(blk + 2)) : -16.0f * d;
+            float d = f16_to_f32(u16_at(blk)), m = has_min ? f16_to_f32(u16_at(blk + 2)) : -(float)(8 << has_hi) * d;
             uint32_t qh = 0;
-            if (kind != Q4_1) memcpy(&qh, blk + 2 + 2 * has_min, 4);
+            if (has_hi) memcpy(&qh, blk + 2 + 2 * has_min, 4);
             for (int c = 0; c < 32; c += VL)
-                *(vfu *)(out + 32 * b + c) = d * (kind == Q4_1 ? q4_0_chunk(qs, c) : q5_chunk(qs, qh, c)) + m;
-        } else if (kind == Q5_K) {
-            const uint8_t *blk = w + (size_t)b * 176;
+                *(vfu *)(out + 32 * b + c) = d * (has_hi ? q5_chunk(qs, qh, c) : q4_0_chunk(qs, c)) + m;
+        } else if (kind == Q4_K || kind == Q5_K) {
+            const int hi = kind == Q5_K;
+            const uint8_t *blk = w + (size_t)b * qblock_bytes(kind), *qh = blk + 16, *qs = blk + 16 + 32 * hi;
             float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
             uint8_t sc[8], mn[8];
             k_scales(blk + 4, sc, mn);
             for (int s = 0; s < 8; s++)
                 for (int c = 0; c < 32; c += VL)
-                    *(vfu *)(out + 256 * b + 32 * s + c) = (d * (float)sc[s]) * q5_k_chunk(blk + 48, blk + 16, s, c)
-                                                           - dmin * (float)mn[s];
+                    *(vfu *)(out + 256 * b + 32 * s + c) =
+                        (d * (float)sc[s]) * (hi ? q5_k_chunk(qs, qh, s, c) : q4_k_chunk(qs, s, c)) - dmin * (float)mn[s];
         } else if (kind == Q8_0) {
             const uint8_t *blk = w + (size_t)b * 34;
             float d = f16_to_f32(u16_at(blk));
             for (int c = 0; c < 32; c += VL) *(vfu *)(out + 32 * b + c) = d * s8_load((const int8_t *)blk + 2 + c);
-        } else if (kind == Q4_0) {
-            const uint8_t *blk = w + (size_t)b * 18;
-            float d = f16_to_f32(u16_at(blk));
-            for (int c = 0; c < 32; c += VL) *(vfu *)(out + 32 * b + c) = d * (q4_0_chunk(blk + 2, c) - 8.0f);
-        } else if (kind == Q4_K) {
-            const uint8_t *blk = w + (size_t)b * 144;
-            float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
-            uint8_t sc[8], mn[8];
-            k_scales(blk + 4, sc, mn);
-            for (int s = 0; s < 8; s++)
-                for (int c = 0; c < 32; c += VL)
-                    *(vfu *)(out + 256 * b + 32 * s + c) = (d * (float)sc[s]) * q4_k_chunk(blk + 16, s, c)
-                                                           - dmin * (float)mn[s];
         } else if (kind == Q6_K) {
             const uint8_t *blk = w + (size_t)b * 210;
             const int8_t *scales = (const int8_t *)(blk + 192);

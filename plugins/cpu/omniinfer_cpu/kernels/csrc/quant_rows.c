@@ -17,25 +17,26 @@
 #define NO_CONTRACT __attribute__((optimize("fp-contract=off")))
 #endif
 
-/* one block of Q4_1, Q5_0, Q5_1 (32 weights) or Q5_K (256) at blk -> out, as the reference:
- * d * q + m, d * (q - 16), (d * scale) * q - dmin * minimum */
+/* one block of Q4_0, Q4_1, Q5_0, Q5_1 (32 weights), Q4_K or Q5_K (256) at blk -> out, as the
+ * reference: d * (q - 8), d * q + m, d * (q - 16), (d * scale) * q - dmin * minimum */
 NO_CONTRACT static void decode_block(int kind, const uint8_t *blk, float *out) {
-    if (kind == Q5_K) {
-        const uint8_t *qh = blk + 16, *qs = blk + 48;
+    if (kind == Q4_K || kind == Q5_K) {  /* sub-block s: run s / 2's low nibbles (s even) or high ones */
+        const int hi = kind == Q5_K;
+        const uint8_t *qh = blk + 16, *qs = blk + 16 + 32 * hi;
         float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
         uint8_t sc[8], mn[8];
         k_scales(blk + 4, sc, mn);
         for (int s = 0; s < 8; s++) {
             float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
             for (int l = 0; l < 32; l++) {
-                int q = ((qs[32 * (s / 2) + l] >> (4 * (s & 1))) & 15) | (((qh[l] >> s) & 1) << 4);
+                int q = ((qs[32 * (s / 2) + l] >> (4 * (s & 1))) & 15) | (hi ? ((qh[l] >> s) & 1) << 4 : 0);
                 float p = ds * (float)q;
                 out[32 * s + l] = p - dm;
             }
         }
         return;
     }
-    int has_min = kind != Q5_0, has_hi = kind != Q4_1;
+    int has_min = kind == Q4_1 || kind == Q5_1, has_hi = kind == Q5_0 || kind == Q5_1;
     float d = f16_to_f32(u16_at(blk)), m = has_min ? f16_to_f32(u16_at(blk + 2)) : 0.f;
     const uint8_t *qh = blk + 2 + 2 * has_min, *qs = qh + 4 * has_hi;
     uint32_t h = 0;
@@ -46,12 +47,12 @@ NO_CONTRACT static void decode_block(int kind, const uint8_t *blk, float *out) {
             float p = d * (float)q;
             out[j] = p + m;
         } else {
-            out[j] = d * (float)(q - 16);
+            out[j] = d * (float)(q - (8 << has_hi));
         }
     }
 }
 
-/* row r of a group-of-8 kind of Q4_1, Q5_0, Q5_1 or Q5_K (quant_blocks.h) -> out, as
+/* row r of a group-of-8 kind of Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q5_K (quant_blocks.h) -> out, as
  * decode_block decodes the block it came from */
 NO_CONTRACT static void decode_x8_row(const uint8_t *w, int kind, int64_t r, int K, float *out) {
     int rr = (int)(r % 8), block = qblock(kind), bytes = 8 * qblock_bytes(kind);
@@ -60,27 +61,28 @@ NO_CONTRACT static void decode_x8_row(const uint8_t *w, int kind, int64_t r, int
         const uint8_t *blk = g + (size_t)b * bytes;
         float d = f16_to_f32(u16_at(blk + 2 * rr));
         float *o = out + (size_t)b * block;
-        if (kind == Q5_KX8) {
+        if (kind == Q4_KX8 || kind == Q5_KX8) {  /* its d, dmin and 12 scale bytes, sub-block s's codes */
+            const int hi = kind == Q5_KX8;
             float dmin = f16_to_f32(u16_at(blk + 16 + 2 * rr));
             uint8_t packed[12], sc[8], mn[8];
             for (int t = 0; t < 12; t++) packed[t] = blk[32 + 8 * t + rr];
             k_scales(packed, sc, mn);
             for (int s = 0; s < 8; s++) {
-                const uint8_t *cs = blk + 128 + 160 * s;
+                const uint8_t *cs = blk + 128 + (128 + 32 * hi) * s;
                 float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
                 for (int c = 0; c < 4; c++)
                     for (int h = 0; h < 2; h++)
                         for (int i = 0; i < 4; i++) {
-                            float p = ds * (float)x8_code(cs, cs + 128, rr, c, h, i);
+                            float p = ds * (float)x8_code(cs, hi ? cs + 128 : NULL, rr, c, h, i);
                             o[32 * s + 8 * c + 4 * h + i] = p - dm;
                         }
             }
             continue;
         }
-        int has_min = kind != Q5_0X8, has_hi = kind != Q4_1X8;
+        int has_min = kind == Q4_1X8 || kind == Q5_1X8, has_hi = kind == Q5_0X8 || kind == Q5_1X8;
         float m = has_min ? f16_to_f32(u16_at(blk + 16 + 2 * rr)) : 0.f;
         const uint8_t *p = blk + 16 + 16 * has_min, *hb = has_hi ? p + 128 : NULL;
-        for (int c = 0; c < 4; c++)
+        for (int c = 0; c < 4; c++)  /* chunk c, byte 4 rr + i: weight 8c + i (low), 8c + 4 + i (high) */
             for (int h = 0; h < 2; h++)
                 for (int i = 0; i < 4; i++) {
                     int q = x8_code(p, hb, rr, c, h, i);
@@ -88,7 +90,7 @@ NO_CONTRACT static void decode_x8_row(const uint8_t *w, int kind, int64_t r, int
                         float v = d * (float)q;
                         o[8 * c + 4 * h + i] = v + m;
                     } else {
-                        o[8 * c + 4 * h + i] = d * (float)(q - 16);
+                        o[8 * c + 4 * h + i] = d * (float)(q - (8 << has_hi));
                     }
                 }
     }
@@ -102,56 +104,23 @@ NO_CONTRACT static void decode_row(const uint8_t *w, const float *scale, int kin
         for (int k = 0; k < K; k++) out[k] = (float)q[k] * scale[r];
         return;
     }
-    if (kind >= Q4_1X8 && kind <= Q5_KX8) {
+    if (is_x8(kind) && kind != Q8_0X8 && kind != Q6_KX8) {
         decode_x8_row(w, kind, r, K, out);
         return;
     }
-    if (kind >= Q4_1 && kind <= Q5_K) {
+    if (kind == Q4_0 || kind == Q4_K || (kind >= Q4_1 && kind <= Q5_K)) {
         for (int b = 0; b < K / qblock(kind); b++)
             decode_block(kind, w + (size_t)r * rb + (size_t)b * qblock_bytes(kind), out + (size_t)b * qblock(kind));
         return;
     }
-    if (kind == Q4_0X8 || kind == Q8_0X8) {  /* block b of row r within its group's blocks */
-        int bytes = kind == Q4_0X8 ? 144 : 272, rr = (int)(r % 8);
-        const uint8_t *g = w + (size_t)(r / 8) * (size_t)(K / 32) * bytes;
-        for (int b = 0; b < K / 32; b++) {
-            const uint8_t *blk = g + (size_t)b * bytes;
-            float d = f16_to_f32(u16_at(blk + 2 * rr));
-            float *o = out + 32 * b;
-            if (kind == Q4_0X8) {  /* chunk c, byte 4 rr + i: weight 8c + i (low), 8c + 4 + i (high) */
-                for (int c = 0; c < 4; c++)
-                    for (int i = 0; i < 4; i++) {
-                        uint8_t v = blk[16 + 32 * c + 4 * rr + i];
-                        o[8 * c + i] = d * (float)((v & 15) - 8);
-                        o[8 * c + 4 + i] = d * (float)((v >> 4) - 8);
-                    }
-            } else {  /* chunk j, byte 4 rr + i: weight 4j + i */
-                for (int j = 0; j < 8; j++)
-                    for (int i = 0; i < 4; i++) o[4 * j + i] = (float)(int8_t)blk[16 + 32 * j + 4 * rr + i] * d;
-            }
-        }
-        return;
-    }
-    if (kind == Q4_KX8) {  /* block b of row r: its d, dmin and 12 scale bytes, sub-block s's chunks */
+    if (kind == Q8_0X8) {  /* block b of row r within its group's blocks: chunk j, byte 4 rr + i: weight 4j + i */
         int rr = (int)(r % 8);
-        const uint8_t *g = w + (size_t)(r / 8) * (size_t)(K / 256) * 1152;
-        for (int b = 0; b < K / 256; b++) {
-            const uint8_t *blk = g + (size_t)b * 1152;
-            float d = f16_to_f32(u16_at(blk + 2 * rr)), dmin = f16_to_f32(u16_at(blk + 16 + 2 * rr));
-            uint8_t packed[12], sc[8], mn[8];
-            for (int t = 0; t < 12; t++) packed[t] = blk[32 + 8 * t + rr];
-            k_scales(packed, sc, mn);
-            for (int s = 0; s < 8; s++) {
-                float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
-                float *o = out + 256 * b + 32 * s;
-                for (int c = 0; c < 4; c++)
-                    for (int i = 0; i < 4; i++) {
-                        uint8_t v = blk[128 + 128 * s + 32 * c + 4 * rr + i];
-                        float lo = ds * (float)(v & 15), hi = ds * (float)(v >> 4);
-                        o[8 * c + i] = lo - dm;
-                        o[8 * c + 4 + i] = hi - dm;
-                    }
-            }
+        const uint8_t *g = w + (size_t)(r / 8) * (size_t)(K / 32) * 272;
+        for (int b = 0; b < K / 32; b++) {
+            const uint8_t *blk = g + (size_t)b * 272;
+            float d = f16_to_f32(u16_at(blk + 2 * rr));
+            for (int j = 0; j < 8; j++)
+                for (int i = 0; i < 4; i++) out[32 * b + 4 * j + i] = (float)(int8_t)blk[16 + 32 * j + 4 * rr + i] * d;
         }
         return;
     }
@@ -182,25 +151,6 @@ NO_CONTRACT static void decode_row(const uint8_t *w, const float *scale, int kin
             const uint8_t *blk = row + (size_t)b * 34;
             float d = f16_to_f32(u16_at(blk));
             for (int i = 0; i < 32; i++) o[i] = (float)(int8_t)blk[2 + i] * d;
-        } else if (kind == Q4_0) {
-            const uint8_t *blk = row + (size_t)b * 18;
-            float d = f16_to_f32(u16_at(blk));
-            for (int i = 0; i < 16; i++) {
-                o[i] = d * (float)((blk[2 + i] & 15) - 8);
-                o[i + 16] = d * (float)((blk[2 + i] >> 4) - 8);
-            }
-        } else if (kind == Q4_K) {  /* sub-block s: run s / 2's low nibbles (s even) or high ones */
-            const uint8_t *blk = row + (size_t)b * 144, *qs = blk + 16;
-            float d = f16_to_f32(u16_at(blk)), dmin = f16_to_f32(u16_at(blk + 2));
-            uint8_t sc[8], mn[8];
-            k_scales(blk + 4, sc, mn);
-            for (int s = 0; s < 8; s++) {
-                float ds = d * (float)sc[s], dm = dmin * (float)mn[s];
-                for (int l = 0; l < 32; l++) {
-                    float p = ds * (float)((qs[32 * (s / 2) + l] >> (4 * (s & 1))) & 15);
-                    o[32 * s + l] = p - dm;
-                }
-            }
         } else {  /* Q6_K: weight 128 h + 32 part + l, its scale the one of each 16 */
             const uint8_t *blk = row + (size_t)b * 210, *ql = blk, *qh = blk + 128;
             const int8_t *scales = (const int8_t *)(blk + 192);
