@@ -21,12 +21,12 @@ from __future__ import annotations
 import torch
 
 from omniinfer.quantization.base import QuantKernel
+from omniinfer.quantization.gguf_blocks import BY_NAME
 from omniinfer.quantization.int_pieces import WINT_KINDS
 
 KIND_CODES = {"gguf:Q8_0": 0, "gguf:Q4_0": 1, "gguf:Q4_K": 2, "gguf:Q6_K": 3, "int8": 4, "gguf:Q4_1": 9,
-              "gguf:Q5_0": 10, "gguf:Q5_1": 11, "gguf:Q5_K": 12}
-BLOCK = {"gguf:Q8_0": 32, "gguf:Q4_0": 32, "gguf:Q4_K": 256, "gguf:Q6_K": 256, "int8": 1, "gguf:Q4_1": 32,
-         "gguf:Q5_0": 32, "gguf:Q5_1": 32, "gguf:Q5_K": 256}
+              "gguf:Q5_0": 10, "gguf:Q5_1": 11, "gguf:Q5_K": 12}  # (quant_blocks.h's)
+BLOCK = {kind: BY_NAME[kind[5:]].block if kind.startswith("gguf:") else 1 for kind in KIND_CODES}
 # symmetric n-bit weights of any group size the blocks divide, repacked as Q4_0 / Q8_0
 WINT = {k: 1 if k.startswith("wint4") else 0 for k in WINT_KINDS if k.count(":") == 1}  # symmetric, no g_idx
 KIND_CODES.update({**WINT, "w8a8": 4, "w8a8:static": 4})

@@ -1,29 +1,23 @@
 """GGUF rows repacked in groups of 8 for the int8-activation products (csrc/quant_x8.c), as the
 formats "cpu:Q4_0x8", "cpu:Q8_0x8", "cpu:Q4_1x8", "cpu:Q5_0x8", "cpu:Q5_1x8", "cpu:Q4_Kx8",
 "cpu:Q5_Kx8" and "cpu:Q6_Kx8": the same bytes as the blocks they come from, interleaved so that
-one 32-bit lane holds 4 codes of one row (quant_blocks.h says the byte order). The piece replaces the original one in its layer (the memory held stays the
-file's); the formats' dequantise and narrow undo the interleaving, so an embedding that shares
-the weight (tied) still reads its rows."""
+one 32-bit lane holds 4 codes of one row (quant_blocks.h says the byte order). The piece replaces
+the original one in its layer (the memory held stays the file's); the formats' dequantise and
+narrow undo the interleaving, so an embedding that shares the weight (tied) still reads its rows."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
 from omniinfer.quantization.base import QuantPiece, dequantize_piece, narrow_piece, register_format
+from omniinfer.quantization.gguf_blocks import BY_NAME
 
 GROUP = 8
 CHUNK_GROUPS = 512  # groups repacked at a time (bounds the transient copies)
-# original kind -> (repacked kind, the original's block bytes)
-REPACKED = {"gguf:Q4_0": ("cpu:Q4_0x8", 18), "gguf:Q8_0": ("cpu:Q8_0x8", 34), "gguf:Q4_K": ("cpu:Q4_Kx8", 144),
-            "gguf:Q6_K": ("cpu:Q6_Kx8", 210), "gguf:Q4_1": ("cpu:Q4_1x8", 20), "gguf:Q5_0": ("cpu:Q5_0x8", 22),
-            "gguf:Q5_1": ("cpu:Q5_1x8", 24), "gguf:Q5_K": ("cpu:Q5_Kx8", 176)}
-ORIGINAL = {packed: (kind, size) for kind, (packed, size) in REPACKED.items()}
-Q4_K, Q5_K, Q6_K = 144, 176, 210  # (their blocks: 256 columns, the others' 32)
-LEGACY = {20: (True, False), 22: (False, True), 24: (True, True)}  # Q4_1, Q5_0, Q5_1: (has m, has fifth bits)
-
-
-def _block_cols(size: int) -> int:
-    return 256 if size in (Q4_K, Q5_K, Q6_K) else 32
+# the classic 32-weight blocks of 4- and 5-bit codes: (has a minimum m, has fifth bits)
+CLASSIC = {"Q4_0": (False, False), "Q4_1": (True, False), "Q5_0": (False, True), "Q5_1": (True, True)}
 
 
 def _chunks(qs: torch.Tensor) -> torch.Tensor:
@@ -61,9 +55,9 @@ def _bits_of(hb: torch.Tensor) -> torch.Tensor:
 _BIT = torch.arange(8, dtype=torch.uint8)
 
 
-def _pack_legacy(b: torch.Tensor, has_min: bool, has_hi: bool) -> torch.Tensor:
-    """Q4_1 / Q5_0 / Q5_1 blocks [G, 8, nb, size] -> [G, nb, 8 * size]: the 8 rows' d, their m
-    (Q4_1, Q5_1), the low 4 bits of the codes as Q4_0x8's chunks, then (Q5) their fifth bits."""
+def _pack_classic(b: torch.Tensor, has_min: bool, has_hi: bool) -> torch.Tensor:
+    """Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks [G, 8, nb, size] -> [G, nb, 8 * size]: the 8 rows' d, their
+    m (Q4_1, Q5_1), the low 4 bits of the codes as Q4_0x8's chunks, then (Q5) their fifth bits."""
     groups, _, nb, size = b.shape
     parts = [b[..., 0:2].permute(0, 2, 1, 3).reshape(groups, nb, 16)]
     if has_min:
@@ -76,8 +70,8 @@ def _pack_legacy(b: torch.Tensor, has_min: bool, has_hi: bool) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def _unpack_legacy(p: torch.Tensor, has_min: bool, has_hi: bool) -> torch.Tensor:
-    """[G, nb, 8 * size] -> Q4_1 / Q5_0 / Q5_1 blocks [G, 8, nb, size]."""
+def _unpack_classic(p: torch.Tensor, has_min: bool, has_hi: bool) -> torch.Tensor:
+    """[G, nb, 8 * size] -> Q4_0 / Q4_1 / Q5_0 / Q5_1 blocks [G, 8, nb, size]."""
     groups, nb, _ = p.shape
     parts = [p[..., :16].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)]
     at = 16
@@ -173,63 +167,71 @@ def _unpack_q6_k(p: torch.Tensor) -> torch.Tensor:
     return torch.cat([ql, qh, scales, d], dim=-1)
 
 
-def _pack(blocks: torch.Tensor, cols: int, size: int) -> torch.Tensor:
-    """blocks uint8 [8G, nb * size] -> uint8 [G, nb * 8 * size]."""
-    nb, groups = cols // _block_cols(size), blocks.shape[0] // GROUP
-    b = blocks.reshape(groups, GROUP, nb, size)
-    if size in (Q4_K, Q5_K, Q6_K):
-        return {Q4_K: _pack_q4_k, Q5_K: _pack_q5_k, Q6_K: _pack_q6_k}[size](b).reshape(groups, -1)
-    if size in LEGACY:
-        return _pack_legacy(b, *LEGACY[size]).reshape(groups, -1)
-    if size == 18:  # Q4_0: byte j holds weight j (low nibble), weight j + 16 (high)
-        packed = _chunks(b[..., 2:])
-    else:  # Q8_0: weight 4j + i
-        packed = b[..., 2:].reshape(groups, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [G, nb, j, r, i]
-    d = b[..., :2].permute(0, 2, 1, 3)  # [G, nb, r, 2]
-    return torch.cat([d.reshape(groups, nb, 16), packed.reshape(groups, nb, -1)], dim=-1).reshape(groups, -1)
+def _pack_q8_0(b: torch.Tensor) -> torch.Tensor:
+    """Q8_0 blocks [G, 8, nb, 34] -> [G, nb, 272]: the 8 rows' d, then chunk j's byte 4r + i: row r's
+    weight 4j + i."""
+    groups, _, nb, _ = b.shape
+    d = b[..., :2].permute(0, 2, 1, 3).reshape(groups, nb, 16)
+    return torch.cat([d, b[..., 2:].reshape(groups, GROUP, nb, 8, 4).permute(0, 2, 3, 1, 4).reshape(groups, nb, 256)],
+                     dim=-1)
 
 
-def _unpack(packed: torch.Tensor, cols: int, size: int) -> torch.Tensor:
-    """uint8 [G, nb * 8 * size] -> the blocks, uint8 [8G, nb * size]."""
-    nb, groups = cols // _block_cols(size), packed.shape[0]
-    p = packed.reshape(groups, nb, GROUP * size)
-    if size in (Q4_K, Q5_K, Q6_K):
-        unpack = {Q4_K: _unpack_q4_k, Q5_K: _unpack_q5_k, Q6_K: _unpack_q6_k}[size]
-        return unpack(p).reshape(groups * GROUP, nb * size)
-    if size in LEGACY:
-        return _unpack_legacy(p, *LEGACY[size]).reshape(groups * GROUP, nb * size)
-    d = p[..., :16].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)  # [G, r, nb, 2]
-    if size == 18:
-        qs = _nibble_bytes(p[..., 16:])
-    else:
-        qs = p[..., 16:].reshape(groups, nb, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(groups, GROUP, nb, 32)
-    return torch.cat([d, qs], dim=-1).reshape(groups * GROUP, nb * size)
+def _unpack_q8_0(p: torch.Tensor) -> torch.Tensor:
+    """[G, nb, 272] -> Q8_0 blocks [G, 8, nb, 34]."""
+    groups, nb, _ = p.shape
+    d = p[..., :16].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)
+    qs = p[..., 16:].reshape(groups, nb, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(groups, GROUP, nb, 32)
+    return torch.cat([d, qs], dim=-1)
+
+
+# GGUF type -> (pack, unpack): blocks [G, 8, nb, size] <-> [G, nb, 8 * size]
+PACKERS = {"Q8_0": (_pack_q8_0, _unpack_q8_0), "Q4_K": (_pack_q4_k, _unpack_q4_k),
+           "Q5_K": (_pack_q5_k, _unpack_q5_k), "Q6_K": (_pack_q6_k, _unpack_q6_k),
+           **{name: (partial(_pack_classic, has_min=m, has_hi=h), partial(_unpack_classic, has_min=m, has_hi=h))
+              for name, (m, h) in CLASSIC.items()}}
+# original kind -> (repacked kind, the original's block bytes)
+REPACKED = {f"gguf:{name}": (f"cpu:{name}x8", BY_NAME[name].block_bytes) for name in PACKERS}
+ORIGINAL = {packed: kind for kind, (packed, _) in REPACKED.items()}
+
+
+def _pack(blocks: torch.Tensor, cols: int, name: str) -> torch.Tensor:
+    """GGUF `name` blocks uint8 [8G, nb * size] -> uint8 [G, nb * 8 * size]."""
+    t, groups = BY_NAME[name], blocks.shape[0] // GROUP
+    b = blocks.reshape(groups, GROUP, cols // t.block, t.block_bytes)
+    return PACKERS[name][0](b).reshape(groups, -1)
+
+
+def _unpack(packed: torch.Tensor, cols: int, name: str) -> torch.Tensor:
+    """uint8 [G, nb * 8 * size] -> the `name` blocks, uint8 [8G, nb * size]."""
+    t, groups = BY_NAME[name], packed.shape[0]
+    p = packed.reshape(groups, cols // t.block, GROUP * t.block_bytes)
+    return PACKERS[name][1](p).reshape(groups * GROUP, cols // t.block * t.block_bytes)
 
 
 def repack(kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> QuantPiece:
     """`kind` blocks [rows, cols / block * size] (a last group padded with zero rows) as its repacked piece."""
     rows, cols = shape
-    packed_kind, size = REPACKED[kind]
+    packed_kind, name = REPACKED[kind][0], kind.split(":")[1]
     groups = -(-rows // GROUP)
-    out = torch.empty(groups, cols // _block_cols(size) * GROUP * size, dtype=torch.uint8)
+    out = torch.empty(groups, BY_NAME[name].row_bytes(cols) * GROUP, dtype=torch.uint8)
     for g0 in range(0, groups, CHUNK_GROUPS):
         g1 = min(groups, g0 + CHUNK_GROUPS)
         part = blocks[g0 * GROUP:g1 * GROUP]
         if part.shape[0] < (g1 - g0) * GROUP:
             part = torch.cat([part, part.new_zeros((g1 - g0) * GROUP - part.shape[0], part.shape[1])])
-        out[g0:g1] = _pack(part, cols, size)
+        out[g0:g1] = _pack(part, cols, name)
     return QuantPiece(packed_kind, shape, {"blocks8": out})
 
 
 def as_original(piece: QuantPiece, groups: slice | torch.Tensor | None = None) -> QuantPiece:
     """The piece's rows (of the groups chosen, else all) as a piece of the kind they came from."""
     rows, cols = piece.shape
-    kind, size = ORIGINAL[piece.kind]
-    packed = piece.tensors["blocks8"]
+    kind = ORIGINAL[piece.kind]
+    name, packed = kind.split(":")[1], piece.tensors["blocks8"]
     if groups is None:
-        return QuantPiece(kind, (rows, cols), {"blocks": _unpack(packed, cols, size)[:rows]})
+        return QuantPiece(kind, (rows, cols), {"blocks": _unpack(packed, cols, name)[:rows]})
     sub = packed[groups]
-    return QuantPiece(kind, (sub.shape[0] * GROUP, cols), {"blocks": _unpack(sub, cols, size)})
+    return QuantPiece(kind, (sub.shape[0] * GROUP, cols), {"blocks": _unpack(sub, cols, name)})
 
 
 def _dequantize(piece: QuantPiece) -> torch.Tensor:

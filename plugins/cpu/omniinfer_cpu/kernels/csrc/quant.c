@@ -134,7 +134,8 @@ INLINE void dot_qn(const uint8_t *w, const float *x, size_t ldx, const float *xs
     for (int b = 0; b < K / 32; b++) {
         const uint8_t *blk = w + (size_t)b * bytes, *qs = blk + bytes - 16;
         prefetch_ahead(blk, bytes);
-        float d = f16_to_f32(u16_at(blk)), off = has_min ? f16_to_f32(u16_at(blk + 2)) : -(float)(8 << has_hi) * d;
+        float d = f16_to_f32(u16_at(blk));
+        float off = has_min ? f16_to_f32(u16_at(blk + 2)) : -(float)(8 << has_hi) * d;
         uint32_t qh = 0;
         if (has_hi) memcpy(&qh, blk + 2 + 2 * has_min, 4);
         vf qv[32 / VL];

@@ -231,6 +231,11 @@ typedef void (*x8_group_fn)(const uint8_t *g, const xq *X, int m0, int MB, float
         default: fn(g, X, m0, 4, out); break;                            \
         }                                                                \
     }
+/* a group function that is fn with its format's flags fixed (qn_rows, kq_rows) */
+#define GROUP_OF(name, fn, ...)                                                                  \
+    INLINE void name(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { \
+        fn(g, X, m0, MB, out, __VA_ARGS__);                                                   \
+    }
 /* quant_kx8.c: the group function of Q4_KX8, Q5_KX8 or Q6_KX8 */
 x8_group_fn omni_kx8_group(int kind);
 

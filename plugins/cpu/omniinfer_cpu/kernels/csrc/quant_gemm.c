@@ -13,7 +13,8 @@ static void decode_row(int kind, const uint8_t *w, float scale, int K, float *ou
             const int has_min = kind == Q4_1 || kind == Q5_1, has_hi = kind == Q5_0 || kind == Q5_1;
             const int bytes = qblock_bytes(kind);
             const uint8_t *blk = w + (size_t)b * bytes, *qs = blk + bytes - 16;
-            float d = f16_to_f32(u16_at(blk)), m = has_min ? f16_to_f32(u16_at(blk + 2)) : -(float)(8 << has_hi) * d;
+            float d = f16_to_f32(u16_at(blk));
+            float m = has_min ? f16_to_f32(u16_at(blk + 2)) : -(float)(8 << has_hi) * d;
             uint32_t qh = 0;
             if (has_hi) memcpy(&qh, blk + 2 + 2 * has_min, 4);
             for (int c = 0; c < 32; c += VL)
@@ -25,9 +26,10 @@ static void decode_row(int kind, const uint8_t *w, float scale, int K, float *ou
             uint8_t sc[8], mn[8];
             k_scales(blk + 4, sc, mn);
             for (int s = 0; s < 8; s++)
-                for (int c = 0; c < 32; c += VL)
-                    *(vfu *)(out + 256 * b + 32 * s + c) =
-                        (d * (float)sc[s]) * (hi ? q5_k_chunk(qs, qh, s, c) : q4_k_chunk(qs, s, c)) - dmin * (float)mn[s];
+                for (int c = 0; c < 32; c += VL) {
+                    vf q = hi ? q5_k_chunk(qs, qh, s, c) : q4_k_chunk(qs, s, c);
+                    *(vfu *)(out + 256 * b + 32 * s + c) = (d * (float)sc[s]) * q - dmin * (float)mn[s];
+                }
         } else if (kind == Q8_0) {
             const uint8_t *blk = w + (size_t)b * 34;
             float d = f16_to_f32(u16_at(blk));

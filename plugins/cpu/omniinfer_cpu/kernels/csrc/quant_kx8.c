@@ -1,8 +1,8 @@
 /* The K-quants' groups of 8 (Q4_KX8, Q5_KX8, Q6_KX8: quant_blocks.h) for omni_qx8_rows
- * (quant_x8.c): the same integer sums as its Q4_0X8 groups, per 32-weight sub-block, then each row's sub-block
- * scale (Q4_K, Q5_K: d * scale and dmin * minimum; Q6_K: d * scale per 16 weights, less 32 times x's
- * sum) for the 8 rows in one vector, where the row-at-a-time dots of quant_q8.c take them a
- * row and a sub-block at a time. */
+ * (quant_x8.c): the same integer sums as its Q4_0X8 groups, per 32-weight sub-block, then each
+ * row's sub-block scale (Q4_K, Q5_K: d * scale and dmin * minimum; Q6_K: d * scale per 16
+ * weights, less 32 times x's sum) for the 8 rows in one vector, where the row-at-a-time dots of
+ * quant_q8.c take them a row and a sub-block at a time. */
 #include "quant_blocks.h"
 
 /* Q4_KX8: per 256 columns the 8 rows' d and dmin, their 12 scale bytes (byte 8t + r: row r's byte
@@ -272,11 +272,13 @@ INLINE void k6_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
 }
 #endif
 
-INLINE void k4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { kq_rows(g, X, m0, MB, out, 0); }
-INLINE void k5_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { kq_rows(g, X, m0, MB, out, 1); }
+GROUP_OF(k4_rows, kq_rows, 0)
+GROUP_OF(k5_rows, kq_rows, 1)
 
 ROWS_OF(k4_rows)
 ROWS_OF(k5_rows)
 ROWS_OF(k6_rows)
 
-x8_group_fn omni_kx8_group(int kind) { return kind == Q6_KX8 ? k6_rows_n : kind == Q5_KX8 ? k5_rows_n : k4_rows_n; }
+x8_group_fn omni_kx8_group(int kind) {
+    return kind == Q6_KX8 ? k6_rows_n : kind == Q5_KX8 ? k5_rows_n : k4_rows_n;
+}

@@ -184,10 +184,10 @@ INLINE void qn_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
 }
 #endif
 
-INLINE void q4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { qn_rows(g, X, m0, MB, out, 0, 0); }
-INLINE void q41_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { qn_rows(g, X, m0, MB, out, 1, 0); }
-INLINE void q50_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { qn_rows(g, X, m0, MB, out, 0, 1); }
-INLINE void q51_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) { qn_rows(g, X, m0, MB, out, 1, 1); }
+GROUP_OF(q4_rows, qn_rows, 0, 0)
+GROUP_OF(q41_rows, qn_rows, 1, 0)
+GROUP_OF(q50_rows, qn_rows, 0, 1)
+GROUP_OF(q51_rows, qn_rows, 1, 1)
 
 ROWS_OF(q4_rows)
 ROWS_OF(q8_rows)
