@@ -200,6 +200,45 @@ def test_a_gguf_model_holds_no_float_copy(models):
         llm.shutdown()
 
 
+def test_pieces_reach_the_device_before_a_kernel_sees_them():
+    """The loader reads quantised pieces on the host (a GGUF file's are views of its mapping);
+    on an accelerator `loading.finish` moves each to the device before the platform's kernel gets
+    it, and the reference runs there too. ("meta" stands in for a GPU here: a tensor left on the
+    host, or a host index, shows as a device mismatch.)"""
+    from torch import nn
+
+    from omniinfer.quantization import gguf_blocks, loading
+    from omniinfer.quantization.base import QuantKernel, QuantPiece, QuantSlot
+
+    seen = []
+
+    class DeviceKernel(QuantKernel):
+        name, device_types, kinds = "probe", ("meta",), ("gguf:Q5_K",)
+
+        def __init__(self, piece):
+            super().__init__(piece)
+            seen.append({t.device.type for t in piece.tensors.values()})
+
+    layers = nn.ModuleList()
+    for kind in ("Q5_K", "Q6_K", "Q5_0"):  # the probe takes one; the reference the others
+        t = gguf_blocks.BY_NAME[kind]
+        layer = nn.Module()
+        layer.linear_method = None
+        layer.qslot = QuantSlot((40, 512), f"{kind}.weight")
+        layer.qslot.copy_(QuantPiece(f"gguf:{kind}", (40, 512),
+                                     {"blocks": torch.zeros(40, t.row_bytes(512), dtype=torch.uint8)}))
+        layers.append(layer)
+    served = loading.finish(layers, torch.device("meta"), [DeviceKernel])
+    assert seen == [{"meta"}] and served[("gguf:Q5_K", "probe")] == 1
+    for layer in layers:
+        assert all(t.is_meta for s in layer.qweight.segments for t in s.piece.tensors.values())
+    for layer in layers[1:]:
+        out = layer.linear_method.apply(layer, torch.empty(3, 512, device="meta"))
+        assert out.is_meta and out.shape == (3, 40)
+        rows = layer.qweight.rows_of(torch.tensor([1, 7], device="meta"), torch.float32)
+        assert rows.is_meta and rows.shape == (2, 512)
+
+
 def test_gguf_under_tensor_parallelism(models):
     """Column-parallel layers split rows, row-parallel ones split columns on block boundaries
     (Q8_0's 32 weights; 256 / 2 = 128 columns a rank)."""

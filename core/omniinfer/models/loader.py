@@ -122,5 +122,5 @@ def load_model(config: ModelConfig, attn_backend, device: torch.device, progress
     if config.quantization == "int8":
         int8.quantize_model(model)
     if deferred or config.quantization == "int8":
-        loading.finish(model, device.type, quant_kernels or [])
+        loading.finish(model, device, quant_kernels or [])
     return model.eval()

@@ -206,6 +206,13 @@ def _merge(segments: list[Segment]) -> list[Segment]:
     return out
 
 
+def piece_to(piece: QuantPiece, device: torch.device) -> QuantPiece:
+    """`piece` with its tensors on `device` (itself where they already are there)."""
+    if all(t.device == device for t in piece.tensors.values()):
+        return piece
+    return QuantPiece(piece.kind, piece.shape, {k: t.to(device) for k, t in piece.tensors.items()})
+
+
 def float_piece(t: torch.Tensor) -> QuantPiece:
     return QuantPiece("float", tuple(t.shape), {"weight": t})
 

@@ -7,7 +7,8 @@ A quantised row of K weights is K / B blocks of B weights, each block a fixed nu
 [rows, K] weights is [rows, K / B * block_bytes] bytes. Rows are independent, so a range of rows
 is a range of byte rows; a range of columns is a range of blocks, so a split along K must fall on
 a block boundary. Each block's scales are float16; the arithmetic below is float32 in the same
-order as the reference (for Q6_K that order decides the last bit: (d * scale) * q).
+order as the reference (for Q6_K that order decides the last bit: (d * scale) * q), on the
+device the blocks are on (this is the GPU platforms' fallback too).
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _high_bits(qh: torch.Tensor) -> torch.Tensor:
     """[n, 4] bytes (a little-endian uint32) -> [n, 32]: bit j of it, as 0 or 16."""
     word = qh.to(torch.int64)
     word = word[:, 0] | word[:, 1] << 8 | word[:, 2] << 16 | word[:, 3] << 24
-    return ((word[:, None] >> torch.arange(32)) & 1).to(torch.uint8) << 4
+    return ((word[:, None] >> torch.arange(32, device=qh.device)) & 1).to(torch.uint8) << 4
 
 
 def _k_scales(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +121,8 @@ def _q5_k(b):
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scales(b[:, 4:16])
     qh = b[:, 16:48]
-    high = ((qh[:, None, :] >> torch.arange(8, dtype=torch.uint8)[None, :, None]) & 1) << 4  # [n, 8, 32]
+    bit = torch.arange(8, dtype=torch.uint8, device=b.device)
+    high = ((qh[:, None, :] >> bit[None, :, None]) & 1) << 4  # [n, 8, 32]
     q = (_k_nibbles(b[:, 48:176]) | high).float()
     return ((d * sc.float())[:, :, None] * q - (dmin * mn.float())[:, :, None]).reshape(n, 256)
 
@@ -130,7 +132,8 @@ def _q6_k(b):
     ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
     low = ql.reshape(n, 2, 1, 64)
     low = torch.cat([low & 0x0F, low >> 4], dim=2).reshape(n, 8, 32)
-    high = qh.reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)
+    shift = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)
+    high = qh.reshape(n, 2, 1, 32) >> shift.reshape(1, 1, 4, 1)
     high = (high & 0x03).reshape(n, 8, 32)
     q = ((low | (high << 4)).to(torch.int8) - 32).float().reshape(n, 16, 16)
     scale = (d * scales.contiguous().view(torch.int8).float()).reshape(n, 16, 1)

@@ -135,7 +135,8 @@ class _Format:
         gl = group_len(self.group_size, in_features)
         if g_idx_name and g_idx_name in tensors:
             return tensors[g_idx_name].long(), gl
-        return torch.arange(in_features) // gl, gl
+        device = next(iter(tensors.values())).device
+        return torch.arange(in_features, device=device) // gl, gl
 
 
 class GPTQFormat(_Format):
@@ -186,7 +187,7 @@ class GPTQFormat(_Format):
         codes, zeros, g, gl = self._parts(tensors, out_features, in_features)
         scales = tensors["scales"]
         g_idx = None
-        if self.config.desc_act and not torch.equal(g, torch.arange(in_features) // gl):
+        if self.config.desc_act and not torch.equal(g, torch.arange(in_features, device=g.device) // gl):
             g_idx = g.to(torch.int32)
         return _packed(tensors["qweight"].contiguous(), scales, zeros, g_idx, self.bits, gl,
                        in_features, out_features)
@@ -294,7 +295,7 @@ class CTPackedFormat(_Format):
     def to_kernel_layout(self, tensors, out_features, in_features):
         codes, zeros, g, gl = self._parts(tensors, out_features, in_features)
         g_idx = None
-        if self.has_g_idx and not torch.equal(g, torch.arange(in_features) // gl):
+        if self.has_g_idx and not torch.equal(g, torch.arange(in_features, device=g.device) // gl):
             g_idx = g.to(torch.int32)
         return _packed(pack_int32(codes.t(), self.bits, 0), tensors["weight_scale"].t(),
                        zeros.t(), g_idx, self.bits, gl, in_features, out_features)

@@ -82,7 +82,8 @@ def _narrow_wint(piece: QuantPiece, dim: int, start, length: int | None = None) 
     rows, cols = piece.shape
     t = dict(piece.tensors)
     if dim == 0:  # outputs: the columns of every [.., out] tensor
-        index = start if isinstance(start, torch.Tensor) else torch.arange(start, start + length)
+        index = (start if isinstance(start, torch.Tensor)
+                 else torch.arange(start, start + length, device=t["qweight"].device))
         for name in ("qweight", "scales", "zeros"):
             if name in t:
                 t[name] = t[name].index_select(1, index.to(torch.long))

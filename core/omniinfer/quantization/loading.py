@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from omniinfer.logger import init_logger
-from omniinfer.quantization.base import QuantLinearMethod, QuantSlot
+from omniinfer.quantization.base import QuantLinearMethod, QuantSlot, piece_to
 
 logger = init_logger(__name__)
 
@@ -47,10 +47,13 @@ def prepare(model: nn.Module, quantized: set[str], device: torch.device) -> None
             module.weight = value
 
 
-def finish(model: nn.Module, device_type: str, kernels: list) -> Counter:
-    """Each slot's weight into its layer, with the method that applies it; returns how many
-    layers each (format, kernel) pair serves, and logs it."""
-    method = QuantLinearMethod(device_type, kernels)
+def finish(model: nn.Module, device: torch.device, kernels: list) -> Counter:
+    """Each slot's weight into its layer, on `device`, with the method that applies it; returns
+    how many layers each (format, kernel) pair serves, and logs it. The pieces come from the
+    checkpoint on the host (a GGUF file's are views of its mapping): on an accelerator each moves
+    to the device here, layer by layer, before a kernel repacks it; on the CPU they stay as they
+    are."""
+    method = QuantLinearMethod(device.type, kernels)
     weights: dict[int, object] = {}
     served: Counter = Counter()
     reasons: dict[tuple[str, str], str] = {}
@@ -61,6 +64,8 @@ def finish(model: nn.Module, device_type: str, kernels: list) -> Counter:
         if id(slot) not in weights:
             rows = getattr(module, "num_real", None)  # an embedding's padding rows stay empty
             weights[id(slot)] = slot.finish(rows)
+            for segment in weights[id(slot)].segments:
+                segment.piece = piece_to(segment.piece, device)
         module.qweight = weights[id(slot)]
         del module.qslot
         if hasattr(module, "linear_method"):  # a linear layer or the LM head (an embedding looks up)
