@@ -1,6 +1,7 @@
-"""Quantized-GEMM micro-benchmark: the Triton kernels of kernels/triton/quant_gemm.py against
-torch's F.linear on the same weights dequantized to the activation dtype, each output checked
-against the torch reference (quantization/int_reference.py).
+"""Quantized-GEMM micro-benchmark: the Triton kernels of kernels/triton/quant_gemm.py and
+gguf_gemm.py against torch's F.linear on the same weights dequantized to the activation dtype,
+each output checked against the torch reference (quantization/int_reference.py; for GGUF blocks
+the weight dequantized by quantization/gguf_blocks.py, multiplied by F.linear).
 
     python benchmarks/quant_kernels.py [--platform cuda] [--dtype bfloat16] [--iters N]
                                        [--format NAME ...] [--rows M ...] [--json out.json]
@@ -10,7 +11,9 @@ Layers are Llama-3-8B's per-rank gate_up (28672 x 4096) and down (4096 x 14336) 
 accelerators, at 1 and 8 rows (decode: weight bytes per second is the measure) and 512 rows
 (prefill: TFLOP/s); a tiny layer on the CPU, where the kernels run only interpreted
 (--include-interpreted sets TRITON_INTERPRET=1 for this process; slow: for dry runs).
-Weights are random codes, scales and zeros (their values do not change the time). Exit
+Weights are random codes, scales and zeros (their values do not change the time); GGUF formats
+are random blocks of the type (testing/kquant.random_blocks), Q4_K and Q6_K as a Q4_K_M file
+holds them, Q8_0, and Q5_0 (a narrow model's fallback). Exit
 status 1 when a kernel fails or disagrees with the reference.
 """
 
@@ -21,6 +24,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -28,15 +32,40 @@ import torch
 GPU_LAYERS = [("llama-3-8b gate_up", 28672, 4096), ("llama-3-8b down", 4096, 14336)]
 CPU_LAYERS = [("tiny", 72, 256)]
 GPU_ROWS, CPU_ROWS = (1, 8, 512), (1, 17)
-FORMATS = ("int4-g128", "int4-g128-zeros", "int4-g32-g_idx", "int8-w8a16", "int8-w8a8")
+FORMATS = ("int4-g128", "int4-g128-zeros", "int4-g32-g_idx", "int8-w8a16", "int8-w8a8",
+           "gguf-q4_k", "gguf-q6_k", "gguf-q8_0", "gguf-q5_0")
 # outputs agree to the output dtype's rounding, relative to the largest output (two units)
 TOLERANCE = {torch.float16: 2 ** -9, torch.bfloat16: 2 ** -6, torch.float32: 1e-5}
+
+
+@dataclass(frozen=True)
+class GGUFWeight:
+    """A GGUF-quantised weight as the layers hold it: the file's blocks [n, row bytes]."""
+
+    blocks: torch.Tensor
+    type_name: str
+    k: int
+
+    def dequantize(self) -> torch.Tensor:
+        from omniinfer.quantization.gguf_blocks import BY_NAME, dequantize
+
+        return dequantize(self.blocks, BY_NAME[self.type_name], self.k)
 
 
 def make_weight(fmt: str, n: int, k: int, dtype, device, gen):
     """A random weight of `fmt` in the kernels' layout."""
     from omniinfer.quantization.int_layouts import Int8Weight, PackedIntWeight
 
+    if fmt.startswith("gguf"):
+        import numpy as np
+
+        from omniinfer.quantization.gguf_blocks import BY_NAME
+        from omniinfer.testing.kquant import random_blocks
+
+        name = fmt.removeprefix("gguf-").upper()
+        seed = int(torch.randint(0, 2 ** 31, (1,), generator=gen))
+        blocks = random_blocks(BY_NAME[name], n, k, np.random.default_rng(seed))
+        return GGUFWeight(torch.from_numpy(blocks).to(device), name, k)
     if fmt.startswith("int8"):
         codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
         scale = torch.rand(n, generator=gen) * 0.01 + 1e-3
@@ -57,6 +86,10 @@ def kernel_call(weight):
     from omniinfer.kernels.triton.quant_gemm import int8_matmul, wn_matmul
     from omniinfer.quantization.int_layouts import Int8Weight
 
+    if isinstance(weight, GGUFWeight):
+        from omniinfer.kernels.triton.gguf_gemm import gguf_matmul
+
+        return lambda x: gguf_matmul(x, weight.blocks, weight.type_name)
     if isinstance(weight, Int8Weight):
         return lambda x: int8_matmul(x, weight.weight, weight.weight_scale, weight.input_scale,
                                      weight.quantize_activations)
@@ -68,6 +101,8 @@ def reference(weight, x):
     from omniinfer.quantization.int_layouts import Int8Weight
     from omniinfer.quantization.int_reference import int8_linear_reference, wn_linear_reference
 
+    if isinstance(weight, GGUFWeight):  # the ReferenceKernel's product
+        return torch.nn.functional.linear(x, weight.dequantize().to(x.dtype))
     return (int8_linear_reference if isinstance(weight, Int8Weight) else wn_linear_reference)(
         x, weight)
 
@@ -75,7 +110,7 @@ def reference(weight, x):
 def weight_bytes(weight) -> int:
     return sum(t.numel() * t.element_size() for t in
                (getattr(weight, f) for f in ("qweight", "scales", "zeros", "g_idx", "weight",
-                                             "weight_scale")
+                                             "weight_scale", "blocks")
                 if hasattr(weight, f)) if t is not None)
 
 

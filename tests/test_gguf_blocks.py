@@ -11,19 +11,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from omniinfer.quantization import gguf_blocks  # noqa: E402
-
-# where each type keeps its float16 scales (byte offsets in a block)
-SCALE_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
-                 "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
-
-
-def random_blocks(kind: gguf_blocks.BlockType, rows: int, cols: int, rng) -> np.ndarray:
-    data = rng.integers(0, 256, size=(rows, kind.row_bytes(cols)), dtype=np.uint8)
-    blocks = data.reshape(-1, kind.block_bytes)
-    for at in SCALE_OFFSETS.get(kind.name, []):
-        scales = (rng.standard_normal(blocks.shape[0]) * 0.05).astype(np.float16)
-        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return data
+from omniinfer.testing.kquant import SCALE_OFFSETS, random_blocks  # noqa: E402
 
 
 @pytest.mark.parametrize("name", sorted(SCALE_OFFSETS))

@@ -1,8 +1,9 @@
-"""The portable Triton products (kernels/triton/quant_gemm.py) as a QuantKernel, for the GPU
-plugins to declare (CUDA, ROCm and XPU all run Triton): GPTQ / AWQ / compressed-tensors n-bit
-weights (every wint kind), compressed-tensors W8A8 (activations quantised to int8 per token, or
-with the checkpoint's static scale) and omniinfer's int8 (W8A16). GGUF blocks are not among
-them: on a GPU they run the reference. Importing this module imports no Triton."""
+"""The portable Triton products (kernels/triton/quant_gemm.py, gguf_gemm.py) as a QuantKernel,
+for the GPU plugins to declare (CUDA, ROCm and XPU all run Triton): GPTQ / AWQ /
+compressed-tensors n-bit weights (every wint kind), compressed-tensors W8A8 (activations
+quantised to int8 per token, or with the checkpoint's static scale), omniinfer's int8 (W8A16)
+and every GGUF block type the loader takes, read as the file stores it (no repacking: the layer
+holds the file's bytes). Importing this module imports no Triton."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ import torch
 from omniinfer.quantization.base import QuantKernel
 from omniinfer.quantization.int_pieces import WINT_KINDS
 
+# the GGUF block types kernels/triton/gguf_gemm.py decodes (its KERNEL_TYPES; this module does
+# not import Triton to read them)
+GGUF_KINDS = tuple(f"gguf:{t}" for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"))
+
 
 class TritonQuantKernel(QuantKernel):
     name = "triton"
     device_types = ("cuda", "xpu")  # (ROCm's torch device type is "cuda")
-    kinds = (*WINT_KINDS, "w8a8", "w8a8:static", "int8")
+    kinds = (*WINT_KINDS, "w8a8", "w8a8:static", "int8", *GGUF_KINDS)
 
     @classmethod
     def unavailable(cls, kind: str, shape: tuple[int, int]) -> str | None:
@@ -28,7 +33,10 @@ class TritonQuantKernel(QuantKernel):
     def __init__(self, piece):
         super().__init__(piece)
         family = piece.kind.split(":")[0]
-        if family.startswith("wint"):
+        self.gguf_type = piece.kind.split(":")[1] if family == "gguf" else None
+        if self.gguf_type is not None:
+            self.weight = piece.tensors["blocks"]  # the file's bytes, as the layer holds them
+        elif family.startswith("wint"):
             from omniinfer.quantization.int_pieces import packed_weight
 
             self.weight = packed_weight(piece)
@@ -43,6 +51,10 @@ class TritonQuantKernel(QuantKernel):
         from omniinfer.quantization.int_layouts import PackedIntWeight
 
         w = self.weight
+        if self.gguf_type is not None:
+            from omniinfer.kernels.triton.gguf_gemm import gguf_matmul
+
+            return gguf_matmul(x, w, self.gguf_type)
         if isinstance(w, PackedIntWeight):
             return quant_gemm.wn_matmul(x, w.qweight, w.scales, w.zeros, w.g_idx, w.bits, w.group_size)
         return quant_gemm.int8_matmul(x, w.weight, w.weight_scale, w.input_scale,

@@ -2,11 +2,28 @@
 dequantises but cannot make: for test files and benchmarks on this machine. They write valid
 blocks in llama.cpp's layout (the packing is checked by `gguf.quants.dequantize` reading them back
 close to the weights); they do not search for the best scales as llama.cpp's quantiser does, so a
-real Q4_K_M file (llama.cpp's `llama-quantize`) is somewhat more accurate."""
+real Q4_K_M file (llama.cpp's `llama-quantize`) is somewhat more accurate. And random blocks of
+every quantised type, for tests and kernel benchmarks: every byte random but the float16 scales."""
 
 from __future__ import annotations
 
 import numpy as np
+
+# where each type keeps its float16 scales (byte offsets in a block)
+SCALE_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
+                 "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(kind, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """[rows, kind.row_bytes(cols)] uint8 of GGUF `kind` (a gguf_blocks.BlockType): random codes,
+    sub-scales and bits, with float16 scales drawn from N(0, 0.05) (random bytes there would make
+    infinities and NaNs)."""
+    data = rng.integers(0, 256, size=(rows, kind.row_bytes(cols)), dtype=np.uint8)
+    blocks = data.reshape(-1, kind.block_bytes)
+    for at in SCALE_OFFSETS.get(kind.name, []):
+        scales = (rng.standard_normal(blocks.shape[0]) * 0.05).astype(np.float16)
+        blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
+    return data
 
 
 def _f16(x: np.ndarray) -> np.ndarray:

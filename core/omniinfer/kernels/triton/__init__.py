@@ -1,8 +1,10 @@
-"""Portable Triton kernels: the paged KV cache's write and attention, quantized GEMMs, fused MoE.
+"""Portable Triton kernels: the paged KV cache's write and attention, quantized GEMMs (GGUF
+blocks among them), fused MoE.
 
 Importing this package does not import triton; :func:`unavailable_reasons` answers whether the
 kernels can run on a device type, and the kernels live in :mod:`.reshape_and_cache`,
-:mod:`.paged_attention`, :mod:`.quant_gemm` and :mod:`.fused_moe` (importing those imports triton).
+:mod:`.paged_attention`, :mod:`.quant_gemm`, :mod:`.gguf_gemm` and :mod:`.fused_moe` (importing
+those imports triton).
 
 Triton decides between compiling for a GPU and interpreting on the CPU when a kernel is
 *defined*, from ``TRITON_INTERPRET``: set ``TRITON_INTERPRET=1`` before the first import of the
@@ -20,6 +22,7 @@ ENV_INTERPRET = "TRITON_INTERPRET"
 _KERNEL_MODULES = ("omniinfer.kernels.triton.paged_attention",
                    "omniinfer.kernels.triton.reshape_and_cache",
                    "omniinfer.kernels.triton.quant_gemm",
+                   "omniinfer.kernels.triton.gguf_gemm",
                    "omniinfer.kernels.triton.fused_moe")
 
 

@@ -286,6 +286,52 @@ def quant_launches() -> list[KernelLaunch]:
     return launches
 
 
+# ---- GGUF blocks (kernels/triton/gguf_gemm.py) --------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class GGUFShape:
+    """One GGUF-quantised linear layer as `gguf_matmul` sees it."""
+
+    model: str
+    dtype: torch.dtype  # activations
+    m: int
+    n: int
+    k: int
+    type_name: str  # "Q4_K": the block type (a constexpr: each compiles its own decoder)
+
+    def label(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.").replace("bfloat", "bf").replace("float", "fp")
+        return f"{dtype} {self.type_name} m{self.m} {self.n}x{self.k} ({self.model})"
+
+
+# Every block type at decode (the GEMV: its registers hold the decoded tile alone) and at a
+# 512-token prefill chunk (the tl.dot GEMM), on Llama-3-8B's gate_up and down (a Q4_K_M file holds
+# Q4_K, Q6_K and Q8_0; the classic types are older files' and the fallbacks of narrow models).
+_GGUF: tuple[GGUFShape, ...] = tuple(
+    GGUFShape(f"llama-3-8b {layer}", dtype, m, n, k, t)
+    for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+    for m, layer, n, k, dtype in ((1, "gate_up", 28672, 4096, torch.bfloat16),
+                                  (512, "down", 4096, 14336, torch.float16)))
+
+
+def _gguf_launch(shape: GGUFShape) -> None:
+    from omniinfer.kernels.triton.gguf_gemm import gguf_matmul
+    from omniinfer.quantization.gguf_blocks import BY_NAME
+
+    meta = dict(device="meta")
+    blocks = torch.empty(shape.n, BY_NAME[shape.type_name].row_bytes(shape.k), dtype=torch.uint8,
+                         **meta)
+    gguf_matmul(torch.empty(shape.m, shape.k, dtype=shape.dtype, **meta), blocks, shape.type_name)
+
+
+def gguf_launches() -> list[KernelLaunch]:
+    """What GGUF layers launch on a GPU through `gguf_matmul`: the split-K GEMV (1-8 rows) and
+    the tl.dot GEMM, per block type."""
+    from omniinfer.kernels.triton.quant_gemm import GEMV_MAX_M
+
+    return [KernelLaunch("gguf_gemv" if shape.m <= GEMV_MAX_M else "gguf_gemm", shape.label(),
+                         shape, partial(_gguf_launch, shape)) for shape in _GGUF]
+
+
 # ---- mixture of experts (kernels/triton/fused_moe.py) -------------------------------------------
 @dataclass(frozen=True, slots=True)
 class MoEShape:
@@ -340,7 +386,7 @@ def moe_launches() -> list[KernelLaunch]:
 
 # Every source of catalogued launches; a new kernel family appends its function here.
 SOURCES: tuple[Callable[[], list[KernelLaunch]], ...] = (attention_launches, quant_launches,
-                                                          moe_launches)
+                                                          gguf_launches, moe_launches)
 
 
 def catalogue() -> list[KernelLaunch]:

@@ -49,17 +49,11 @@ def _wn_matmul_kernel(
     PACK: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     MIDPOINT: tl.constexpr = 1 << (BITS - 1)
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    split = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_m, split, rows, n, k_start, k_end = program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     rows_ok = rows < M
     n_ok = n < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    k_start = split * k_per_split
-    k_end = tl.minimum(K, k_start + k_per_split)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < k_end
@@ -89,31 +83,68 @@ def _wn_matmul_kernel(
                 zero = tl.load(zeros_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
             else:
                 zero = MIDPOINT
-        w = (codes - zero) * scale  # [BLOCK_K, BLOCK_N], rounded once to x's dtype:
-        if ROUND_BF16:
-            bits = w.to(tl.uint32, bitcast=True)
-            w = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        w = (codes - zero) * scale  # [BLOCK_K, BLOCK_N]
+        acc = accumulate(acc, w, x_ptr, x_rows, rows_ok, k, k_ok, pid_m, M, stride_xm,
+                         BLOCK_M, USE_DOT, DOT_F32, ROUND_BF16)
+    store_out(acc, bias_ptr, out_ptr, rows, rows_ok, n, n_ok, split, stride_om, stride_os,
+              HAS_BIAS, ROUND_BF16)
+
+
+@triton.jit
+def program_tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A weight-only program's part of the grid (N tiles, M tiles, K splits): its M tile's index,
+    its split, its rows and outputs, and the inputs [k_start, k_end) it sums."""
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_start = split * k_per_split
+    return pid_m, split, rows, n, k_start, tl.minimum(K, k_start + k_per_split)
+
+
+@triton.jit
+def bf16_round(v):
+    """float32 `v` rounded to the nearest bfloat16 (ties to even), still float32."""
+    bits = v.to(tl.uint32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def accumulate(acc, w, x_ptr, x_rows, rows_ok, k, k_ok, pid_m, M, stride_xm,
+               BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
+               ROUND_BF16: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] + x[rows, k] @ w, for a float32 weight tile w [BLOCK_K, BLOCK_N]
+    that is first rounded once to x's dtype (the reference rounds its float weight the same
+    way): a tl.dot of the tile, or (decode rows, USE_DOT off) each row's products summed."""
+    if ROUND_BF16:
+        w = bf16_round(w)
+    else:
+        w = w.to(x_ptr.dtype.element_ty)
+    if USE_DOT:
+        x = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+        if DOT_F32:
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
         else:
-            w = w.to(x_ptr.dtype.element_ty)
-        if USE_DOT:
-            x = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
-            if DOT_F32:
-                acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(x, w, input_precision="ieee")
-        else:
-            w32 = w.to(tl.float32)
-            for m in tl.static_range(BLOCK_M):
-                row = pid_m * BLOCK_M + m
-                x_m = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k,
-                              mask=k_ok & (k * 0 + row < M), other=0.0)
-                part = tl.sum(x_m.to(tl.float32)[:, None] * w32, 0)  # [BLOCK_N]
-                acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == m, part[None, :], 0.0)
+            acc += tl.dot(x, w, input_precision="ieee")
+    else:
+        w32 = w.to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            row = pid_m * BLOCK_M + m
+            x_m = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k,
+                          mask=k_ok & (k * 0 + row < M), other=0.0)
+            part = tl.sum(x_m.to(tl.float32)[:, None] * w32, 0)  # [BLOCK_N]
+            acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == m, part[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def store_out(acc, bias_ptr, out_ptr, rows, rows_ok, n, n_ok, split, stride_om, stride_os,
+              HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """acc (+ bias) stored in out's dtype at split `split`'s rows (stride_os 0: no split)."""
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ROUND_BF16:  # the store's truncation is then exact
-        bits = acc.to(tl.uint32, bitcast=True)
-        acc = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        acc = bf16_round(acc)
     out = out_ptr + split.to(tl.int64) * stride_os + rows.to(tl.int64)[:, None] * stride_om
     tl.store(out + n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=rows_ok[:, None] & n_ok[None, :])
@@ -163,8 +194,7 @@ def _int8_matmul_kernel(
     if HAS_BIAS:
         result += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if ROUND_BF16:
-        bits = result.to(tl.uint32, bitcast=True)
-        result = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        result = bf16_round(result)
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_om + n[None, :],
              result.to(out_ptr.dtype.element_ty), mask=rows_ok[:, None] & n_ok[None, :])
 
@@ -196,7 +226,7 @@ def _quantize_int8_rows_kernel(
 
 
 # ---- launchers -----------------------------------------------------------------------------
-def _rows(x: torch.Tensor, what: str = "x") -> torch.Tensor:
+def matrix_rows(x: torch.Tensor, what: str = "x") -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         raise ValueError(f"{what} must have a contiguous last dimension, got strides {x.stride()}")
@@ -242,30 +272,41 @@ def wn_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     PackedIntWeight's tensors (qweight int32 [ceil(K / (32 / bits)), N], scales and zeros
     [groups, N], g_idx int32 [K] or None; `group_size` inputs per group). Rows 1-8 take the
     split-K GEMV, more the tiled GEMM. Returns [..., N] in x's dtype."""
-    x2 = _rows(x)
+    x2 = matrix_rows(x)
     m, k = x2.shape
     n = qweight.shape[1]
     if qweight.dtype != torch.int32 or qweight.shape[0] != triton.cdiv(k, 32 // bits):
         raise ValueError(f"qweight must be int32 [{triton.cdiv(k, 32 // bits)}, N] for K={k} at "
                          f"{bits} bits, got {qweight.dtype} {tuple(qweight.shape)}")
+    cfg = wn_tiles(m, n, k, group_size, g_idx is not None, bits, x.element_size())
+    weights = (qweight, scales, scales if zeros is None else zeros,
+               qweight if g_idx is None else g_idx)
+    return launch_weight_only(_wn_matmul_kernel, x, x2, weights, (), n, cfg, bias, BITS=bits,
+                              HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None)
+
+
+def launch_weight_only(kernel, x: torch.Tensor, x2: torch.Tensor, weights: tuple,
+                       scalars: tuple, n: int, cfg: dict, bias: torch.Tensor | None,
+                       **constexprs) -> torch.Tensor:
+    """Runs a weight-only kernel whose parameters are ``(x, *weights, bias, out, M, N, K,
+    k_per_split, stride_xm, stride_om, stride_os, *scalars)`` and the constexprs HAS_BIAS,
+    DOT_F32, ROUND_BF16 and `cfg`'s tiles: with K split, into float32 partial sums [split, M,
+    N] that one torch sum reduces (deterministic), the bias added and the result rounded once."""
+    m, k = x2.shape
     out_shape = (*x.shape[:-1], n)
     if m == 0:
         return x.new_empty(out_shape)
-    cfg = wn_tiles(m, n, k, group_size, g_idx is not None, bits, x.element_size())
+    cfg = dict(cfg)
     split = cfg.pop("split_k")
     k_per_split = cfg.pop("k_per_split")
-    num_warps = cfg.pop("num_warps")
     out = (torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1
            else torch.empty(m, n, dtype=x.dtype, device=x.device))
     grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
     has_bias = bias is not None and split == 1
-    _wn_matmul_kernel[grid](
-        x2, qweight, scales, scales if zeros is None else zeros,
-        qweight if g_idx is None else g_idx, bias if has_bias else scales, out,
-        m, n, k, k_per_split, x2.stride(0), out.stride(-2), out.stride(0) if split > 1 else 0,
-        BITS=bits, HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, HAS_BIAS=has_bias,
-        DOT_F32=INTERPRETED, ROUND_BF16=INTERPRETED and x.dtype == torch.bfloat16,
-        num_warps=num_warps, **cfg)
+    kernel[grid](x2, *weights, bias if has_bias else x2, out, m, n, k, k_per_split, x2.stride(0),
+                 out.stride(-2), out.stride(0) if split > 1 else 0, *scalars,
+                 HAS_BIAS=has_bias, DOT_F32=INTERPRETED,
+                 ROUND_BF16=INTERPRETED and x.dtype == torch.bfloat16, **cfg, **constexprs)
     if split > 1:  # the partial sums, reduced in float32 and rounded once
         total = out.sum(0)
         out = (total if bias is None else total + bias.float()).to(x.dtype)
@@ -276,7 +317,7 @@ def quantize_int8_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 codes [M, K], float32 scale [M]) of x [M, K]: ``round(x / scale)`` clamped to
     [-128, 127], scale = max|row| / 127 per row, or `static_scale` ([1]) for every row."""
-    x2 = _rows(x)
+    x2 = matrix_rows(x)
     m, k = x2.shape
     q = torch.empty(m, k, dtype=torch.int8, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
@@ -301,7 +342,7 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     float32 `weight_scale` [N]. With `quantize_activations` (W8A8), x is quantized to int8 per
     token (or with the static `input_scale`) and the product is exact int32; otherwise
     (W8A16) x stays in its float dtype. Returns [..., N] in x's dtype."""
-    x2 = _rows(x)
+    x2 = matrix_rows(x)
     m, k = x2.shape
     n = weight.shape[0]
     if weight.dtype != torch.int8 or weight.shape[1] != k or weight.stride(1) != 1:

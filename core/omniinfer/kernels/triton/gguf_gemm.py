@@ -1,0 +1,163 @@
+"""GGUF-quantised linear layers in Triton: ``x @ W.T`` with W held as the file's own blocks.
+
+The weight is what the GGUF file stores and the loader keeps (quantization/gguf_file.py): uint8
+[N, K / B * block_bytes], one row of blocks per output. Nothing is repacked: a tile of
+``BLOCK_N`` outputs x ``BLOCK_K`` inputs reads its codes, scales and minimums from the blocks'
+bytes (k contiguous in a row) and decodes them in registers, in float32 and in the order
+``gguf.quants.dequantize`` (and quantization/gguf_blocks.py) computes them, for every block type
+the loader takes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. The decoded tile then goes
+through the weight-only products of quant_gemm.py (rounded once to the activation dtype; the
+split-K GEMV for 1-8 rows, tl.dot tiles for more), so the numerics are theirs: the reference
+dequantised to x's dtype and multiplied with float32 sums, up to the order of the sums (and, on
+a GPU that contracts ``d * q + m`` to one FMA, the last bit of a Q4_1/Q5_1/K-quant weight).
+
+Written for NVIDIA, AMD and Intel Triton and the CPU interpreter: byte loads, shifts and masks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from omniinfer.kernels.triton.quant_gemm import (  # noqa: F401 (INTERPRETED: read by the package)
+    INTERPRETED,
+    accumulate,
+    launch_weight_only,
+    matrix_rows,
+    program_tile,
+    store_out,
+    wn_tiles,
+)
+from omniinfer.quantization.gguf_blocks import BY_NAME
+
+# the block types the kernel decodes (its TYPE is the GGML type code)
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+
+
+@triton.jit
+def _byte(row, off, ok):
+    """The bytes at offset `off` [1, BLOCK_K] of each output's row `row` [BLOCK_N, 1], as int32
+    [BLOCK_N, BLOCK_K] (the offsets are computed once per K tile, not per output)."""
+    return tl.load(row + off, mask=ok, other=0).to(tl.int32)
+
+
+@triton.jit
+def _f16(row, off, ok):
+    """The little-endian float16 at byte `off`, as float32."""
+    v = (_byte(row, off, ok) | (_byte(row, off + 1, ok) << 8)).to(tl.uint16)
+    return v.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_scale_min(p, base, sub, ok):
+    """Q4_K / Q5_K: sub-block `sub`'s 6-bit scale and minimum from the 12 bytes at base + 4
+    (sub 0-3: the low 6 bits of bytes sub and 4 + sub; 4-7: a nibble of byte 8 + i and the top
+    two bits of bytes i and 4 + i, i = sub - 4)."""
+    i = sub % 4
+    s0 = _byte(p, base + 4 + i, ok)
+    s1 = _byte(p, base + 8 + i, ok)
+    s2 = _byte(p, base + 12 + i, ok)
+    low = sub < 4
+    sc = tl.where(low, s0 & 63, (s2 & 15) | ((s0 >> 6) << 4))
+    mn = tl.where(low, s1 & 63, (s2 >> 4) | ((s1 >> 6) << 4))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _decode(p, base, j, ok, TYPE: tl.constexpr):
+    """Weight j of the block at byte `base` of rows `p`, float32 [BLOCK_N, BLOCK_K] (j and base
+    are [1, BLOCK_K])."""
+    if TYPE == 8:  # Q8_0: d, 32 int8
+        q = _byte(p, base + 2 + j, ok)
+        w = _f16(p, base, ok) * (q - ((q & 128) << 1)).to(tl.float32)
+    elif TYPE == 2 or TYPE == 3:  # Q4_0: d, 16 bytes of nibbles; Q4_1: d, m, nibbles
+        QS: tl.constexpr = 2 if TYPE == 2 else 4
+        q = (_byte(p, base + QS + j % 16, ok) >> ((j // 16) * 4)) & 15
+        if TYPE == 2:
+            w = _f16(p, base, ok) * (q - 8).to(tl.float32)
+        else:
+            w = _f16(p, base, ok) * q.to(tl.float32) + _f16(p, base + 2, ok)
+    elif TYPE == 6 or TYPE == 7:  # Q5_0: d, 4 bytes of fifth bits, nibbles; Q5_1: d, m, ...
+        QH: tl.constexpr = 2 if TYPE == 6 else 4
+        q = (_byte(p, base + QH + 4 + j % 16, ok) >> ((j // 16) * 4)) & 15
+        q = q | (((_byte(p, base + QH + j // 8, ok) >> (j % 8)) & 1) << 4)
+        if TYPE == 6:
+            w = _f16(p, base, ok) * (q - 16).to(tl.float32)
+        else:
+            w = _f16(p, base, ok) * q.to(tl.float32) + _f16(p, base + 2, ok)
+    elif TYPE == 12 or TYPE == 13:  # Q4_K / Q5_K: d, dmin, 12 bytes of scales, (qh,) qs
+        sub = j // 32
+        sc, mn = _k_scale_min(p, base, sub, ok)
+        QS: tl.constexpr = 16 if TYPE == 12 else 48
+        q = (_byte(p, base + QS + (j // 64) * 32 + j % 32, ok) >> ((sub % 2) * 4)) & 15
+        if TYPE == 13:
+            q = q | (((_byte(p, base + 16 + j % 32, ok) >> sub) & 1) << 4)
+        w = (_f16(p, base, ok) * sc) * q.to(tl.float32) - _f16(p, base + 2, ok) * mn
+    else:  # Q6_K: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d
+        r = j % 128
+        half = j // 128
+        q = (_byte(p, base + half * 64 + r % 64, ok) >> ((r // 64) * 4)) & 15
+        q = q | (((_byte(p, base + 128 + half * 32 + r % 32, ok) >> ((r // 32) * 2)) & 3) << 4)
+        sc = _byte(p, base + 192 + j // 16, ok)
+        sc = (sc - ((sc & 128) << 1)).to(tl.float32)
+        w = (_f16(p, base + 208, ok) * sc) * (q - 32).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _gguf_matmul_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr,
+    M, N, K, k_per_split, stride_xm, stride_om, stride_os, stride_wn,
+    TYPE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, ROUND_BF16: tl.constexpr,
+):
+    pid_m, split, rows, n, k_start, k_end = program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
+    rows_ok = rows < M
+    n_ok = n < N
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]: each output's blocks
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < k_end
+        base = ((k // BLOCK - k0 // BLOCK) * BLOCK_BYTES)[None, :]  # [1, BLOCK_K], from row
+        row = w_rows + k0 // BLOCK * BLOCK_BYTES
+        w = _decode(row, base, (k % BLOCK)[None, :], n_ok[:, None] & k_ok[None, :], TYPE)
+        acc = accumulate(acc, tl.trans(w), x_ptr, x_rows, rows_ok, k, k_ok, pid_m, M, stride_xm,
+                         BLOCK_M, USE_DOT, DOT_F32, ROUND_BF16)
+    store_out(acc, bias_ptr, out_ptr, rows, rows_ok, n, n_ok, split, stride_om, stride_os,
+              HAS_BIAS, ROUND_BF16)
+
+
+def gguf_tiles(m: int, n: int, k: int, element_size: int = 2) -> dict:
+    """`gguf_matmul`'s launch configuration: the weight-only tiles of quant_gemm.py with a K tile
+    of 32 inputs (one classic block or one K-quant sub-block: a 64-deep tile's decode spills on
+    NVIDIA in the GEMV, `python -m omniinfer.testing.kernels_aot --op gguf_gemv`)."""
+    cfg = wn_tiles(m, n, k, 32, False, 4, element_size)
+    del cfg["GROUP_SIZE"], cfg["TILE_IN_ONE_GROUP"]
+    return cfg
+
+
+def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for x [..., K] (float16/bfloat16/float32) and W [N, K] held as GGUF
+    `type_name` blocks: uint8 [N, K / B * block_bytes] with contiguous rows. Returns [..., N]
+    in x's dtype."""
+    if type_name not in KERNEL_TYPES:
+        raise ValueError(f"type_name={type_name!r}: the GGUF kernel decodes {', '.join(KERNEL_TYPES)}")
+    kind = BY_NAME[type_name]
+    x2 = matrix_rows(x)
+    m, k = x2.shape
+    n = blocks.shape[0]
+    if k % kind.block:
+        raise ValueError(f"x has K={k} inputs, not a whole number of {type_name} blocks of {kind.block}")
+    if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != kind.row_bytes(k)
+            or blocks.stride(1) != 1):
+        raise ValueError(f"blocks must be uint8 [N, {kind.row_bytes(k)}] with contiguous rows for "
+                         f"K={k} of {type_name}, got {blocks.dtype} {tuple(blocks.shape)} "
+                         f"strides {blocks.stride()}")
+    return launch_weight_only(_gguf_matmul_kernel, x, x2, (blocks,), (blocks.stride(0),), n,
+                              gguf_tiles(m, n, k, x.element_size()), bias, TYPE=kind.code,
+                              BLOCK=kind.block, BLOCK_BYTES=kind.block_bytes)

@@ -1,0 +1,110 @@
+"""The GGUF Triton kernel (kernels/triton/gguf_gemm.py) against the `gguf` package's own
+dequantisation: interpreted on the CPU (tests/conftest.py sets TRITON_INTERPRET=1 without an
+accelerator), compiled where there is a GPU.
+
+Blocks are random bytes with float16 scales of a sensible size (testing.kquant.random_blocks),
+so every code, every 6-bit scale and minimum and every fifth or sixth bit pattern occurs.
+
+* The decoder is checked bit for bit: multiplied by the identity in float32 (a tl.dot of
+  one-hot rows, exact), the kernel gives back ``gguf.quants.dequantize``'s weights exactly
+  (zeros but for their sign: the sums start from +0).
+* The products are checked as test_triton_quant_kernels.py checks the n-bit ones: the kernel and
+  the reference (the weight dequantised to x's dtype, F.linear) multiply the same rounded
+  operands with float32 sums; only the order of the sums differs, so outputs agree to the
+  output dtype's rounding of the largest output (2**-10 fp16, 2**-7 bf16) and to 1e-5 in
+  float32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from omniinfer.kernels import triton as triton_kernels
+from omniinfer.quantization import gguf_blocks
+from omniinfer.quantization.base import QuantPiece, ReferenceKernel, narrow_piece
+
+pytest.importorskip("triton")
+gguf = pytest.importorskip("gguf")
+from test_triton_quant_kernels import close  # noqa: E402
+
+from omniinfer.kernels.triton.gguf_gemm import KERNEL_TYPES, gguf_matmul  # noqa: E402
+from omniinfer.quantization.triton_kernel import GGUF_KINDS, TritonQuantKernel  # noqa: E402
+from omniinfer.testing.kquant import random_blocks  # noqa: E402
+
+INTERPRETED = triton_kernels.interpret_requested()
+DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
+N = 72  # not a multiple of the 64-wide output tile
+
+
+def blocks_of(name: str, n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(random `name` blocks [n, row bytes], gguf.quants.dequantize's float32 weights [n, k])."""
+    kind = gguf_blocks.BY_NAME[name]
+    data = random_blocks(kind, n, k, np.random.default_rng(kind.code * 100 + seed))
+    want = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[name]).reshape(n, k)
+    return torch.from_numpy(data), torch.from_numpy(want.astype(np.float32))
+
+
+def run(x, blocks, name, bias=None):
+    return gguf_matmul(x.to(DEVICE), blocks.to(DEVICE), name,
+                       None if bias is None else bias.to(DEVICE)).cpu()
+
+
+def test_the_kernel_and_the_gpu_plugins_name_the_same_types():
+    assert tuple(f"gguf:{t}" for t in KERNEL_TYPES) == GGUF_KINDS
+    assert set(KERNEL_TYPES) == {t.name for t in gguf_blocks.TYPES.values() if t.block > 1}
+
+
+@pytest.mark.parametrize("name", KERNEL_TYPES)
+def test_the_decoder_is_gguf_dequantize_bit_for_bit(name):
+    blocks, want = blocks_of(name, 40, 512)
+    got = run(torch.eye(512), blocks, name).T  # row i of the identity picks input i
+    # equal floats: bit for bit but for the sign of zero (a sum from +0 of -0 * 1 is +0)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", KERNEL_TYPES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 8, 17])
+def test_products_match_the_reference(name, dtype, m):
+    blocks, want = blocks_of(name, N, 512)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(dtype)
+    close(run(x, blocks, name), torch.nn.functional.linear(x, want.to(dtype)))
+
+
+@pytest.mark.parametrize("m", [3, 40])
+def test_bias_and_batch_dims(m):
+    blocks, want = blocks_of("Q4_K", N, 256)
+    x = torch.randn(1, m, 256, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    got = run(x, blocks, "Q4_K", bias)
+    assert got.shape == (1, m, N)
+    close(got[0], (torch.nn.functional.linear(x[0].float(), want.to(torch.bfloat16).float())
+                   + bias.float()).to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", ["gguf:Q6_K", "gguf:Q5_0"])
+def test_the_gpu_plugins_kernel_runs_tensor_parallel_pieces_as_the_reference(kind):
+    """The pieces a rank holds: some rows (column-parallel), some blocks of columns
+    (row-parallel); the kernel keeps the file's bytes (no repacked copy)."""
+    blocks, _ = blocks_of(kind.split(":")[1], 96, 768)
+    piece = QuantPiece(kind, (96, 768), {"blocks": blocks})
+    for part in (narrow_piece(piece, 0, 16, 40), narrow_piece(piece, 1, 256, 512)):
+        kernel = TritonQuantKernel(part)
+        assert kernel.piece is part and kernel.weight.data_ptr() == part.tensors["blocks"].data_ptr()
+        for rows in (1, 20):
+            x = torch.randn(rows, part.shape[1], generator=torch.Generator().manual_seed(rows))
+            close(kernel.apply(x), ReferenceKernel(part).apply(x))
+
+
+def test_bad_shapes_are_named():
+    blocks, _ = blocks_of("Q4_0", 8, 64)
+    with pytest.raises(ValueError, match=r"x has K=48 inputs, not a whole number of Q4_0 blocks of 32"):
+        gguf_matmul(torch.randn(2, 48), blocks, "Q4_0")
+    with pytest.raises(ValueError, match=r"blocks must be uint8 \[N, 72\] with contiguous rows for K=128 "
+                                         r"of Q4_0, got torch.uint8 \(8, 36\)"):
+        gguf_matmul(torch.randn(2, 128), blocks, "Q4_0")
+    with pytest.raises(ValueError, match=r"type_name='Q2_K': the GGUF kernel decodes Q4_0, "):
+        gguf_matmul(torch.randn(2, 64), blocks, "Q2_K")
+    assert gguf_matmul(torch.randn(0, 64), blocks, "Q4_0").shape == (0, 8)
