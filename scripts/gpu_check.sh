@@ -2,14 +2,16 @@
 # The GPU check: on a machine with an NVIDIA, AMD or Intel GPU, run the attention conformance
 # kit for the platform present, the attention-kernel micro-benchmark and the quantized-GEMM
 # micro-benchmark (benchmarks/quant_kernels.py: each Triton GEMM/GEMV timed against F.linear on
-# the same weights and checked against the torch reference), and compile every catalogued
+# the same weights and checked against the torch reference), serve quantized models end to end
+# (python -m omniinfer.testing.quant_models: tiny GGUF, GPTQ and AWQ files loaded as a user
+# loads them, greedy tokens against transformers), and compile every catalogued
 # Triton kernel configuration ahead of time (python -m omniinfer.testing.kernels_aot:
 # sm_80/90/100, gfx90a, gfx942, plus this GPU, loaded by its driver); then print the summary
 # table (per backend: conformance passed/failed/skipped, decode/prefill/chunked tokens/s), the
-# quantized kernels' times, and the kernels' table (registers, spills, shared memory per
-# configuration and target). Budget: under 10 minutes (kit <= 5 min, attention benchmark <= 2.5
-# min, quantized benchmark <= 2 min, set-up the rest; the kernel compiles run on the CPU beside
-# the kit, within its 5 minutes).
+# quantized kernels' times and models, and the kernels' table (registers, spills, shared memory
+# per configuration and target). Budget: under 10 minutes (kit <= 5 min, attention benchmark <=
+# 2.5 min, quantized benchmark <= 2 min, set-up the rest; the kernel compiles and the quantized
+# models run beside the kit, within its 5 minutes).
 #
 #   scripts/gpu_check.sh                 # uses $PYTHON, else a .venv-gpu it creates
 #   PYTHON=/opt/venv/bin/python scripts/gpu_check.sh
@@ -19,11 +21,12 @@
 # build): with no $PYTHON, .venv-gpu is created on top of the system python3's packages, and
 # omniinfer, its plugins and the light test dependencies are installed there without touching
 # torch. Results land in ${GPU_CHECK_OUT:-gpu_check_out}/. GPU_CHECK_KIT_ARGS,
-# GPU_CHECK_BENCH_ARGS, GPU_CHECK_QBENCH_ARGS and GPU_CHECK_AOT_ARGS add (whitespace-separated)
-# arguments to the four steps, e.g. to narrow a dry run. Exit status: 0 when the kit passed,
-# every benchmark ran (the quantized kernels within tolerance of the reference) and every kernel
-# configuration compiled without spills or shared-memory overflow, 1 otherwise, 2 when no GPU
-# platform is available.
+# GPU_CHECK_BENCH_ARGS, GPU_CHECK_QBENCH_ARGS, GPU_CHECK_QMODEL_ARGS and GPU_CHECK_AOT_ARGS add
+# (whitespace-separated) arguments to the five steps, e.g. to narrow a dry run. Exit status: 0
+# when the kit passed, every benchmark ran (the quantized kernels within tolerance of the
+# reference), every quantized model followed transformers and every kernel configuration
+# compiled without spills or shared-memory overflow, 1 otherwise, 2 when no GPU platform is
+# available.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -42,7 +45,7 @@ if [[ -z "${PYTHON:-}" ]]; then
   say "installing omniinfer and its plugins (torch untouched)"
   "$PYTHON" -m pip install -q --no-deps -e . -e plugins/cpu -e plugins/cuda -e plugins/rocm -e plugins/xpu
   "$PYTHON" -m pip install -q "pluggy>=1.5" "numpy>=1.26" "safetensors>=0.4" "tokenizers>=0.20" \
-    "transformers>=4.45" "tqdm>=4.66" "pytest>=8" "pytest-timeout>=2.3"
+    "transformers>=4.45" "tqdm>=4.66" "pytest>=8" "pytest-timeout>=2.3" "gguf>=0.10"
 fi
 
 say "environment"
@@ -66,6 +69,7 @@ fi
 read -r -a kit_args <<<"${GPU_CHECK_KIT_ARGS:-}"
 read -r -a bench_args <<<"${GPU_CHECK_BENCH_ARGS:-}"
 read -r -a qbench_args <<<"${GPU_CHECK_QBENCH_ARGS:-}"
+read -r -a qmodel_args <<<"${GPU_CHECK_QMODEL_ARGS:-}"
 read -r -a aot_args <<<"${GPU_CHECK_AOT_ARGS:-}"
 [[ $PLATFORM == cpu ]] || aot_args+=(--device)  # the GPU present too, loaded by its driver
 
@@ -75,6 +79,12 @@ say "kernels compiled ahead of time, in the background (budget 240 s; log: $OUT/
 timeout 240 "$PYTHON" -m omniinfer.testing.kernels_aot --json "$OUT/aot.json" "${aot_args[@]}" \
   >"$OUT/aot.log" 2>&1 &
 aot_pid=$!
+
+say "quantized models end to end on $PLATFORM, in the background (budget 280 s; log: $OUT/quant_models.log)"
+# tiny models: their GPU work is small beside the kit's; transformers' reference runs on the CPU
+timeout 280 "$PYTHON" -m omniinfer.testing.quant_models --platform "$PLATFORM" \
+  --json "$OUT/quant_models.json" "${qmodel_args[@]}" >"$OUT/quant_models.log" 2>&1 &
+qmodel_pid=$!
 
 say "conformance kit on $PLATFORM (budget 300 s)"
 timeout 300 "$PYTHON" -m omniinfer.testing.conformance --platform "$PLATFORM" -q -p no:cacheprovider \
@@ -90,9 +100,11 @@ timeout 120 "$PYTHON" benchmarks/quant_kernels.py --platform "$PLATFORM" \
   --json "$OUT/quant_bench.json" "${qbench_args[@]}" 2>&1 | tee "$OUT/quant_bench.log" || status=1
 
 wait "$aot_pid" || status=1
+wait "$qmodel_pid" || status=1
 
 say "summary ($PLATFORM)"
-"$PYTHON" - "$OUT/conformance.xml" "$OUT/bench.json" "$OUT/quant_bench.json" <<'EOF'
+"$PYTHON" - "$OUT/conformance.xml" "$OUT/bench.json" "$OUT/quant_bench.json" \
+  "$OUT/quant_models.json" <<'EOF'
 import collections, json, os, re, sys
 import xml.etree.ElementTree as ET
 
@@ -124,6 +136,14 @@ if os.path.exists(sys.argv[3]):
         state = (f"{r['triton_us']:>10.1f} {r['error']:>8.1e}{'' if r['ok'] else ' FAIL'}"
                  if "triton_us" in r else "FAILED" if "failed" in r else "skipped")
         print(f"{name:<48} {r['rows']:>5} {r['torch_us']:>9.1f} {state}")
+if os.path.exists(sys.argv[4]):
+    with open(sys.argv[4]) as f:
+        models = json.load(f)
+    print(f"\nquantized models (against transformers) {'agreed':>8} {'ms/tok':>7}  kernels")
+    for r in models:
+        state = (f"{r['agreed']:>8} {r['ms_per_token']:>7.1f}  {', '.join(r['kernels'])}" if r["ok"]
+                 else f"FAILED: {r['failed']}")
+        print(f"{r['case']:<39} {state}")
 EOF
 echo
 cat "$OUT/aot.log"

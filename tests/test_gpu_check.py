@@ -1,5 +1,5 @@
 """scripts/gpu_check.sh dry-run on the CPU (GPU_CHECK_PLATFORM=cpu), narrowed to one backend, one
-quantized GEMM (interpreted) and one kernel op: the one command to run on a GPU machine works end to end before a GPU appears
+quantized GEMM (interpreted), one quantized model and one kernel op: the one command to run on a GPU machine works end to end before a GPU appears
 (environment, kernels compiled ahead of time, conformance kit, benchmark, both tables, exit
 status). Only the .venv-gpu set-up (which needs a GPU build of torch) is left out: $PYTHON is
 this interpreter."""
@@ -24,6 +24,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
                GPU_CHECK_KIT_ARGS="--backend TORCH_SDPA -k test_kv_write",
                GPU_CHECK_BENCH_ARGS="--backend TORCH_SDPA --iters 1",
                GPU_CHECK_QBENCH_ARGS="--include-interpreted --format int4-g128 --rows 1 --iters 1",
+               GPU_CHECK_QMODEL_ARGS="--case gguf-q4_k_m",
                GPU_CHECK_AOT_ARGS="--op reshape_and_cache --target sm_90 --target gfx942 --jobs 1")
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=ROOT, env=env,
@@ -38,6 +39,10 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     # the quantized GEMM ran (interpreted) and agreed with the reference
     [quant] = json.loads((tmp_path / "quant_bench.json").read_text())["results"]
     assert quant["format"] == "int4-g128" and quant["ok"] and quant["triton_us"] > 0
+    # a quantized model, loaded as a user loads it, followed transformers
+    [model] = json.loads((tmp_path / "quant_models.json").read_text())
+    assert model["case"] == "gguf-q4_k_m" and model["ok"] and model["platform"] == "cpu"
+    assert "quantized models (against transformers)" in summary and "gguf-q4_k_m" in summary
     assert "quantized GEMMs" in summary
     # the kernels' table, next to the backends'
     assert "Triton kernels compiled ahead of time" in summary and "result: PASS" in summary
