@@ -59,7 +59,7 @@ def main() -> None:
         parser.error(f"--num-scheduler-steps {args.num_scheduler_steps}: expected a positive number")
     quiet()
     unwind_on_sigterm()
-    result = throughput(args.shape, args.dtype, args.num_prompts, args.input_len, args.output_len,
+    result = throughput(None if args.model else args.shape, args.dtype, args.num_prompts, args.input_len, args.output_len,
                         args.compare, args.model, args.max_num_batched_tokens, args.repeats,
                         args.num_scheduler_steps, args.llama_cpp_bin, args.gguf)
     print(throughput_table(result))

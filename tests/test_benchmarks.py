@@ -317,6 +317,15 @@ def test_latency_of_a_gguf_file_reports_its_resident_memory():
     assert match and float(match.group(2)) <= 1.1, text
 
 
+def test_throughput_of_a_given_model_is_labelled_by_it(tmp_path):
+    from omniinfer.testing.tiny_models import build_tiny_checkpoint
+
+    path = build_tiny_checkpoint(str(tmp_path / "my-model"), "llama")
+    text = run("throughput.py", "--model", path, "-n", "4", "--input-len", "8", "--output-len", "4",
+               "--num-scheduler-steps", "1")
+    assert "throughput: my-model float32" in text and "small" not in text.split("\n")[0], text
+
+
 def test_throughput_of_a_gguf_file():
     text = run("throughput.py", "--shape", "tiny", "-n", "4", "--input-len", "8", "--output-len", "4",
                "--gguf", "q4_0")

@@ -7,6 +7,7 @@ Used by `omniinfer.benchmarks.perf` (the throughput and latency workloads).
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import statistics
@@ -154,13 +155,23 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[rng.randrange(3, vocab) for _ in range(length)] for _ in range(n)]
 
 
+def engine_model_len(path: str) -> int:
+    """The engines' max_model_len for a checkpoint: MAX_MODEL_LEN, or the model's own context
+    where that is shorter (a --model of 512 positions)."""
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):  # (a GGUF file: the benchmarks write it from a checkpoint)
+        return MAX_MODEL_LEN
+    with open(config, encoding="utf-8") as f:
+        return min(MAX_MODEL_LEN, json.load(f).get("max_position_embeddings") or MAX_MODEL_LEN)
+
+
 def omniinfer_runs(path: str, prompts, output_len: int, dtype: str, engine_args: list[dict]):
     """One engine per entry of `engine_args`, built and warmed up; returns ([run per engine],
     close). A run generates the whole workload and returns its seconds."""
     from omniinfer import LLM, SamplingParams
 
     llms = [LLM(path, dtype=dtype, max_num_seqs=len(prompts),
-                max_model_len=MAX_MODEL_LEN, **args)
+                max_model_len=engine_model_len(path), **args)
             for args in engine_args]
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     requests = [{"prompt_token_ids": p} for p in prompts]
@@ -302,7 +313,7 @@ def omniinfer_latency_run(path: str, prompt: list[int], output_len: int, dtype: 
     (seconds to the first token, seconds per later token)."""
     from omniinfer import LLM, SamplingParams
 
-    llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=MAX_MODEL_LEN)
+    llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=engine_model_len(path))
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
