@@ -40,6 +40,26 @@ def test_quantized_weights_bit_for_bit(name):
 
 
 def test_an_unsupported_type_is_named():
-    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_up.weight' has GGUF tensor type 10 \(Q2_K\), "
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_up.weight' has GGUF tensor type 16 \(IQ2_XXS\), "
                                          r"which omniinfer does not load; supported: F32, F16"):
-        gguf_blocks.type_of(10, "blk.0.ffn_up.weight")
+        gguf_blocks.type_of(16, "blk.0.ffn_up.weight")
+
+
+# the round-to-nearest quantisers' error, rms relative to the weights' (N(0, 1) weights): bits
+RTN_RMS = {"Q2_K": 0.4, "Q3_K": 0.25, "Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.03, "IQ4_NL": 0.12, "IQ4_XS": 0.12}
+
+
+@pytest.mark.parametrize("name", sorted(RTN_RMS))
+def test_the_test_quantisers_write_blocks_gguf_reads_back_near_the_weights(name):
+    """testing/kquant.py's quantisers (the gguf package makes none of these types) against the
+    package's own dequantisation: near the weights (a wrong packing is off by the weights' size),
+    and ours equal to it bit for bit on them."""
+    from omniinfer.testing.kquant import QUANTIZERS
+
+    weights = np.random.default_rng(4).standard_normal((6, 512)).astype(np.float32)
+    data = QUANTIZERS[name](weights)
+    assert data.dtype == np.uint8 and data.shape == (6, gguf_blocks.BY_NAME[name].row_bytes(512))
+    back = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[name]).reshape(6, 512).astype(np.float32)
+    assert np.sqrt(((back - weights) ** 2).mean()) < RTN_RMS[name]
+    got = gguf_blocks.dequantize(torch.from_numpy(data), gguf_blocks.BY_NAME[name], 512)
+    assert np.array_equal(got.numpy().view(np.int32), back.view(np.int32))

@@ -67,7 +67,7 @@ def run(llm, prompts=PROMPTS):
 @pytest.mark.parametrize("arch,file_type", [
     ("llama", "q8_0"), ("llama", "q4_0"), ("llama", "q4_k_m"), ("llama", "q5_k"), ("llama", "f16"),
     ("qwen2", "q4_1"), ("qwen2", "q5_0"), ("qwen2", "q5_1"), ("qwen2", "q6_k"), ("qwen2", "q4_k"),
-    ("qwen2", "bf16"),
+    ("qwen2", "bf16"), ("llama", "q3_k_m"), ("qwen2", "q2_k"), ("llama", "iq4_xs"), ("qwen2", "iq4_nl"),
 ])
 def test_gguf_greedy_tokens_equal_transformers(models, arch, file_type, monkeypatch):
     """transformers reads the same file (and dequantises it); the second prompt's 35 tokens go in
@@ -91,7 +91,7 @@ def test_gguf_greedy_tokens_equal_transformers(models, arch, file_type, monkeypa
 
 
 @pytest.mark.parametrize("arch,file_type", [("llama", "q8_0"), ("llama", "q4_0"), ("qwen2", "q4_k"),
-                                            ("qwen2", "q6_k"), ("llama", "q4_k_m")])
+                                            ("qwen2", "q6_k"), ("llama", "q4_k_m"), ("llama", "q3_k_m")])
 def test_gguf_with_int8_activations_follows_transformers_up_to_near_ties(models, arch, file_type, monkeypatch):
     """Greedy tokens equal transformers' until a step whose two best tokens (by transformers) are
     within NEAR_TIE of each other, where ours must be the other of them."""
@@ -109,10 +109,11 @@ def test_gguf_with_int8_activations_follows_transformers_up_to_near_ties(models,
 
 
 # what llama.cpp's quantiser writes where a row is not whole 256-blocks (gguf_export.tensor_type)
-FALLBACK_MIX = {"q4_k_m": {"Q5_0", "Q8_0"}, "q5_k_m": {"Q5_1", "Q8_0"}}
+FALLBACK_MIX = {"q4_k_m": {"Q5_0", "Q8_0"}, "q5_k_m": {"Q5_1", "Q8_0"}, "q3_k_m": {"Q4_0", "Q5_0", "Q5_1", "Q8_0"},
+                "iq4_xs": {"IQ4_NL", "Q8_0"}}
 
 
-@pytest.mark.parametrize("file_type", ["q4_k_m", "q5_k_m"])
+@pytest.mark.parametrize("file_type", ["q4_k_m", "q5_k_m", "q3_k_m", "iq4_xs"])
 @pytest.mark.parametrize("mode", ["float", "int8"])
 def test_the_k_m_files_of_a_narrow_model_run_on_the_kernels(narrow, file_type, mode, monkeypatch):
     """A Qwen2.5-0.5B-like q4_k_m / q5_k_m file (every K-quant fallen back to Q5_0 or Q5_1 and
@@ -135,6 +136,26 @@ def test_the_k_m_files_of_a_narrow_model_run_on_the_kernels(narrow, file_type, m
             assert tokens == hf_greedy_gguf(path, prompt, PARAMS.max_tokens), file_type
         else:
             agreed_steps(tokens, hf_greedy_gguf(path, prompt, PARAMS.max_tokens, scores=True)[1])
+
+
+@pytest.mark.parametrize("mode", ["float", "int8"])
+def test_types_without_a_cpu_kernel_are_rewritten_exactly_or_run_the_reference(models, mode, monkeypatch):
+    """A q3_k_m file's Q3_K tensors run on the CPU kernels as the Q6_K blocks they are rewritten
+    to (the original bytes gone); a q2_k file's Q2_K tensors run the reference, and say why."""
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", mode)
+    q6_k = "cpu:Q6_Kx8" if mode == "int8" else "gguf:Q6_K"
+    for file_type, kind, layer_kinds, kernel in (("q3_k_m", "Q3_K", [q6_k], "cpu"),
+                                                 ("q2_k", "Q2_K", ["gguf:Q2_K"], "reference")):
+        path = gguf_of(models, "llama", file_type)
+        assert GGUFFile(path).tensors["blk.1.ffn_up.weight"][1].name == kind
+        llm = LLM(path, num_kv_blocks=64)
+        try:
+            up = llm.llm_engine.executor.worker.model_runner.model.model.layers["1"].mlp.gate_up_proj
+            assert up.qweight.kinds == layer_kinds
+            [(_, name, why)] = up.quant_choices
+            assert name.startswith(kernel) and (kernel == "cpu" or f"gguf:{kind}" in why), (name, why)
+        finally:
+            llm.shutdown()
 
 
 def test_the_exporter_writes_llama_cpps_mixes():
@@ -164,6 +185,18 @@ def test_the_exporter_writes_llama_cpps_mixes():
     assert tensor_type("blk.6.ffn_down.weight", "q5_k_m", inter, layers) == "Q5_K"
     assert tensor_type("blk.6.ffn_up.weight", "q5_k_m", hidden, layers) == "Q5_1"
     assert tensor_type("blk.6.ffn_up.weight", "q4_0", 40, layers) == "F16"
+    # q3_k_m, q2_k, iq4_xs (Qwen2.5-0.5B: 7 query heads a KV head); 896 columns fall back
+    mix = {("q3_k_m", "blk.1.attn_v", 2048): "Q5_K", ("q3_k_m", "blk.2.attn_v", 2048): "Q4_K",
+           ("q3_k_m", "blk.0.attn_v", hidden): "Q5_1", ("q3_k_m", "blk.0.ffn_down", inter): "Q5_K",
+           ("q3_k_m", "blk.1.ffn_down", inter): "Q4_K", ("q3_k_m", "blk.3.attn_output", 2048): "Q4_K",
+           ("q3_k_m", "blk.3.ffn_up", 2048): "Q3_K", ("q3_k_m", "blk.3.ffn_up", hidden): "Q4_0",
+           ("q2_k", "blk.3.attn_v", 2048): "Q4_K", ("q2_k", "blk.3.ffn_down", inter): "Q3_K",
+           ("q2_k", "blk.3.ffn_up", 2048): "Q2_K", ("iq4_xs", "blk.3.attn_v", 2048): "Q5_K",
+           ("iq4_xs", "blk.2.ffn_down", inter): "Q5_K", ("iq4_xs", "blk.3.ffn_down", inter): "IQ4_XS",
+           ("iq4_xs", "blk.3.ffn_up", hidden): "IQ4_NL", ("iq4_nl", "blk.3.ffn_up", hidden): "IQ4_NL"}
+    for (file_type, name, cols), kind in mix.items():
+        assert tensor_type(f"{name}.weight", file_type, cols, layers, gqa=7) == kind, (file_type, name, cols)
+    assert tensor_type("blk.3.attn_v.weight", "q2_k", 2048, layers, gqa=1) == "Q3_K"
 
 
 def test_a_gguf_model_holds_no_float_copy(models):
@@ -320,17 +353,17 @@ def test_a_truncated_or_corrupt_file_is_a_clear_error(models, tmp_path):
 def test_unsupported_types_and_configs_are_named(models, tmp_path):
     import numpy as np
 
-    writer = gguf.GGUFWriter(str(tmp_path / "q2k.gguf"), "llama")
+    writer = gguf.GGUFWriter(str(tmp_path / "iq2.gguf"), "llama")
     writer.add_block_count(1)
-    blocks = np.zeros((4, 84), dtype=np.uint8)  # Q2_K: 84 bytes a block of 256
-    writer.add_tensor("token_embd.weight", blocks, raw_shape=(4, 84), raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+    blocks = np.zeros((4, 66), dtype=np.uint8)  # IQ2_XXS: 66 bytes a block of 256
+    writer.add_tensor("token_embd.weight", blocks, raw_shape=(4, 66), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"tensor 'token_embd.weight' has GGUF tensor type 10 \(Q2_K\), which "
-                                         r"omniinfer does not load; supported: F32, F16, BF16, Q4_0"):
-        LLM(str(tmp_path / "q2k.gguf"))
+    with pytest.raises(ValueError, match=r"tensor 'token_embd.weight' has GGUF tensor type 16 \(IQ2_XXS\), "
+                                         r"which omniinfer does not load; supported: F32, F16, BF16, Q4_0"):
+        LLM(str(tmp_path / "iq2.gguf"))
     with pytest.raises(ValueError, match=r"quantization='int4' is not supported; allowed: None, 'int8', 'gguf'"):
         LLM(models["llama"], quantization="int4")
     with pytest.raises(ValueError, match="a GGUF file is loaded as it is quantised"):

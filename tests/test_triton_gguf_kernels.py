@@ -8,7 +8,8 @@ so every code, every 6-bit scale and minimum and every fifth or sixth bit patter
 * The decoder is checked bit for bit: multiplied by the identity in float32 (a tl.dot of
   one-hot rows, exact), the kernel gives back ``gguf.quants.dequantize``'s weights exactly
   (zeros but for their sign: the sums start from +0).
-* The products are checked as test_triton_quant_kernels.py checks the n-bit ones: the kernel and
+* The products (every dtype through the GEMV and the GEMM) are checked as
+  test_triton_quant_kernels.py checks the n-bit ones: the kernel and
   the reference (the weight dequantised to x's dtype, F.linear) multiply the same rounded
   operands with float32 sums; only the order of the sums differs, so outputs agree to the
   output dtype's rounding of the largest output (2**-10 fp16, 2**-7 bf16) and to 1e-5 in
@@ -65,9 +66,10 @@ def test_the_decoder_is_gguf_dequantize_bit_for_bit(name):
 
 
 @pytest.mark.parametrize("name", KERNEL_TYPES)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("m", [1, 8, 17])
+@pytest.mark.parametrize("dtype,m", [(torch.float16, 1), (torch.bfloat16, 8), (torch.float32, 1),
+                                     (torch.float16, 17), (torch.bfloat16, 17), (torch.float32, 17)])
 def test_products_match_the_reference(name, dtype, m):
+    """Each dtype through the split-K GEMV (1-8 rows) and the tl.dot GEMM."""
     blocks, want = blocks_of(name, N, 512)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m)).to(dtype)
     close(run(x, blocks, name), torch.nn.functional.linear(x, want.to(dtype)))
@@ -105,6 +107,6 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match=r"blocks must be uint8 \[N, 72\] with contiguous rows for K=128 "
                                          r"of Q4_0, got torch.uint8 \(8, 36\)"):
         gguf_matmul(torch.randn(2, 128), blocks, "Q4_0")
-    with pytest.raises(ValueError, match=r"type_name='Q2_K': the GGUF kernel decodes Q4_0, "):
-        gguf_matmul(torch.randn(2, 64), blocks, "Q2_K")
+    with pytest.raises(ValueError, match=r"type_name='IQ2_XXS': the GGUF kernel decodes Q4_0, "):
+        gguf_matmul(torch.randn(2, 64), blocks, "IQ2_XXS")
     assert gguf_matmul(torch.randn(0, 64), blocks, "Q4_0").shape == (0, 8)

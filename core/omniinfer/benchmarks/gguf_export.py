@@ -21,18 +21,23 @@ import numpy as np
 from omniinfer.testing import kquant
 
 FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k",
-              "q4_k_m", "q5_k_m")
+              "q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_nl", "iq4_xs")
 # the GGUF file type code each writes (llama_ftype), for general.file_type
 _FTYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9,
-          "q4_k": 14, "q5_k": 16, "q6_k": 18, "q4_k_m": 15, "q5_k_m": 17}
+          "q4_k": 14, "q5_k": 16, "q6_k": 18, "q4_k_m": 15, "q5_k_m": 17, "q2_k": 10, "q3_k_m": 12,
+          "iq4_nl": 25, "iq4_xs": 30}
 _FLOAT = ("f32", "f16", "bf16")
-# llama.cpp's quantiser, where a row is not whole blocks of the type it chose: a K-quant falls back
-# to a 32-block type, then (as everything) to F16
-_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+_BASE = {"q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q3_k_m": "Q3_K"}  # (else the file type's own)
+# llama.cpp's quantiser, where a row is not whole blocks of the type it chose: a 256-block type
+# falls back to a 32-block one, then (as everything) to F16
+_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
+             "IQ4_XS": "IQ4_NL"}
 
 
 def _block(kind: str) -> int:
-    return 256 if kind.endswith("_K") else 32 if kind.startswith("Q") else 1
+    from omniinfer.quantization.gguf_blocks import BY_NAME
+
+    return BY_NAME[kind].block
 
 
 def more_bits(layer: int, num_layers: int) -> bool:
@@ -41,26 +46,48 @@ def more_bits(layer: int, num_layers: int) -> bool:
     return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
 
 
-def tensor_type(gguf_tensor: str, file_type: str, cols: int, num_layers: int = 1, tied: bool = False) -> str:
+def _mixed(role: str, file_type: str, layer: int, num_layers: int, gqa: int) -> str | None:
+    """The type a *_K_M, q2_k or iq4 file gives attn_v / ffn_down / attn_output of `layer` (llama.cpp,
+    a dense model that is not Falcon), or None: the file's own."""
+    if file_type in ("q4_k_m", "q5_k_m"):
+        return "Q6_K" if role in ("attn_v", "ffn_down") and more_bits(layer, num_layers) else None
+    if file_type == "q3_k_m":
+        return {"attn_v": "Q5_K" if layer < 2 else "Q4_K", "attn_output": "Q4_K",
+                "ffn_down": "Q5_K" if layer < num_layers // 16 else "Q4_K"}.get(role)
+    if file_type == "q2_k":
+        return {"attn_v": "Q4_K" if gqa >= 4 else "Q3_K", "attn_output": "Q3_K", "ffn_down": "Q3_K"}.get(role)
+    if file_type in ("iq4_nl", "iq4_xs"):
+        return {"attn_v": "Q5_K" if gqa >= 4 else None,
+                "ffn_down": "Q5_K" if layer < num_layers // 8 else None}.get(role)
+    return None
+
+
+def tensor_type(gguf_tensor: str, file_type: str, cols: int, num_layers: int = 1, tied: bool = False,
+                gqa: int = 1) -> str:
     """The type llama.cpp's quantiser (llama-quant.cpp, llama_tensor_get_type) gives a 2-D tensor
-    of a `file_type` file, for the types here:
+    of a `file_type` file, for the types here (`gqa`: query heads per KV head):
 
     * the output (or, with tied embeddings, token_embd, which then is the output): Q6_K in every
       quantised file type but q8_0, Q8_0 where the row is not whole blocks of the file's type;
-    * q4_k_m / q5_k_m: Q4_K / Q5_K, but attn_v and ffn_down in Q6_K in the layers `more_bits` picks;
+    * q4_k_m / q5_k_m: Q4_K / Q5_K, but attn_v and ffn_down in Q6_K in the layers `more_bits`
+      picks; q3_k_m: Q3_K, attn_v Q5_K in the first two layers and Q4_K after, attn_output Q4_K,
+      ffn_down Q5_K in the first sixteenth and Q4_K after; q2_k: Q2_K, attn_v Q3_K (Q4_K at 4+
+      query heads a KV head), attn_output and ffn_down Q3_K; iq4_nl / iq4_xs: their type, attn_v
+      Q5_K at 4+ query heads a KV head, ffn_down Q5_K in the first eighth;
     * the rest in the file's type;
-    * a row that is not whole blocks of that type falls back: Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to
-      Q8_0 (Qwen2.5-0.5B's 896 columns: its q4_k_m file is mostly Q5_0), then to F16.
+    * a row that is not whole blocks of that type falls back: Q2_K and Q3_K to Q4_0, Q4_K to Q5_0,
+      Q5_K to Q5_1, Q6_K to Q8_0, IQ4_XS to IQ4_NL (Qwen2.5-0.5B's 896 columns: its q4_k_m file is
+      mostly Q5_0), then to F16.
     """
     if file_type in _FLOAT:
         return file_type.upper()
-    base = {"q4_k_m": "Q4_K", "q5_k_m": "Q5_K"}.get(file_type, file_type.upper())
+    base = _BASE.get(file_type, file_type.upper())
     kind = base
     if gguf_tensor == "output.weight" or (tied and gguf_tensor == "token_embd.weight"):
         kind = "Q8_0" if cols % _block(base) or base == "Q8_0" else "Q6_K"
-    elif (file_type in ("q4_k_m", "q5_k_m") and gguf_tensor.endswith(("attn_v.weight", "ffn_down.weight"))
-          and more_bits(int(gguf_tensor.split(".")[1]), num_layers)):
-        kind = "Q6_K"
+    elif gguf_tensor.startswith("blk."):
+        _, layer, role, _ = gguf_tensor.split(".")
+        kind = _mixed(role, file_type, int(layer), num_layers, gqa) or base
     if cols % _block(kind):
         kind = _FALLBACK.get(kind, "F16")
         if cols % _block(kind):
@@ -135,7 +162,8 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _permute_rotary(w, heads if "q_proj" in hf_name else kv_heads)
         name = gguf_name(hf_name)
-        kind = "F32" if w.ndim == 1 else tensor_type(name, file_type, w.shape[-1], cfg["num_hidden_layers"], tied)
+        kind = "F32" if w.ndim == 1 else tensor_type(name, file_type, w.shape[-1], cfg["num_hidden_layers"], tied,
+                                                     heads // kv_heads)
         if kind == "F32":
             writer.add_tensor(name, np.ascontiguousarray(w))  # norms and biases stay float32
             continue

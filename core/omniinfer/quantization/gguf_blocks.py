@@ -33,8 +33,11 @@ TYPES = {t.code: t for t in (
     BlockType("F32", 0, 1, 4), BlockType("F16", 1, 1, 2), BlockType("BF16", 30, 1, 2),
     BlockType("Q4_0", 2, 32, 18), BlockType("Q4_1", 3, 32, 20), BlockType("Q5_0", 6, 32, 22),
     BlockType("Q5_1", 7, 32, 24), BlockType("Q8_0", 8, 32, 34), BlockType("Q4_K", 12, 256, 144),
-    BlockType("Q5_K", 13, 256, 176), BlockType("Q6_K", 14, 256, 210),
+    BlockType("Q5_K", 13, 256, 176), BlockType("Q6_K", 14, 256, 210), BlockType("Q2_K", 10, 256, 84),
+    BlockType("Q3_K", 11, 256, 110), BlockType("IQ4_NL", 20, 32, 18), BlockType("IQ4_XS", 23, 256, 136),
 )}
+# IQ4_NL / IQ4_XS: a 4-bit code indexes these int8 values (llama.cpp's kvalues_iq4nl)
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 BY_NAME = {t.name: t for t in TYPES.values()}
 
 
@@ -140,8 +143,64 @@ def _q6_k(b):
     return (scale * q).reshape(n, 256)
 
 
+def _crumbs(qs: torch.Tensor, shifts: int = 4) -> torch.Tensor:
+    """[n, 64] bytes -> [n, 256] 2-bit codes: each 32-byte run's bits 0-1 for 32 weights, then
+    bits 2-3, 4-5 and 6-7 (Q2_K / Q3_K; `shifts` 2-bit fields a byte)."""
+    shift = torch.arange(0, 2 * shifts, 2, dtype=torch.uint8, device=qs.device).reshape(1, 1, shifts, 1)
+    return ((qs.reshape(qs.shape[0], -1, 1, 32) >> shift) & 3).reshape(qs.shape[0], -1)
+
+
+def _q2_k(b):
+    n = b.shape[0]
+    scales, d, dmin = b[:, :16], _f16(b[:, 80:82]), _f16(b[:, 82:84])
+    dl = (d * (scales & 0x0F).float()).reshape(n, 16, 1)
+    ml = (dmin * (scales >> 4).float()).reshape(n, 16, 1)
+    return (dl * _crumbs(b[:, 16:80]).float().reshape(n, 16, 16) - ml).reshape(n, 256)
+
+
+def q3_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[n, 110] Q3_K blocks -> (d's 2 bytes [n, 2], the 16 scales s - 32 as int8 [n, 16], the
+    codes in [-4, 3] as int8 [n, 256]): weight j is (d * scale[j // 16]) * code[j]."""
+    n = b.shape[0]
+    hmask, scales = b[:, :32], b[:, 96:108]
+    dev = b.device
+    low = scales[:, :8].reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8, device=dev).reshape(1, 2, 1)
+    high = scales[:, 8:].reshape(n, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8,
+                                                           device=dev).reshape(1, 4, 1)
+    sc = ((low.reshape(n, 16) & 0x0F) | ((high.reshape(n, 16) & 0x03) << 4)).to(torch.int8) - 32
+    bit = torch.arange(8, dtype=torch.uint8, device=dev).reshape(1, 8, 1)
+    hbit = ((hmask.reshape(n, 1, 32) >> bit) & 1).reshape(n, 256)  # 1: no offset; 0: minus 4
+    return b[:, 108:110], sc, _crumbs(b[:, 32:96]).to(torch.int8) - ((hbit ^ 1) << 2).to(torch.int8)
+
+
+def _q3_k(b):
+    n = b.shape[0]
+    d, sc, q = q3_k_parts(b)
+    return ((_f16(d) * sc.float()).reshape(n, 16, 1) * q.float().reshape(n, 16, 16)).reshape(n, 256)
+
+
+def _iq4_values(codes: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(IQ4_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
+
+
+def _iq4_nl(b):
+    return _f16(b[:, :2]) * _iq4_values(_nibbles(b[:, 2:]))
+
+
+def _iq4_xs(b):
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    high = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)  # (a little-endian uint16)
+    low = b[:, 4:8].reshape(n, 4, 1) >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).reshape(1, 1, 2)
+    shift = torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)
+    ls = (low.reshape(n, 8) & 0x0F).to(torch.int32) | (((high >> shift) & 3) << 4)
+    dl = (d * (ls - 32).float()).reshape(n, 8, 1)
+    return (dl * _iq4_values(_nibbles(b[:, 8:].reshape(n * 8, 16))).reshape(n, 8, 32)).reshape(n, 256)
+
+
 _BLOCKS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
-           "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+           "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q2_K": _q2_k, "Q3_K": _q3_k,
+           "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
 
 
 def dequantize(data: torch.Tensor, kind: BlockType, cols: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""Round-to-nearest quantisers for GGUF's K-quants (Q4_K, Q5_K, Q6_K), which the `gguf` package
-dequantises but cannot make: for test files and benchmarks on this machine. They write valid
+"""Round-to-nearest quantisers for GGUF's K-quants (Q2_K ... Q6_K) and IQ4 types (IQ4_NL, IQ4_XS),
+which the `gguf` package dequantises but cannot make: for test files and benchmarks on this machine. They write valid
 blocks in llama.cpp's layout (the packing is checked by `gguf.quants.dequantize` reading them back
 close to the weights); they do not search for the best scales as llama.cpp's quantiser does, so a
 real Q4_K_M file (llama.cpp's `llama-quantize`) is somewhat more accurate. And random blocks of
@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from omniinfer.quantization.gguf_blocks import IQ4_VALUES
+
 # where each type keeps its float16 scales (byte offsets in a block)
 SCALE_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
-                 "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+                 "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108],
+                 "IQ4_NL": [0], "IQ4_XS": [0]}
 
 
 def random_blocks(kind, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -109,4 +112,92 @@ def q6_k(w: np.ndarray) -> np.ndarray:
     return out.reshape(rows, -1)
 
 
-QUANTIZERS = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k}
+def _crumb_pack(q: np.ndarray) -> np.ndarray:
+    """[n, 256] 2-bit codes -> [n, 64] bytes: byte 32h + l holds weights 128h + 32s + l in bits 2s."""
+    runs = q.reshape(-1, 2, 4, 32).astype(np.uint8)
+    return (runs[:, :, 0] | (runs[:, :, 1] << 2) | (runs[:, :, 2] << 4) | (runs[:, :, 3] << 6)).reshape(-1, 64)
+
+
+def _safe(x: np.ndarray) -> np.ndarray:
+    return np.where(x == 0, 1, x)
+
+
+def q2_k(w: np.ndarray) -> np.ndarray:
+    """Per 16 weights w ~ (d * a) * q - dmin * b, q in [0, 3], 4-bit a and b; d, dmin per 256."""
+    rows = w.shape[0]
+    sub = w.reshape(-1, 16, 16).astype(np.float32)
+    n = sub.shape[0]
+    lo, hi = np.minimum(sub.min(axis=2), 0.0), np.maximum(sub.max(axis=2), 0.0)
+    step, offset = (hi - lo) / 3, -lo
+    d16 = (np.maximum(step.max(axis=1), 1e-12) / 15).astype(np.float16).astype(np.float32)
+    dmin16 = (np.maximum(offset.max(axis=1), 1e-12) / 15).astype(np.float16).astype(np.float32)
+    a = np.clip(np.round(step / _safe(d16)[:, None]), 0, 15).astype(np.uint8)
+    b = np.clip(np.round(offset / _safe(dmin16)[:, None]), 0, 15).astype(np.uint8)
+    scale = (d16[:, None] * a)[:, :, None]
+    q = np.clip(np.round((sub + (dmin16[:, None] * b)[:, :, None]) / _safe(scale)), 0, 3).reshape(n, 256)
+    out = np.concatenate([a | (b << 4), _crumb_pack(q), _f16(d16), _f16(dmin16)], axis=1)
+    return out.reshape(rows, -1)
+
+
+def q3_k(w: np.ndarray) -> np.ndarray:
+    """Per 16 weights w ~ (d * s) * q, q in [-4, 3], s a 6-bit scale less 32; d per 256."""
+    rows = w.shape[0]
+    sub = w.reshape(-1, 16, 16).astype(np.float32)
+    n = sub.shape[0]
+    scale = np.abs(sub).max(axis=2) / 4
+    d16 = (np.maximum(scale.max(axis=1), 1e-12) / 31).astype(np.float16).astype(np.float32)
+    s = np.clip(np.round(scale / _safe(d16)[:, None]), -32, 31).astype(np.int32)
+    step = (d16[:, None] * s)[:, :, None]
+    q = np.clip(np.round(sub / _safe(step)), -4, 3).astype(np.int32).reshape(n, 256)
+    low, high = np.where(q < 0, q + 4, q), (q >= 0).astype(np.uint8)  # high bit 0: q = low - 4
+    hmask = np.zeros((n, 32), dtype=np.uint8)
+    for bit in range(8):
+        hmask |= high[:, 32 * bit:32 * (bit + 1)] << bit
+    u = (s + 32).astype(np.uint8)
+    scales = np.concatenate([(u[:, :8] & 0x0F) | ((u[:, 8:] & 0x0F) << 4),
+                             (u[:, 0:4] >> 4) | ((u[:, 4:8] >> 4) << 2) | ((u[:, 8:12] >> 4) << 4)
+                             | ((u[:, 12:16] >> 4) << 6)], axis=1)
+    return np.concatenate([hmask, _crumb_pack(low), scales, _f16(d16)], axis=1).reshape(rows, -1)
+
+
+def _iq4_codes(x: np.ndarray) -> np.ndarray:
+    """The index of the nearest IQ4 value to each of x (in units of the block's scale)."""
+    values = np.array(IQ4_VALUES, dtype=np.float32)
+    return np.abs(x[..., None] - values).argmin(axis=-1).astype(np.uint8)
+
+
+def _signed_max(x: np.ndarray) -> np.ndarray:
+    """Along the last axis: the value of largest magnitude, with its sign."""
+    return np.take_along_axis(x, np.abs(x).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+
+
+def iq4_nl(w: np.ndarray) -> np.ndarray:
+    """Per 32 weights w ~ d * IQ4_VALUES[code]; the largest weight maps to -127 (its sign in d)."""
+    rows = w.shape[0]
+    blocks = w.reshape(-1, 32).astype(np.float32)
+    d16 = (_signed_max(blocks) / -127).astype(np.float16).astype(np.float32)
+    q = _iq4_codes(blocks / _safe(d16)[:, None])
+    return np.concatenate([_f16(d16), q[:, :16] | (q[:, 16:] << 4)], axis=1).reshape(rows, -1)
+
+
+def iq4_xs(w: np.ndarray) -> np.ndarray:
+    """Per 32 weights w ~ (d * s) * IQ4_VALUES[code], s a 6-bit scale less 32; d per 256."""
+    rows = w.shape[0]
+    sub = w.reshape(-1, 8, 32).astype(np.float32)
+    n = sub.shape[0]
+    scale = _signed_max(sub) / -127
+    d16 = (np.maximum(np.abs(scale).max(axis=1), 1e-12) / 31).astype(np.float16).astype(np.float32)
+    s = np.clip(np.round(scale / _safe(d16)[:, None]), -32, 31).astype(np.int32)
+    q = _iq4_codes(sub / _safe(d16[:, None] * s)[:, :, None])
+    u = (s + 32).astype(np.uint16)
+    high = np.zeros(n, dtype=np.uint16)
+    for i in range(8):
+        high |= (u[:, i] >> 4) << (2 * i)
+    low = (u & 0x0F).astype(np.uint8)
+    qs = (q[:, :, :16] | (q[:, :, 16:] << 4)).reshape(n, 128)
+    return np.concatenate([_f16(d16), high.view(np.uint8).reshape(n, 2), low[:, 0::2] | (low[:, 1::2] << 4), qs],
+                          axis=1).reshape(rows, -1)
+
+
+QUANTIZERS = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "Q2_K": q2_k, "Q3_K": q3_k, "IQ4_NL": iq4_nl,
+              "IQ4_XS": iq4_xs}

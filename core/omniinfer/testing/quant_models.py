@@ -6,7 +6,8 @@ it too).
     python -m omniinfer.testing.quant_models [--platform cuda] [--case NAME ...] [--json out.json]
 
 A tiny random llama (float32, 256 wide so that the K-quants' 256-blocks fit, initializer_range
-0.1) is written as GGUF files (q4_k_m: Q4_K with Q6_K; q5_1; q8_0) and as GPTQ (4 bits, group 64,
+0.1) is written as GGUF files (q4_k_m: Q4_K with Q6_K; q5_1; q8_0; q3_k_m: Q3_K with Q4_K, Q5_K and
+Q6_K; iq4_xs: IQ4_XS with Q6_K) and as GPTQ (4 bits, group 64,
 asymmetric, act-order) and AWQ (group 32) checkpoints. Each is served in float32 on the platform
 and its greedy tokens compared with transformers' (on the CPU: for GGUF, `from_pretrained(...,
 gguf_file=...)`, which dequantises the file; for GPTQ/AWQ the float checkpoint of the exact
@@ -29,7 +30,8 @@ import torch
 
 PROMPTS = [[1, 5, 9, 33, 7, 20], list(range(40, 75))]
 STEPS = 12
-CASES = ("gguf-q4_k_m", "gguf-q5_1", "gguf-q8_0", "gptq-4b-g64-asym-act", "awq-4b-g32-asym")
+CASES = ("gguf-q4_k_m", "gguf-q5_1", "gguf-q8_0", "gguf-q3_k_m", "gguf-iq4_xs", "gptq-4b-g64-asym-act",
+         "awq-4b-g32-asym")
 
 
 def _build(root: str, case: str) -> tuple[str, str, str | None]:

@@ -1,6 +1,7 @@
 """The CPU plugin's products for quantised weights (quant.c's `omni_qlinear`): GGUF's Q8_0, Q4_0,
-Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks, and omniinfer's int8; at every ISA level. (F16,
-BF16 and F32 tensors load as float weights.)
+Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks, and omniinfer's int8; at every ISA level. Q3_K and
+IQ4_NL blocks are rewritten at load, exactly, as Q6_K and Q8_0 (more bytes, the same numbers);
+Q2_K and IQ4_XS run the reference. (F16, BF16 and F32 tensors load as float weights.)
 
 Activations: by default each row of x is rounded to int8 in blocks of 32 and meets the weight
 blocks in integer multiply-adds (quant_q8.c, as llama.cpp's q8 dot products; the GGUF kinds'
@@ -39,6 +40,9 @@ QACT_INT8 = 64  # quant_blocks.h: set in a kind code, x is rounded to int8 block
 X8_CODES = {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7, "gguf:Q6_K": 8, "gguf:Q4_1": 13, "gguf:Q5_0": 14,
             "gguf:Q5_1": 15, "gguf:Q5_K": 16}
 GGUF_OF_CODE = {code: kind for kind, code in KIND_CODES.items() if kind.startswith("gguf:")}
+# GGUF types with no kernel of their own, rewritten at load as one that has (exactly: the same
+# float32 numbers; quantization/gguf_transcode.py): Q3_K as Q6_K, IQ4_NL as Q8_0
+TRANSCODED = {"gguf:Q3_K": "gguf:Q6_K", "gguf:IQ4_NL": "gguf:Q8_0"}
 
 
 def activation_mode() -> str:
@@ -54,12 +58,13 @@ def activation_mode() -> str:
 class CpuQuantKernel(QuantKernel):
     name = "cpu"
     device_types = ("cpu",)
-    kinds = (*KIND_CODES, *(k for k in WINT_KINDS if k not in WINT))
+    kinds = (*KIND_CODES, *(k for k in WINT_KINDS if k not in WINT), *TRANSCODED)
 
     @classmethod
     def unavailable(cls, kind: str, shape: tuple[int, int]) -> str | None:
         from omniinfer_cpu.kernels import build
 
+        kind = TRANSCODED.get(kind, kind)
         if kind.startswith("wint") and kind not in WINT:
             return ("asymmetric (zero points) or act-order (g_idx) weights: omni_qlinear runs symmetric "
                     "int4/int8 in contiguous groups only")
@@ -77,6 +82,12 @@ class CpuQuantKernel(QuantKernel):
     def __init__(self, piece):
         from omniinfer_cpu.kernels import build
 
+        if piece.kind in TRANSCODED:  # the same numbers as a type omni_qlinear runs (held instead)
+            from omniinfer.quantization.base import QuantPiece
+            from omniinfer.quantization.gguf_transcode import transcode
+
+            target, blocks = transcode(piece.kind[5:], piece.tensors["blocks"], piece.shape[1])
+            piece = QuantPiece(f"gguf:{target}", piece.shape, {"blocks": blocks})
         super().__init__(piece)
         self.k = build.load()
         self.code = KIND_CODES[piece.kind]

@@ -18,7 +18,7 @@ from omniinfer.testing import kquant  # noqa: E402
 from omniinfer_cpu.quant import ACT_ENV, CpuQuantKernel, activation_mode  # noqa: E402
 
 KINDS = ["gguf:Q8_0", "gguf:Q4_0", "gguf:Q4_K", "gguf:Q6_K", "int8", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1",
-         "gguf:Q5_K"]
+         "gguf:Q5_K", "gguf:Q3_K", "gguf:IQ4_NL"]  # (the last two as the Q6_K / Q8_0 they are rewritten to)
 GGUF_KINDS = [k for k in KINDS if k.startswith("gguf:")]
 
 
@@ -60,13 +60,17 @@ def test_what_the_kernel_leaves_to_the_reference(isa_level):
     assert CpuQuantKernel.unavailable("gguf:Q4_K", (8, 128)) == "128 columns are not whole blocks"
     assert CpuQuantKernel.unavailable("gguf:Q5_K", (8, 384)) == "384 columns are not whole blocks"
     assert CpuQuantKernel.unavailable("gguf:Q5_0", (8, 48)) == "48 columns are not whole blocks"
-    assert CpuQuantKernel.unavailable("gguf:IQ4_NL", (8, 256)) == "omni_qlinear has no gguf:IQ4_NL"
-    # every GGUF block type omniinfer loads runs here (llama.cpp's Q4_K_M and Q5_K_M files fall back
-    # to Q5_0 / Q5_1 / Q8_0 where a row is not whole 256-blocks: Qwen2.5-0.5B's 896 columns)
+    assert CpuQuantKernel.unavailable("gguf:Q2_K", (8, 256)) == "omni_qlinear has no gguf:Q2_K"
+    assert CpuQuantKernel.unavailable("gguf:IQ4_XS", (8, 256)) == "omni_qlinear has no gguf:IQ4_XS"
+    # Q3_K and IQ4_NL run as the Q6_K and Q8_0 blocks they are rewritten to, with their limits
+    assert CpuQuantKernel.unavailable("gguf:Q3_K", (8, 256)) is None
+    assert CpuQuantKernel.unavailable("gguf:IQ4_NL", (8, 64)) is None
+    # every other GGUF block type omniinfer loads runs here (llama.cpp's Q4_K_M and Q5_K_M files fall
+    # back to Q5_0 / Q5_1 / Q8_0 where a row is not whole 256-blocks: Qwen2.5-0.5B's 896 columns)
     from omniinfer.quantization import gguf_blocks
 
     blocks = {f"gguf:{t.name}" for t in gguf_blocks.TYPES.values() if t.block > 1}
-    assert blocks <= set(CpuQuantKernel.kinds)
+    assert blocks - set(CpuQuantKernel.kinds) == {"gguf:Q2_K", "gguf:IQ4_XS"}
 
 
 def int8_blocks(x: torch.Tensor) -> torch.Tensor:
@@ -122,7 +126,9 @@ def test_rows_repacked_in_groups_of_8(isa_level, kind, monkeypatch):
     (a last group padded), the same sums as x rounded to int8 gives; the repacked piece dequantises
     and narrows back to the very rows (a tied embedding reads them); at every row count."""
     from omniinfer.quantization.base import narrow_piece
+    from omniinfer.quantization.gguf_transcode import transcode
     from omniinfer_cpu import quant_x8
+    from omniinfer_cpu.quant import TRANSCODED
 
     monkeypatch.setenv(ACT_ENV, "int8")
     gen = torch.Generator().manual_seed(7)
@@ -130,11 +136,15 @@ def test_rows_repacked_in_groups_of_8(isa_level, kind, monkeypatch):
         weight = torch.randn(rows, 256, generator=gen) * 0.05
         piece = piece_of(kind, weight)
         kernel = CpuQuantKernel(piece)
-        assert kernel.piece.kind == quant_x8.REPACKED[kind][0]
+        native, blocks = kind, piece.tensors["blocks"]
+        if kind in TRANSCODED:  # (Q3_K, IQ4_NL: the Q6_K / Q8_0 blocks they are rewritten to)
+            native = TRANSCODED[kind]
+            blocks = transcode(kind[5:], blocks, 256)[1]
+        assert kernel.piece.kind == quant_x8.REPACKED[native][0]
         assert kernel.code == {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7, "gguf:Q6_K": 8, "gguf:Q4_1": 13,
-                               "gguf:Q5_0": 14, "gguf:Q5_1": 15, "gguf:Q5_K": 16}[kind] | 64
-        assert kernel.piece.tensors["blocks8"].numel() == -(-rows // 8) * 8 * piece.tensors["blocks"].shape[1]
-        assert torch.equal(quant_x8.as_original(kernel.piece).tensors["blocks"], piece.tensors["blocks"])
+                               "gguf:Q5_0": 14, "gguf:Q5_1": 15, "gguf:Q5_K": 16}[native] | 64
+        assert kernel.piece.tensors["blocks8"].numel() == -(-rows // 8) * 8 * blocks.shape[1]
+        assert torch.equal(quant_x8.as_original(kernel.piece).tensors["blocks"], blocks)
         w = dequantize_piece(piece)
         assert torch.equal(dequantize_piece(kernel.piece), w)
         ids = torch.tensor([rows - 1, 0, 3, rows - 1])

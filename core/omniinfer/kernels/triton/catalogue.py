@@ -305,10 +305,17 @@ class GGUFShape:
 
 # Every block type at decode (the GEMV: its registers hold the decoded tile alone) and at a
 # 512-token prefill chunk (the tl.dot GEMM), on Llama-3-8B's gate_up and down (a Q4_K_M file holds
-# Q4_K, Q6_K and Q8_0; the classic types are older files' and the fallbacks of narrow models).
+# Q4_K, Q6_K and Q8_0; the classic types are older files' and the fallbacks of narrow models, as
+# IQ4_NL is a Q3_K_M file's).
+def _gguf_types() -> tuple[str, ...]:
+    from omniinfer.quantization.triton_kernel import GGUF_KINDS  # (imports no triton)
+
+    return tuple(kind.removeprefix("gguf:") for kind in GGUF_KINDS)
+
+
 _GGUF: tuple[GGUFShape, ...] = tuple(
     GGUFShape(f"llama-3-8b {layer}", dtype, m, n, k, t)
-    for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+    for t in _gguf_types()
     for m, layer, n, k, dtype in ((1, "gate_up", 28672, 4096, torch.bfloat16),
                                   (512, "down", 4096, 14336, torch.float16)))
 

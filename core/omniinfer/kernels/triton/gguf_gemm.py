@@ -5,7 +5,8 @@ The weight is what the GGUF file stores and the loader keeps (quantization/gguf_
 ``BLOCK_N`` outputs x ``BLOCK_K`` inputs reads its codes, scales and minimums from the blocks'
 bytes (k contiguous in a row) and decodes them in registers, in float32 and in the order
 ``gguf.quants.dequantize`` (and quantization/gguf_blocks.py) computes them, for every block type
-the loader takes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K. The decoded tile then goes
+the loader takes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS
+(the IQ4 codes index a 16-entry table the launcher keeps on the device). The decoded tile then goes
 through the weight-only products of quant_gemm.py (rounded once to the activation dtype; the
 split-K GEMV for 1-8 rows, tl.dot tiles for more), so the numerics are theirs: the reference
 dequantised to x's dtype and multiplied with float32 sums, up to the order of the sums (and, on
@@ -29,10 +30,12 @@ from omniinfer.kernels.triton.quant_gemm import (  # noqa: F401 (INTERPRETED: re
     store_out,
     wn_tiles,
 )
-from omniinfer.quantization.gguf_blocks import BY_NAME
+from omniinfer.quantization.gguf_blocks import BY_NAME, IQ4_VALUES
 
 # the block types the kernel decodes (its TYPE is the GGML type code)
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                "IQ4_NL", "IQ4_XS")
+_LUTS: dict[torch.device, torch.Tensor] = {}  # IQ4_VALUES as float32, per device
 
 
 @triton.jit
@@ -65,9 +68,9 @@ def _k_scale_min(p, base, sub, ok):
 
 
 @triton.jit
-def _decode(p, base, j, ok, TYPE: tl.constexpr):
+def _decode(p, base, j, ok, lut_ptr, TYPE: tl.constexpr):
     """Weight j of the block at byte `base` of rows `p`, float32 [BLOCK_N, BLOCK_K] (j and base
-    are [1, BLOCK_K])."""
+    are [1, BLOCK_K]; `lut_ptr`: IQ4_VALUES as float32, for the IQ4 types)."""
     if TYPE == 8:  # Q8_0: d, 32 int8
         q = _byte(p, base + 2 + j, ok)
         w = _f16(p, base, ok) * (q - ((q & 128) << 1)).to(tl.float32)
@@ -94,6 +97,27 @@ def _decode(p, base, j, ok, TYPE: tl.constexpr):
         if TYPE == 13:
             q = q | (((_byte(p, base + 16 + j % 32, ok) >> sub) & 1) << 4)
         w = (_f16(p, base, ok) * sc) * q.to(tl.float32) - _f16(p, base + 2, ok) * mn
+    elif TYPE == 10:  # Q2_K: 16 bytes of 4-bit scale | 4-bit min, 64 of 2-bit codes, d, dmin
+        sc = _byte(p, base + j // 16, ok)
+        q = (_byte(p, base + 16 + (j // 128) * 32 + j % 32, ok) >> (((j % 128) // 32) * 2)) & 3
+        w = (_f16(p, base + 80, ok) * (sc & 15).to(tl.float32)) * q.to(tl.float32) \
+            - _f16(p, base + 82, ok) * (sc >> 4).to(tl.float32)
+    elif TYPE == 11:  # Q3_K: 32 bytes of high bits, 64 of 2-bit codes, 12 of 6-bit scales, d
+        i = j // 16
+        sc = (_byte(p, base + 96 + i % 8, ok) >> ((i // 8) * 4)) & 15
+        sc = sc | (((_byte(p, base + 104 + i % 4, ok) >> ((i // 4) * 2)) & 3) << 4)
+        q = (_byte(p, base + 32 + (j // 128) * 32 + j % 32, ok) >> (((j % 128) // 32) * 2)) & 3
+        q = q - ((((_byte(p, base + j % 32, ok) >> (j // 32)) & 1) ^ 1) << 2)  # high bit 0: -4
+        w = (_f16(p, base + 108, ok) * (sc - 32).to(tl.float32)) * q.to(tl.float32)
+    elif TYPE == 20:  # IQ4_NL: d, 16 bytes of nibbles indexing IQ4_VALUES
+        q = (_byte(p, base + 2 + j % 16, ok) >> ((j // 16) * 4)) & 15
+        w = _f16(p, base, ok) * tl.load(lut_ptr + q)
+    elif TYPE == 23:  # IQ4_XS: d, 2 bytes of scales' high bits, 4 of their low, 128 of nibbles
+        sub = j // 32
+        ls = (_byte(p, base + 4 + sub // 2, ok) >> ((sub % 2) * 4)) & 15
+        ls = ls | ((((_byte(p, base + 2, ok) | (_byte(p, base + 3, ok) << 8)) >> (sub * 2)) & 3) << 4)
+        q = (_byte(p, base + 8 + sub * 16 + j % 16, ok) >> (((j % 32) // 16) * 4)) & 15
+        w = (_f16(p, base, ok) * (ls - 32).to(tl.float32)) * tl.load(lut_ptr + q)
     else:  # Q6_K: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d
         r = j % 128
         half = j // 128
@@ -107,7 +131,7 @@ def _decode(p, base, j, ok, TYPE: tl.constexpr):
 
 @triton.jit
 def _gguf_matmul_kernel(
-    x_ptr, w_ptr, bias_ptr, out_ptr,
+    x_ptr, w_ptr, lut_ptr, bias_ptr, out_ptr,
     M, N, K, k_per_split, stride_xm, stride_om, stride_os, stride_wn,
     TYPE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -124,7 +148,7 @@ def _gguf_matmul_kernel(
         k_ok = k < k_end
         base = ((k // BLOCK - k0 // BLOCK) * BLOCK_BYTES)[None, :]  # [1, BLOCK_K], from row
         row = w_rows + k0 // BLOCK * BLOCK_BYTES
-        w = _decode(row, base, (k % BLOCK)[None, :], n_ok[:, None] & k_ok[None, :], TYPE)
+        w = _decode(row, base, (k % BLOCK)[None, :], n_ok[:, None] & k_ok[None, :], lut_ptr, TYPE)
         acc = accumulate(acc, tl.trans(w), x_ptr, x_rows, rows_ok, k, k_ok, pid_m, M, stride_xm,
                          BLOCK_M, USE_DOT, DOT_F32, ROUND_BF16)
     store_out(acc, bias_ptr, out_ptr, rows, rows_ok, n, n_ok, split, stride_om, stride_os,
@@ -158,6 +182,9 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
         raise ValueError(f"blocks must be uint8 [N, {kind.row_bytes(k)}] with contiguous rows for "
                          f"K={k} of {type_name}, got {blocks.dtype} {tuple(blocks.shape)} "
                          f"strides {blocks.stride()}")
-    return launch_weight_only(_gguf_matmul_kernel, x, x2, (blocks,), (blocks.stride(0),), n,
+    lut = _LUTS.get(x.device)
+    if lut is None:
+        lut = _LUTS[x.device] = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=x.device)
+    return launch_weight_only(_gguf_matmul_kernel, x, x2, (blocks, lut), (blocks.stride(0),), n,
                               gguf_tiles(m, n, k, x.element_size()), bias, TYPE=kind.code,
                               BLOCK=kind.block, BLOCK_BYTES=kind.block_bytes)
