@@ -1,0 +1,83 @@
+"""Files llama.cpp's own quantiser writes (`llama-quantize`, from an F16 GGUF of a tiny random
+model): the benchmark exporter gives every tensor the type llama.cpp gives it, and omniinfer
+serves those files (llama.cpp's scale search, not our round-to-nearest) with transformers'
+greedy tokens on the same file. Needs llama.cpp's tools ($LLAMA_CPP_BIN or PATH): skipped,
+saying so, where they are not (CI has none; see docs/quantization.md for building them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+gguf = pytest.importorskip("gguf")
+
+from test_quantization import PROMPTS, hf_greedy_gguf, run  # noqa: E402
+
+from omniinfer import LLM  # noqa: E402
+from omniinfer.benchmarks.gguf_export import export, tensor_type  # noqa: E402
+from omniinfer.benchmarks.perf import SkippedRun  # noqa: E402
+from omniinfer.testing.tiny_models import build_tiny_checkpoint  # noqa: E402
+
+try:
+    from omniinfer.benchmarks.llama_cpp import tool
+
+    QUANTIZE = tool("llama-quantize")
+except SkippedRun as e:
+    pytest.skip(f"llama.cpp's quantiser is absent: {e}", allow_module_level=True)
+
+FILE_TYPES = {"q3_k_m": "Q3_K_M", "q2_k": "Q2_K", "iq4_xs": "IQ4_XS", "iq4_nl": "IQ4_NL",
+              "q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M"}
+SHAPES = {  # 16 layers for the n_layer/16 and /8 rules, 4 query heads a KV head; a narrow tied one
+    "wide": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=16, num_attention_heads=8,
+                 num_key_value_heads=2),
+    "narrow": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, tie_word_embeddings=True),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """(shape, file type) -> (llama.cpp's file, the checkpoint's config)."""
+    root = tmp_path_factory.mktemp("llama_cpp")
+    files = {}
+    for shape, kw in SHAPES.items():
+        ckpt = build_tiny_checkpoint(str(root / shape), "qwen2", vocab_size=1024, seed=1, **kw)
+        f16 = export(ckpt, str(root / f"{shape}-f16.gguf"), "f16")
+        with open(os.path.join(ckpt, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        for file_type, name in FILE_TYPES.items():
+            out = str(root / f"{shape}-{file_type}.gguf")
+            subprocess.run([QUANTIZE, f16, out, name], check=True, capture_output=True, timeout=600)
+            files[shape, file_type] = out, cfg
+    return files
+
+
+@pytest.mark.parametrize("file_type", sorted(FILE_TYPES))
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_the_exporter_types_tensors_as_llama_cpp_does(quantized, shape, file_type):
+    path, cfg = quantized[shape, file_type]
+    gqa = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
+    for t in gguf.GGUFReader(path).tensors:
+        if len(t.shape) == 2:
+            ours = tensor_type(t.name, file_type, int(t.shape[0]), cfg["num_hidden_layers"],
+                               bool(cfg.get("tie_word_embeddings")), gqa)
+            assert ours == gguf.GGMLQuantizationType(t.tensor_type).name, t.name
+
+
+@pytest.mark.parametrize("file_type", ["q3_k_m", "q2_k", "iq4_xs", "iq4_nl"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_llama_cpps_files_follow_transformers(quantized, shape, file_type, monkeypatch):
+    """Float activations: the CPU kernels (Q3_K and IQ4_NL rewritten as Q6_K and Q8_0) and the
+    reference (Q2_K, IQ4_XS) compute the file's weights up to float32 sums."""
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", "float")
+    path, _ = quantized[shape, file_type]
+    llm = LLM(path, num_kv_blocks=64)
+    try:
+        got = run(llm)
+    finally:
+        llm.shutdown()
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == hf_greedy_gguf(path, prompt, len(tokens)), (shape, file_type)
