@@ -161,9 +161,11 @@ def q3_k(w: np.ndarray) -> np.ndarray:
 
 
 def _iq4_codes(x: np.ndarray) -> np.ndarray:
-    """The index of the nearest IQ4 value to each of x (in units of the block's scale)."""
+    """The index of the nearest IQ4 value to each of x (in units of the block's scale): the values
+    are ascending, so the number of midpoints between neighbours below x (no [..., 16] temporary:
+    a 128k-token embedding is 262M weights)."""
     values = np.array(IQ4_VALUES, dtype=np.float32)
-    return np.abs(x[..., None] - values).argmin(axis=-1).astype(np.uint8)
+    return np.searchsorted((values[1:] + values[:-1]) / 2, x).astype(np.uint8)
 
 
 def _signed_max(x: np.ndarray) -> np.ndarray:

@@ -23,6 +23,7 @@ import torch
 
 from omniinfer.quantization.base import QuantKernel
 from omniinfer.quantization.gguf_blocks import BY_NAME
+from omniinfer.quantization.gguf_transcode import EXACTLY_AS
 from omniinfer.quantization.int_pieces import WINT_KINDS
 
 KIND_CODES = {"gguf:Q8_0": 0, "gguf:Q4_0": 1, "gguf:Q4_K": 2, "gguf:Q6_K": 3, "int8": 4, "gguf:Q4_1": 9,
@@ -42,7 +43,7 @@ X8_CODES = {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7, "gguf:Q6_K": 8, "ggu
 GGUF_OF_CODE = {code: kind for kind, code in KIND_CODES.items() if kind.startswith("gguf:")}
 # GGUF types with no kernel of their own, rewritten at load as one that has (exactly: the same
 # float32 numbers; quantization/gguf_transcode.py): Q3_K as Q6_K, IQ4_NL as Q8_0
-TRANSCODED = {"gguf:Q3_K": "gguf:Q6_K", "gguf:IQ4_NL": "gguf:Q8_0"}
+TRANSCODED = {f"gguf:{k}": f"gguf:{v}" for k, v in EXACTLY_AS.items()}
 
 
 def activation_mode() -> str:
