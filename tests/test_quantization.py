@@ -64,6 +64,11 @@ def run(llm, prompts=PROMPTS):
     return [o.outputs[0].token_ids for o in outs]
 
 
+# files whose types the CPU plugin holds as near, not equal, numbers (IQ4_XS, Q2_K as Q8_0:
+# gguf_transcode.NEARLY_AS): equal up to a near-tie
+NEARLY = ("q2_k", "iq4_xs")
+
+
 @pytest.mark.parametrize("arch,file_type", [
     ("llama", "q8_0"), ("llama", "q4_0"), ("llama", "q4_k_m"), ("llama", "q5_k"), ("llama", "f16"),
     ("qwen2", "q4_1"), ("qwen2", "q5_0"), ("qwen2", "q5_1"), ("qwen2", "q6_k"), ("qwen2", "q4_k"),
@@ -82,7 +87,10 @@ def test_gguf_greedy_tokens_equal_transformers(models, arch, file_type, monkeypa
     finally:
         llm.shutdown()
     for prompt, tokens in zip(PROMPTS, got):
-        assert tokens == hf_greedy_gguf(path, prompt, PARAMS.max_tokens), (arch, file_type)
+        if file_type in NEARLY:
+            agreed_steps(tokens, hf_greedy_gguf(path, prompt, PARAMS.max_tokens, scores=True)[1])
+        else:
+            assert tokens == hf_greedy_gguf(path, prompt, PARAMS.max_tokens), (arch, file_type)
 
 
 # int8 activations (the CPU kernels' default) move these tiny models' log-probs by up to ~0.05
@@ -139,21 +147,21 @@ def test_the_k_m_files_of_a_narrow_model_run_on_the_kernels(narrow, file_type, m
 
 
 @pytest.mark.parametrize("mode", ["float", "int8"])
-def test_types_without_a_cpu_kernel_are_rewritten_exactly_or_run_the_reference(models, mode, monkeypatch):
-    """A q3_k_m file's Q3_K tensors run on the CPU kernels as the Q6_K blocks they are rewritten
-    to (the original bytes gone); a q2_k file's Q2_K tensors run the reference, and say why."""
+def test_types_without_a_cpu_kernel_run_as_the_blocks_they_are_rewritten_to(models, mode, monkeypatch):
+    """A q3_k_m file's Q3_K tensors run on the CPU kernels as Q6_K blocks, a q2_k file's Q2_K and
+    an iq4_xs file's IQ4_XS as Q8_0 (gguf_transcode.py), the original bytes gone."""
     monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", mode)
-    q6_k = "cpu:Q6_Kx8" if mode == "int8" else "gguf:Q6_K"
-    for file_type, kind, layer_kinds, kernel in (("q3_k_m", "Q3_K", [q6_k], "cpu"),
-                                                 ("q2_k", "Q2_K", ["gguf:Q2_K"], "reference")):
+    held = {"Q6_K": "cpu:Q6_Kx8", "Q8_0": "cpu:Q8_0x8"} if mode == "int8" else {}
+    for file_type, kind, target in (("q3_k_m", "Q3_K", "Q6_K"), ("q2_k", "Q2_K", "Q8_0"),
+                                    ("iq4_xs", "IQ4_XS", "Q8_0")):
         path = gguf_of(models, "llama", file_type)
         assert GGUFFile(path).tensors["blk.1.ffn_up.weight"][1].name == kind
         llm = LLM(path, num_kv_blocks=64)
         try:
             up = llm.llm_engine.executor.worker.model_runner.model.model.layers["1"].mlp.gate_up_proj
-            assert up.qweight.kinds == layer_kinds
+            assert up.qweight.kinds == [held.get(target, f"gguf:{target}")]
             [(_, name, why)] = up.quant_choices
-            assert name.startswith(kernel) and (kernel == "cpu" or f"gguf:{kind}" in why), (name, why)
+            assert name.startswith("cpu") and not why, (name, why)
         finally:
             llm.shutdown()
 

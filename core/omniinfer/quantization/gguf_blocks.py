@@ -187,14 +187,19 @@ def _iq4_nl(b):
     return _f16(b[:, :2]) * _iq4_values(_nibbles(b[:, 2:]))
 
 
-def _iq4_xs(b):
+def iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:
+    """[n, 136] IQ4_XS blocks -> float32 [n, 8]: each 32 weights' d * (s - 32)."""
     n = b.shape[0]
-    d = _f16(b[:, :2])
     high = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)  # (a little-endian uint16)
     low = b[:, 4:8].reshape(n, 4, 1) >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).reshape(1, 1, 2)
     shift = torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)
     ls = (low.reshape(n, 8) & 0x0F).to(torch.int32) | (((high >> shift) & 3) << 4)
-    dl = (d * (ls - 32).float()).reshape(n, 8, 1)
+    return _f16(b[:, :2]) * (ls - 32).float()
+
+
+def _iq4_xs(b):
+    n = b.shape[0]
+    dl = iq4_xs_scales(b).reshape(n, 8, 1)
     return (dl * _iq4_values(_nibbles(b[:, 8:].reshape(n * 8, 16))).reshape(n, 8, 32)).reshape(n, 256)
 
 

@@ -1,4 +1,5 @@
-"""GGUF blocks rewritten, exactly, as another type a platform runs: Q3_K as Q6_K, IQ4_NL as Q8_0.
+"""GGUF blocks rewritten as another type a platform runs: exactly (Q3_K as Q6_K, IQ4_NL as Q8_0),
+or as near as float16 and int8 allow (IQ4_XS and Q2_K as Q8_0).
 
 * Q3_K's weight is ``(d * (s - 32)) * q`` with a 6-bit scale s per 16 weights and q in [-4, 3];
   Q6_K's is ``(d * c) * (u - 32)`` with an int8 scale c per 16 weights and a 6-bit u. So c = s - 32
@@ -6,18 +7,37 @@
   numbers in the same order (tests/test_gguf_transcode.py holds them to `gguf.quants.dequantize`).
 * IQ4_NL's weight is ``d * IQ4_VALUES[code]``, values in [-127, 113]: Q8_0 blocks with the same d
   and those values as their int8 codes.
+* IQ4_XS's is ``(d * (s - 32)) * IQ4_VALUES[code]`` per 32 weights: Q8_0 blocks whose float16
+  scale is ``d * (s - 32)`` rounded to float16 (a product float16 cannot always hold: each weight
+  moves by at most 2**-11 of itself, 0.05%, where the 4-bit codes' own rounding is ~8%; by up to
+  2**-8 where the scale is below float16's normal range; a tensor with a scale that would move
+  more, or overflow, is refused), the values their codes.
+* Q2_K's is ``(d * a) * q - dmin * b`` per 16 weights, q in [0, 3]: no type here holds two
+  16-weight groups' minimums in one block, so each 32 weights are requantised to Q8_0: the scale
+  the largest weight / 127, rounded up to float16, codes rounded to nearest; each weight moves by
+  at most half a step, 1/254 of its block's largest (0.4%, where Q2_K's own error is ~30%).
 
-Both take more bytes (Q3_K 110 -> 210 a block of 256, IQ4_NL 18 -> 34 a block of 32): a platform
-uses this to run a type it has no kernel for at the speed of the one it has (the CPU plugin: a
-Q3_K_M file's Q3_K tensors, and the IQ4_NL a narrow model's Q3_K_M file falls back to)."""
+Each takes more bytes (Q3_K 110 -> 210 a block of 256, IQ4_XS 136 -> 272, Q2_K 84 -> 272, IQ4_NL
+18 -> 34 a block of 32): a platform uses this to run a type it has no kernel for at the speed of
+the one it has (the CPU plugin: a Q3_K_M file's Q3_K tensors, the IQ4_NL a narrow model's IQ4_XS
+file falls back to, IQ4_XS and Q2_K files), instead of the reference (~140x slower there)."""
 
 from __future__ import annotations
 
 import torch
 
-from omniinfer.quantization.gguf_blocks import BY_NAME, IQ4_VALUES, q3_k_parts
+from omniinfer.quantization.gguf_blocks import (
+    BY_NAME,
+    IQ4_VALUES,
+    dequantize,
+    iq4_xs_scales,
+    q3_k_parts,
+)
 
 EXACTLY_AS = {"Q3_K": "Q6_K", "IQ4_NL": "Q8_0"}
+NEARLY_AS = {"IQ4_XS": "Q8_0", "Q2_K": "Q8_0"}  # (the bounds above)
+REWRITES = {**EXACTLY_AS, **NEARLY_AS}
+MAX_SCALE_MOVE = 2.0 ** -8  # IQ4_XS: the most a scale may move, relative (2**-11 if normal)
 SLICE_BLOCKS = 1 << 16  # blocks rewritten at once (bounds the temporaries: ~30 MB for Q3_K)
 
 
@@ -41,16 +61,55 @@ def _iq4_nl_as_q8_0(b: torch.Tensor) -> torch.Tensor:
     return torch.cat([b[:, :2], values.view(torch.uint8)], dim=1)
 
 
-_REWRITE = {"Q3_K": _q3_k_as_q6_k, "IQ4_NL": _iq4_nl_as_q8_0}
+def _q8_0(scale: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """float16 scales [m] and int8 codes [m, 32] -> [m, 34] Q8_0 blocks."""
+    return torch.cat([scale.reshape(-1, 1).view(torch.uint8), codes.view(torch.uint8)], dim=1)
+
+
+def _iq4_xs_as_q8_0(b: torch.Tensor) -> torch.Tensor:
+    """[n, 136] IQ4_XS blocks -> [8n, 34] Q8_0 blocks."""
+    n = b.shape[0]
+    scale = iq4_xs_scales(b).reshape(-1)  # float32 d * (s - 32), exact
+    half = scale.to(torch.float16)
+    moved = (half.float() - scale).abs() > MAX_SCALE_MOVE * scale.abs()  # (inf - x: inf, moved)
+    if bool(moved.any()):
+        bad = float(scale[moved][0])
+        raise ValueError(f"an IQ4_XS sub-block scale of {bad:g} is not a float16 within "
+                         f"{MAX_SCALE_MOVE:g} of itself (float16 holds 6.1e-05 to 65504 to 2**-11; "
+                         "smaller ones to 6e-08): as a Q8_0 scale it would move its weights more")
+    codes = b[:, 8:].reshape(n * 8, 16)
+    codes = torch.cat([codes & 0x0F, codes >> 4], dim=1).long()
+    values = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=b.device)[codes]
+    return _q8_0(half, values)
+
+
+def _q2_k_as_q8_0(b: torch.Tensor) -> torch.Tensor:
+    """[n, 84] Q2_K blocks -> [8n, 34] Q8_0 blocks, requantised (round to nearest)."""
+    w = dequantize(b, BY_NAME["Q2_K"], 256).reshape(-1, 32)
+    step = w.abs().amax(dim=1) / 127
+    if bool((step > torch.finfo(torch.float16).max).any()):
+        raise ValueError(f"a Q2_K block's weights reach {float(w.abs().max()):g}: a Q8_0 step for "
+                         "them is beyond float16")
+    half = step.to(torch.float16)
+    low = half.float() < step  # rounded down: one float16 up, so no code passes 127
+    half[low] = (half[low].view(torch.int16) + 1).view(torch.float16)
+    codes = torch.round(w / torch.where(half == 0, 1.0, half.float())[:, None])
+    return _q8_0(half, codes.clamp(-127, 127).to(torch.int8))
+
+
+_REWRITE = {"Q3_K": _q3_k_as_q6_k, "IQ4_NL": _iq4_nl_as_q8_0, "IQ4_XS": _iq4_xs_as_q8_0,
+            "Q2_K": _q2_k_as_q8_0}
 
 
 def transcode(type_name: str, data: torch.Tensor, cols: int) -> tuple[str, torch.Tensor]:
-    """(EXACTLY_AS[type_name], its blocks) for `type_name` blocks [rows, row bytes] of `cols`
-    weights a row."""
-    kind, target = BY_NAME[type_name], BY_NAME[EXACTLY_AS[type_name]]
+    """(REWRITES[type_name], its blocks) for `type_name` blocks [rows, row bytes] of `cols`
+    weights a row; ValueError where a near rewrite would not keep its bound."""
+    kind, target = BY_NAME[type_name], BY_NAME[REWRITES[type_name]]
     rows = data.shape[0]
     blocks = data.reshape(-1, kind.block_bytes)
-    out = torch.empty(blocks.shape[0], target.block_bytes, dtype=torch.uint8, device=data.device)
+    per = kind.block // target.block  # target blocks a block
+    out = torch.empty(blocks.shape[0] * per, target.block_bytes, dtype=torch.uint8, device=data.device)
     for i in range(0, blocks.shape[0], SLICE_BLOCKS):
-        out[i:i + SLICE_BLOCKS] = _REWRITE[type_name](blocks[i:i + SLICE_BLOCKS])
+        part = _REWRITE[type_name](blocks[i:i + SLICE_BLOCKS])
+        out[i * per:i * per + part.shape[0]] = part
     return target.name, out.reshape(rows, target.row_bytes(cols))

@@ -1,7 +1,8 @@
 """The CPU plugin's products for quantised weights (quant.c's `omni_qlinear`): GGUF's Q8_0, Q4_0,
 Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks, and omniinfer's int8; at every ISA level. Q3_K and
 IQ4_NL blocks are rewritten at load, exactly, as Q6_K and Q8_0 (more bytes, the same numbers);
-Q2_K and IQ4_XS run the reference. (F16, BF16 and F32 tensors load as float weights.)
+IQ4_XS and Q2_K as Q8_0, within the bounds quantization/gguf_transcode.py states. (F16, BF16 and
+F32 tensors load as float weights.)
 
 Activations: by default each row of x is rounded to int8 in blocks of 32 and meets the weight
 blocks in integer multiply-adds (quant_q8.c, as llama.cpp's q8 dot products; the GGUF kinds'
@@ -23,7 +24,7 @@ import torch
 
 from omniinfer.quantization.base import QuantKernel
 from omniinfer.quantization.gguf_blocks import BY_NAME
-from omniinfer.quantization.gguf_transcode import EXACTLY_AS
+from omniinfer.quantization.gguf_transcode import REWRITES
 from omniinfer.quantization.int_pieces import WINT_KINDS
 
 KIND_CODES = {"gguf:Q8_0": 0, "gguf:Q4_0": 1, "gguf:Q4_K": 2, "gguf:Q6_K": 3, "int8": 4, "gguf:Q4_1": 9,
@@ -41,9 +42,10 @@ QACT_INT8 = 64  # quant_blocks.h: set in a kind code, x is rounded to int8 block
 X8_CODES = {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7, "gguf:Q6_K": 8, "gguf:Q4_1": 13, "gguf:Q5_0": 14,
             "gguf:Q5_1": 15, "gguf:Q5_K": 16}
 GGUF_OF_CODE = {code: kind for kind, code in KIND_CODES.items() if kind.startswith("gguf:")}
-# GGUF types with no kernel of their own, rewritten at load as one that has (exactly: the same
-# float32 numbers; quantization/gguf_transcode.py): Q3_K as Q6_K, IQ4_NL as Q8_0
-TRANSCODED = {f"gguf:{k}": f"gguf:{v}" for k, v in EXACTLY_AS.items()}
+# GGUF types with no kernel of their own, rewritten at load as one that has (quantization/
+# gguf_transcode.py): exactly, Q3_K as Q6_K and IQ4_NL as Q8_0; within float16's rounding of a
+# scale, IQ4_XS as Q8_0; requantised to 8 bits, Q2_K as Q8_0
+TRANSCODED = {f"gguf:{k}": f"gguf:{v}" for k, v in REWRITES.items()}
 
 
 def activation_mode() -> str:
@@ -84,10 +86,13 @@ class CpuQuantKernel(QuantKernel):
         from omniinfer_cpu.kernels import build
 
         if piece.kind in TRANSCODED:  # the same numbers as a type omni_qlinear runs (held instead)
-            from omniinfer.quantization.base import QuantPiece
+            from omniinfer.quantization.base import KernelRefused, QuantPiece
             from omniinfer.quantization.gguf_transcode import transcode
 
-            target, blocks = transcode(piece.kind[5:], piece.tensors["blocks"], piece.shape[1])
+            try:
+                target, blocks = transcode(piece.kind[5:], piece.tensors["blocks"], piece.shape[1])
+            except ValueError as e:
+                raise KernelRefused(str(e)) from None
             piece = QuantPiece(f"gguf:{target}", piece.shape, {"blocks": blocks})
         super().__init__(piece)
         self.k = build.load()
