@@ -317,7 +317,8 @@ _GGUF: tuple[GGUFShape, ...] = tuple(
     GGUFShape(f"llama-3-8b {layer}", dtype, m, n, k, t)
     for t in _gguf_types()
     for m, layer, n, k, dtype in ((1, "gate_up", 28672, 4096, torch.bfloat16),
-                                  (512, "down", 4096, 14336, torch.float16)))
+                                  (512, "down", 4096, 14336, torch.float16))) + (
+    GGUFShape("llama-3-8b down", torch.float32, 512, 4096, 14336, "Q5_K"),)  # (float32's FMA tiles)
 
 
 def _gguf_launch(shape: GGUFShape) -> None:
