@@ -99,7 +99,7 @@ def quantized_formats(platform, kernels: list) -> dict:
     from omniinfer.quantization.base import kernel_for
 
     out = {}
-    kinds = [f"gguf:{t.name}" for t in gguf_blocks.TYPES.values() if t.block > 1] + ["int8"]
+    kinds = [f"gguf:{t}" for t in gguf_blocks.QUANTIZED] + ["int8"]
     # GPTQ / AWQ / compressed-tensors layers as loaded: symmetric or with zero points / act-order
     kinds += ["wint4:g128", "wint4:g128:zp", "wint4:g128:act", "wint8:g128", "w8a8", "w8a8:static"]
     for kind in kinds:

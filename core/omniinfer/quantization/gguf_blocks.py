@@ -39,6 +39,7 @@ TYPES = {t.code: t for t in (
 # IQ4_NL / IQ4_XS: a 4-bit code indexes these int8 values (llama.cpp's kvalues_iq4nl)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 BY_NAME = {t.name: t for t in TYPES.values()}
+QUANTIZED = tuple(t.name for t in TYPES.values() if t.block > 1)  # the block types (not F32/F16/BF16)
 
 
 def type_of(code: int, tensor: str = "") -> BlockType:
@@ -179,12 +180,14 @@ def _q3_k(b):
     return ((_f16(d) * sc.float()).reshape(n, 16, 1) * q.float().reshape(n, 16, 16)).reshape(n, 256)
 
 
-def _iq4_values(codes: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(IQ4_VALUES, dtype=torch.float32, device=codes.device)[codes.long()]
+def iq4_values(qs: torch.Tensor) -> torch.Tensor:
+    """[n, 16] bytes of IQ4 nibbles -> [n, 32] int8: the IQ4_VALUES they index (the low nibbles,
+    then the high ones)."""
+    return torch.tensor(IQ4_VALUES, dtype=torch.int8, device=qs.device)[_nibbles(qs).long()]
 
 
 def _iq4_nl(b):
-    return _f16(b[:, :2]) * _iq4_values(_nibbles(b[:, 2:]))
+    return _f16(b[:, :2]) * iq4_values(b[:, 2:]).float()
 
 
 def iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:
@@ -200,7 +203,7 @@ def iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:
 def _iq4_xs(b):
     n = b.shape[0]
     dl = iq4_xs_scales(b).reshape(n, 8, 1)
-    return (dl * _iq4_values(_nibbles(b[:, 8:].reshape(n * 8, 16))).reshape(n, 8, 32)).reshape(n, 256)
+    return (dl * iq4_values(b[:, 8:].reshape(n * 8, 16)).float().reshape(n, 8, 32)).reshape(n, 256)
 
 
 _BLOCKS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,

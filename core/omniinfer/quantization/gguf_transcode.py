@@ -28,8 +28,8 @@ import torch
 
 from omniinfer.quantization.gguf_blocks import (
     BY_NAME,
-    IQ4_VALUES,
     dequantize,
+    iq4_values,
     iq4_xs_scales,
     q3_k_parts,
 )
@@ -55,10 +55,7 @@ def _q3_k_as_q6_k(b: torch.Tensor) -> torch.Tensor:
 
 def _iq4_nl_as_q8_0(b: torch.Tensor) -> torch.Tensor:
     """[n, 18] IQ4_NL blocks -> [n, 34] Q8_0 blocks."""
-    qs = b[:, 2:]
-    codes = torch.cat([qs & 0x0F, qs >> 4], dim=1).long()
-    values = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=b.device)[codes]
-    return torch.cat([b[:, :2], values.view(torch.uint8)], dim=1)
+    return torch.cat([b[:, :2], iq4_values(b[:, 2:]).view(torch.uint8)], dim=1)
 
 
 def _q8_0(scale: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -77,10 +74,7 @@ def _iq4_xs_as_q8_0(b: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"an IQ4_XS sub-block scale of {bad:g} is not a float16 within "
                          f"{MAX_SCALE_MOVE:g} of itself (float16 holds 6.1e-05 to 65504 to 2**-11; "
                          "smaller ones to 6e-08): as a Q8_0 scale it would move its weights more")
-    codes = b[:, 8:].reshape(n * 8, 16)
-    codes = torch.cat([codes & 0x0F, codes >> 4], dim=1).long()
-    values = torch.tensor(IQ4_VALUES, dtype=torch.int8, device=b.device)[codes]
-    return _q8_0(half, values)
+    return _q8_0(half, iq4_values(b[:, 8:].reshape(n * 8, 16)))
 
 
 def _q2_k_as_q8_0(b: torch.Tensor) -> torch.Tensor:

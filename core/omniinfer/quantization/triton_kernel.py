@@ -12,12 +12,11 @@ import importlib.util
 import torch
 
 from omniinfer.quantization.base import QuantKernel
+from omniinfer.quantization.gguf_blocks import QUANTIZED
 from omniinfer.quantization.int_pieces import WINT_KINDS
 
-# the GGUF block types kernels/triton/gguf_gemm.py decodes (its KERNEL_TYPES; this module does
-# not import Triton to read them)
-GGUF_KINDS = tuple(f"gguf:{t}" for t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
-                                          "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"))
+# the GGUF block types kernels/triton/gguf_gemm.py decodes: every one (its KERNEL_TYPES)
+GGUF_KINDS = tuple(f"gguf:{t}" for t in QUANTIZED)
 
 
 class TritonQuantKernel(QuantKernel):

@@ -24,6 +24,8 @@ from types import SimpleNamespace
 
 import torch
 
+from omniinfer.quantization.gguf_blocks import QUANTIZED
+
 
 @dataclass(frozen=True, slots=True)
 class Target:
@@ -307,15 +309,9 @@ class GGUFShape:
 # 512-token prefill chunk (the tl.dot GEMM), on Llama-3-8B's gate_up and down (a Q4_K_M file holds
 # Q4_K, Q6_K and Q8_0; the classic types are older files' and the fallbacks of narrow models, as
 # IQ4_NL is a Q3_K_M file's).
-def _gguf_types() -> tuple[str, ...]:
-    from omniinfer.quantization.triton_kernel import GGUF_KINDS  # (imports no triton)
-
-    return tuple(kind.removeprefix("gguf:") for kind in GGUF_KINDS)
-
-
 _GGUF: tuple[GGUFShape, ...] = tuple(
     GGUFShape(f"llama-3-8b {layer}", dtype, m, n, k, t)
-    for t in _gguf_types()
+    for t in QUANTIZED
     for m, layer, n, k, dtype in ((1, "gate_up", 28672, 4096, torch.bfloat16),
                                   (512, "down", 4096, 14336, torch.float16))) + (
     GGUFShape("llama-3-8b down", torch.float32, 512, 4096, 14336, "Q5_K"),)  # (float32's FMA tiles)

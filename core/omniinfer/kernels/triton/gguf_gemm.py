@@ -30,11 +30,10 @@ from omniinfer.kernels.triton.quant_gemm import (  # noqa: F401 (INTERPRETED: re
     store_out,
     wn_tiles,
 )
-from omniinfer.quantization.gguf_blocks import BY_NAME, IQ4_VALUES
+from omniinfer.quantization.gguf_blocks import BY_NAME, IQ4_VALUES, QUANTIZED
 
 # the block types the kernel decodes (its TYPE is the GGML type code)
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-                "IQ4_NL", "IQ4_XS")
+KERNEL_TYPES = QUANTIZED  # (every block type the loader takes)
 _LUTS: dict[torch.device, torch.Tensor] = {}  # IQ4_VALUES as float32, per device
 
 
