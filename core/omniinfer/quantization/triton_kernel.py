@@ -32,30 +32,28 @@ class TritonQuantKernel(QuantKernel):
 
     def __init__(self, piece):
         super().__init__(piece)
-        family = piece.kind.split(":")[0]
-        self.gguf_type = piece.kind.split(":")[1] if family == "gguf" else None
-        if self.gguf_type is not None:
-            self.weight = piece.tensors["blocks"]  # the file's bytes, as the layer holds them
-        elif family.startswith("wint"):
-            from omniinfer.quantization.int_pieces import packed_weight
-
-            self.weight = packed_weight(piece)
-        else:
-            from omniinfer.quantization.int_pieces import int8_weight
-
-            self.weight = int8_weight(piece)
-        self.w8a8 = family == "w8a8"
-
-    def apply(self, x: torch.Tensor) -> torch.Tensor:
-        from omniinfer.kernels.triton import quant_gemm
-        from omniinfer.quantization.int_layouts import PackedIntWeight
-
-        w = self.weight
-        if self.gguf_type is not None:
+        # the kernel module and the weight's tensors resolved once here, not on every product
+        family, _, gguf_type = piece.kind.partition(":")
+        if family == "gguf":
             from omniinfer.kernels.triton.gguf_gemm import gguf_matmul
 
-            return gguf_matmul(x, w, self.gguf_type)
-        if isinstance(w, PackedIntWeight):
-            return quant_gemm.wn_matmul(x, w.qweight, w.scales, w.zeros, w.g_idx, w.bits, w.group_size)
-        return quant_gemm.int8_matmul(x, w.weight, w.weight_scale, w.input_scale,
-                                      quantize_activations=self.w8a8)
+            w = self.weight = piece.tensors["blocks"]  # the file's bytes, as the layer holds them
+            self._product = lambda x: gguf_matmul(x, w, gguf_type)
+        elif family.startswith("wint"):
+            from omniinfer.kernels.triton.quant_gemm import wn_matmul
+            from omniinfer.quantization.int_pieces import packed_weight
+
+            w = self.weight = packed_weight(piece)
+            self._product = lambda x: wn_matmul(x, w.qweight, w.scales, w.zeros, w.g_idx, w.bits,
+                                                w.group_size)
+        else:
+            from omniinfer.kernels.triton.quant_gemm import int8_matmul
+            from omniinfer.quantization.int_pieces import int8_weight
+
+            w = self.weight = int8_weight(piece)
+            w8a8 = family == "w8a8"
+            self._product = lambda x: int8_matmul(x, w.weight, w.weight_scale, w.input_scale,
+                                                  quantize_activations=w8a8)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return self._product(x)
