@@ -16,7 +16,7 @@ gguf = pytest.importorskip("gguf")
 from omniinfer import LLM, SamplingParams  # noqa: E402
 from omniinfer.benchmarks.gguf_export import export  # noqa: E402
 from omniinfer.quantization.gguf_file import GGUFError, GGUFFile  # noqa: E402
-from omniinfer.testing.greedy import agreed_steps, kernel_names  # noqa: E402
+from omniinfer.testing.greedy import agreed_steps, hf_greedy, kernel_names  # noqa: E402
 from omniinfer.testing.tiny_models import build_tiny_checkpoint  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 33, 7, 20], list(range(40, 75))]
@@ -48,15 +48,8 @@ def gguf_of(models, arch: str, file_type: str) -> str:
 
 def hf_greedy_gguf(path: str, prompt: list[int], n: int, scores: bool = False):
     """transformers' greedy tokens (and, with scores, each step's log-probs)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                 dtype=torch.float32)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[0, len(prompt):].tolist()
-    return (tokens, [torch.log_softmax(s[0].float(), -1) for s in out.scores]) if scores else tokens
+    [(tokens, steps)] = hf_greedy(os.path.dirname(path), [prompt], n, os.path.basename(path))
+    return (tokens, steps) if scores else tokens
 
 
 def run(llm, prompts=PROMPTS):

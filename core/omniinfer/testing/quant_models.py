@@ -26,8 +26,6 @@ import sys
 import tempfile
 import time
 
-import torch
-
 PROMPTS = [[1, 5, 9, 33, 7, 20], list(range(40, 75))]
 STEPS = 12
 CASES = ("gguf-q4_k_m", "gguf-q5_1", "gguf-q8_0", "gguf-q3_k_m", "gguf-iq4_xs", "gptq-4b-g64-asym-act",
@@ -55,30 +53,14 @@ def _build(root: str, case: str) -> tuple[str, str, str | None]:
     return out, ref, None
 
 
-def _reference(path: str, gguf_file: str | None) -> list[tuple[list[int], list[torch.Tensor]]]:
-    """transformers' greedy tokens and each step's log-probs, per prompt (CPU, float32)."""
-    from transformers import AutoModelForCausalLM
-
-    extra = {"gguf_file": gguf_file} if gguf_file else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
-    runs = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=STEPS, do_sample=False,
-                                 output_scores=True, return_dict_in_generate=True)
-            runs.append((out.sequences[0, len(prompt):].tolist(),
-                         [torch.log_softmax(s[0].float(), -1) for s in out.scores]))
-    return runs
-
-
 def run_case(root: str, case: str, platform: str | None) -> dict:
     from omniinfer import LLM, SamplingParams
-    from omniinfer.testing.greedy import agreed_steps, kernel_names
+    from omniinfer.testing.greedy import agreed_steps, hf_greedy, kernel_names
 
     row = dict(case=case)
     try:
         served, ref_dir, gguf_file = _build(root, case)
-        want = _reference(ref_dir, gguf_file)
+        want = hf_greedy(ref_dir, PROMPTS, STEPS, gguf_file)  # (on the CPU)
         llm = LLM(served, dtype="float32", num_kv_blocks=64, device=platform)
         try:
             row["platform"] = llm.llm_engine.executor.worker.model_runner.device.type
