@@ -1,8 +1,9 @@
 """The CPU plugin's products for quantised weights (quant.c's `omni_qlinear`): GGUF's Q8_0, Q4_0,
-Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks, and omniinfer's int8; at every ISA level. Q3_K and
-IQ4_NL blocks are rewritten at load, exactly, as Q6_K and Q8_0 (more bytes, the same numbers);
-IQ4_XS and Q2_K as Q8_0, within the bounds quantization/gguf_transcode.py states. (F16, BF16 and
-F32 tensors load as float weights.)
+Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks, and omniinfer's int8; at every ISA level; GGUF's
+IQ4_NL and IQ4_XS with int8 activations. Q3_K blocks are rewritten at load, exactly, as Q6_K
+(more bytes, the same numbers), Q2_K as Q8_0 within the bounds quantization/gguf_transcode.py
+states, and so are IQ4_NL and IQ4_XS for float activations (exactly / within those bounds, as
+Q8_0). (F16, BF16 and F32 tensors load as float weights.)
 
 Activations: by default each row of x is rounded to int8 in blocks of 32 and meets the weight
 blocks in integer multiply-adds (quant_q8.c, as llama.cpp's q8 dot products; the GGUF kinds'
@@ -40,11 +41,14 @@ ACT_MODES = ("int8", "float")
 QACT_INT8 = 64  # quant_blocks.h: set in a kind code, x is rounded to int8 blocks
 # quant_blocks.h: rows in groups of 8 (int8 activations only), by the kind they come from
 X8_CODES = {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7, "gguf:Q6_K": 8, "gguf:Q4_1": 13, "gguf:Q5_0": 14,
-            "gguf:Q5_1": 15, "gguf:Q5_K": 16}
+            "gguf:Q5_1": 15, "gguf:Q5_K": 16, "gguf:IQ4_NL": 17, "gguf:IQ4_XS": 18}
+# the kinds with no row-at-a-time code: their groups of 8 run int8 activations (csrc/quant_iq4x8.c);
+# with float activations they take their rewrite (TRANSCODED)
+X8_ONLY = ("gguf:IQ4_NL", "gguf:IQ4_XS")
 GGUF_OF_CODE = {code: kind for kind, code in KIND_CODES.items() if kind.startswith("gguf:")}
-# GGUF types with no kernel of their own, rewritten at load as one that has (quantization/
-# gguf_transcode.py): exactly, Q3_K as Q6_K and IQ4_NL as Q8_0; within float16's rounding of a
-# scale, IQ4_XS as Q8_0; requantised to 8 bits, Q2_K as Q8_0
+# GGUF types with no kernel of their own (IQ4_NL, IQ4_XS: none for float activations), rewritten
+# at load as one that has (quantization/gguf_transcode.py): exactly, Q3_K as Q6_K and IQ4_NL as
+# Q8_0; within float16's rounding of a scale, IQ4_XS as Q8_0; requantised to 8 bits, Q2_K as Q8_0
 TRANSCODED = {f"gguf:{k}": f"gguf:{v}" for k, v in REWRITES.items()}
 
 
@@ -85,7 +89,9 @@ class CpuQuantKernel(QuantKernel):
     def __init__(self, piece):
         from omniinfer_cpu.kernels import build
 
-        if piece.kind in TRANSCODED:  # the same numbers as a type omni_qlinear runs (held instead)
+        activations = activation_mode() if piece.shape[1] % 32 == 0 else "float"
+        native = piece.kind in X8_ONLY and activations == "int8"
+        if piece.kind in TRANSCODED and not native:  # the same numbers as a type omni_qlinear runs (held instead)
             from omniinfer.quantization.base import KernelRefused, QuantPiece
             from omniinfer.quantization.gguf_transcode import transcode
 
@@ -96,17 +102,19 @@ class CpuQuantKernel(QuantKernel):
             piece = QuantPiece(f"gguf:{target}", piece.shape, {"blocks": blocks})
         super().__init__(piece)
         self.k = build.load()
-        self.code = KIND_CODES[piece.kind]
+        self.activations = activations
         tensors = piece.tensors
-        if piece.kind in WINT:
-            self.w, self.scale = as_blocks(piece), None
+        if native:  # (repacked in groups of 8 below: their only kernel)
+            self.code, self.w, self.scale = X8_CODES[piece.kind], tensors["blocks"], None
+        elif piece.kind in WINT:
+            self.code, self.w, self.scale = KIND_CODES[piece.kind], as_blocks(piece), None
         else:
+            self.code = KIND_CODES[piece.kind]
             self.w = tensors["q"] if piece.kind.split(":")[0] in ("int8", "w8a8") else tensors["blocks"]
             self.scale = tensors.get("scale")
-        self.activations = activation_mode() if piece.shape[1] % 32 == 0 else "float"
         if self.activations == "int8":
+            original = piece.kind if native else GGUF_OF_CODE.get(self.code)
             self.code |= QACT_INT8
-            original = GGUF_OF_CODE.get(self.code & ~QACT_INT8)
             if original:  # GGUF rows (symmetric wint8 / wint4 as Q8_0 / Q4_0 too) in groups of 8 (quant_x8.py)
                 from omniinfer_cpu import quant_x8
 

@@ -1,9 +1,10 @@
 """GGUF rows repacked in groups of 8 for the int8-activation products (csrc/quant_x8.c), as the
 formats "cpu:Q4_0x8", "cpu:Q8_0x8", "cpu:Q4_1x8", "cpu:Q5_0x8", "cpu:Q5_1x8", "cpu:Q4_Kx8",
-"cpu:Q5_Kx8" and "cpu:Q6_Kx8": the same bytes as the blocks they come from, interleaved so that
-one 32-bit lane holds 4 codes of one row (quant_blocks.h says the byte order). The piece replaces
-the original one in its layer (the memory held stays the file's); the formats' dequantise and
-narrow undo the interleaving, so an embedding that shares the weight (tied) still reads its rows."""
+"cpu:Q5_Kx8", "cpu:Q6_Kx8", "cpu:IQ4_NLx8" and "cpu:IQ4_XSx8": the same bytes as the blocks they
+come from, interleaved so that one 32-bit lane holds 4 codes of one row (quant_blocks.h says the
+byte order). The piece replaces the original one in its layer (the memory held stays the
+file's); the formats' dequantise and narrow undo the interleaving, so an embedding that shares
+the weight (tied) still reads its rows."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from omniinfer.quantization.gguf_blocks import BY_NAME
 GROUP = 8
 CHUNK_GROUPS = 512  # groups repacked at a time (bounds the transient copies)
 # the classic 32-weight blocks of 4- and 5-bit codes: (has a minimum m, has fifth bits)
-CLASSIC = {"Q4_0": (False, False), "Q4_1": (True, False), "Q5_0": (False, True), "Q5_1": (True, True)}
+# (IQ4_NL: Q4_0's layout, its codes indexing IQ4_VALUES)
+CLASSIC = {"Q4_0": (False, False), "Q4_1": (True, False), "Q5_0": (False, True), "Q5_1": (True, True),
+           "IQ4_NL": (False, False)}
 
 
 def _chunks(qs: torch.Tensor) -> torch.Tensor:
@@ -167,6 +170,27 @@ def _unpack_q6_k(p: torch.Tensor) -> torch.Tensor:
     return torch.cat([ql, qh, scales, d], dim=-1)
 
 
+def _pack_iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS blocks [G, 8, nb, 136] -> [G, nb, 1088]: the 8 rows' d, their 2 scales_h bytes (byte
+    k of row r at 16 + 8k + r), their 4 scales_l bytes (byte t at 32 + 8t + r), then each
+    sub-block's 16 nibble bytes as Q4_0x8's chunks."""
+    groups, _, nb, _ = b.shape
+    d = b[..., 0:2].permute(0, 2, 1, 3).reshape(groups, nb, 16)
+    high, low = b[..., 2:4].permute(0, 2, 3, 1), b[..., 4:8].permute(0, 2, 3, 1)  # [G, nb, byte, r]
+    codes = _chunks(b[..., 8:].reshape(groups, GROUP, nb * 8, 16)).reshape(groups, nb, 1024)
+    return torch.cat([d, high.reshape(groups, nb, 16), low.reshape(groups, nb, 32), codes], dim=-1)
+
+
+def _unpack_iq4_xs(p: torch.Tensor) -> torch.Tensor:
+    """[G, nb, 1088] -> IQ4_XS blocks [G, 8, nb, 136]."""
+    groups, nb, _ = p.shape
+    d = p[..., :16].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)
+    high = p[..., 16:32].reshape(groups, nb, 2, GROUP).permute(0, 3, 1, 2)
+    low = p[..., 32:64].reshape(groups, nb, 4, GROUP).permute(0, 3, 1, 2)
+    qs = _nibble_bytes(p[..., 64:].reshape(groups, nb * 8, 128)).reshape(groups, GROUP, nb, 128)
+    return torch.cat([d, high, low, qs], dim=-1)
+
+
 def _pack_q8_0(b: torch.Tensor) -> torch.Tensor:
     """Q8_0 blocks [G, 8, nb, 34] -> [G, nb, 272]: the 8 rows' d, then chunk j's byte 4r + i: row r's
     weight 4j + i."""
@@ -187,6 +211,7 @@ def _unpack_q8_0(p: torch.Tensor) -> torch.Tensor:
 # GGUF type -> (pack, unpack): blocks [G, 8, nb, size] <-> [G, nb, 8 * size]
 PACKERS = {"Q8_0": (_pack_q8_0, _unpack_q8_0), "Q4_K": (_pack_q4_k, _unpack_q4_k),
            "Q5_K": (_pack_q5_k, _unpack_q5_k), "Q6_K": (_pack_q6_k, _unpack_q6_k),
+           "IQ4_XS": (_pack_iq4_xs, _unpack_iq4_xs),
            **{name: (partial(_pack_classic, has_min=m, has_hi=h), partial(_unpack_classic, has_min=m, has_hi=h))
               for name, (m, h) in CLASSIC.items()}}
 # original kind -> (repacked kind, the original's block bytes)

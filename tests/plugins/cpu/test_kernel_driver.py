@@ -204,8 +204,8 @@ def quant_cases(gen):
     from omniinfer_cpu.quant_x8 import repack
 
     out = []
-    for kind in ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8", "Q4_1", "Q5_0", "Q5_1", "Q5_K"):
-        code = KIND_CODES[kind if kind == "int8" else f"gguf:{kind}"]
+    for kind in ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS"):
+        code = KIND_CODES.get(kind if kind == "int8" else f"gguf:{kind}")  # (None: IQ4, groups of 8 only)
         w = torch.randn(19, 512, generator=gen) * 0.05
         if kind == "int8":
             piece = quantize(w)
@@ -220,15 +220,16 @@ def quant_cases(gen):
         for dt, m in ((F32, 3), (BF16, 3), (F32, 20), (BF16, 20)):  # (20 rows: the decoded panels)
             x = rand(gen, m, 512, dt=dt)
             want = F.linear(x.double(), ref.double())
-            out.append((("qlinear", [m, 19, 512, code, dt, 2], [], [x, blocks, scale,
-                                                                     torch.zeros(m, 19, dtype=TORCH_DTYPE[dt])]),
-                        lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
+            if code is not None:
+                out.append((("qlinear", [m, 19, 512, code, dt, 2], [], [x, blocks, scale,
+                                                                         torch.zeros(m, 19, dtype=TORCH_DTYPE[dt])]),
+                            lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
             # the int8-activation path (kind | QACT_INT8; up to 8 rows, beyond: the float panels) against
             # x rounded as it rounds it; the GGUF kinds also as their rows repacked in groups of 8 (the
             # only int8 path Q4_1 / Q5_0 / Q5_1 / Q5_K have)
             rounded = F.linear(int8_blocks(x).double(), ref.double())
             x8 = X8_CODES.get(f"gguf:{kind}")
-            rows_as_stored = [(code, blocks)] if code <= KIND_CODES["int8"] else []
+            rows_as_stored = [(code, blocks)] if code is not None and code <= KIND_CODES["int8"] else []
             for c, w in rows_as_stored + ([(x8, repack(f"gguf:{kind}", blocks, (19, 512)).tensors["blocks8"])]
                                           if x8 else []):
                 want = rounded if m <= 8 or c == x8 else want  # (the X8 groups: int8 at any row count)

@@ -8,7 +8,7 @@
 
 enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q4_KX8 = 7, Q6_KX8 = 8,
        Q4_1 = 9, Q5_0 = 10, Q5_1 = 11, Q5_K = 12, Q4_1X8 = 13, Q5_0X8 = 14, Q5_1X8 = 15, Q5_KX8 = 16,
-       NUM_KINDS = 17 };
+       IQ4_NLX8 = 17, IQ4_XSX8 = 18, NUM_KINDS = 19 };
 /* Q4_0X8: Q4_0 rows repacked in groups of 8 for the int8-activation path (quant_x8.c). Group g
  * (rows 8g .. 8g + 7; a last group padded with zero rows) is K / 32 blocks of 144 bytes: the 8
  * rows' float16 d, then 4 chunks of 32 bytes; byte 4r + i of chunk c holds row r's weight
@@ -28,7 +28,12 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q
  * of code vector k, chunk k / 2's low (k even) or high nibbles: row r's weight 8 (k / 2) + 4 (k & 1)
  * + i (x5_codes). Blocks of 160, 176 and 192 bytes.
  * Q5_KX8 from Q5_K: blocks of 1408 bytes: the 8 rows' d, dmin and 12 scale bytes as Q4_KX8's, then
- * sub-block s at 128 + 160s: its low 4 bits as Q4_KX8's chunks, then their fifth bits as Q5_0X8's. */
+ * sub-block s at 128 + 160s: its low 4 bits as Q4_KX8's chunks, then their fifth bits as Q5_0X8's.
+ * IQ4_NLX8 from IQ4_NL (the codes index IQ4_VALUES; no row-at-a-time kind of its own): Q4_0X8's
+ * layout, byte for byte. IQ4_XSX8 from IQ4_XS: blocks of 1088 bytes (256 columns of 8 rows): the
+ * 8 rows' float16 d, their 2 scales_h bytes (byte 16 + 8k + r: row r's byte k), their 4 scales_l
+ * bytes (byte 32 + 8t + r: row r's byte t), then sub-block s (weights 32s .. 32s + 31) at
+ * 64 + 128s, its codes as Q4_0X8's chunks. The IQ4 kinds have only the int8-activation path. */
 /* vpdpbusd on 8 int32 lanes (each += 4 products of unsigned by signed bytes): AVX-512 VNNI's
  * EVEX form, or AVX-VNNI's VEX one (the avx2_vnni level: Intel cores since Alder Lake, Zen 5) */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -40,13 +45,16 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q
 #define QACT_INT8 64
 
 INLINE int qblock(int kind) {
-    return kind == Q4_K || kind == Q5_K || kind == Q6_K || kind == Q4_KX8 || kind == Q5_KX8 || kind == Q6_KX8 ? 256
+    return kind == Q4_K || kind == Q5_K || kind == Q6_K || kind == Q4_KX8 || kind == Q5_KX8 || kind == Q6_KX8 ||
+                   kind == IQ4_XSX8
+               ? 256
          : kind == I8 ? 1 : 32;
 }
 
 /* a block's bytes (X8: a row's share of its group's block) */
 INLINE int qblock_bytes(int kind) {
-    static const int bytes[NUM_KINDS] = {34, 18, 144, 210, 0, 18, 34, 144, 210, 20, 22, 24, 176, 20, 22, 24, 176};
+    static const int bytes[NUM_KINDS] = {34, 18, 144, 210, 0, 18, 34, 144, 210, 20, 22, 24, 176, 20, 22, 24, 176,
+                                         18, 136};
     return bytes[kind];
 }
 
@@ -55,7 +63,22 @@ INLINE size_t qrow_bytes(int kind, int K) {
 }
 
 /* the kinds held in groups of 8 rows (quant_x8.c; int8 activations only) */
-INLINE int is_x8(int kind) { return (kind >= Q4_0X8 && kind <= Q6_KX8) || (kind >= Q4_1X8 && kind <= Q5_KX8); }
+INLINE int is_x8(int kind) { return (kind >= Q4_0X8 && kind <= Q6_KX8) || (kind >= Q4_1X8 && kind <= IQ4_XSX8); }
+
+/* IQ4_NL / IQ4_XS: the int8 values a 4-bit code indexes (llama.cpp's kvalues_iq4nl;
+ * omniinfer/quantization/gguf_blocks.py's IQ4_VALUES) */
+static const int8_t IQ4_VALUES[16] __attribute__((unused)) = {
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+/* IQ4_XSX8: the 8 rows' 6-bit scales (0..63; the weight's is d * (scale - 32)) of sub-block s
+ * as 8 bytes to a 64-bit word: scales_l byte s / 2's nibble s & 1, scales_h byte s / 4's bits
+ * 2 (s & 3), 2 (s & 3) + 1 above it */
+INLINE uint64_t xs_scales(const uint8_t *blk, int s) {
+    uint64_t lo, hi;
+    memcpy(&lo, blk + 32 + 8 * (s / 2), 8);
+    memcpy(&hi, blk + 16 + 8 * (s / 4), 8);
+    return ((lo >> (4 * (s & 1))) & 0x0f0f0f0f0f0f0f0full) | (((hi >> (2 * (s & 3))) & 0x0303030303030303ull) << 4);
+}
 
 INLINE uint16_t u16_at(const uint8_t *p) {
     uint16_t v;
@@ -238,6 +261,8 @@ typedef void (*x8_group_fn)(const uint8_t *g, const xq *X, int m0, int MB, float
     }
 /* quant_kx8.c: the group function of Q4_KX8, Q5_KX8 or Q6_KX8 */
 x8_group_fn omni_kx8_group(int kind);
+/* quant_iq4x8.c: the group function of IQ4_NLX8 or IQ4_XSX8 */
+x8_group_fn omni_iq4x8_group(int kind);
 
 /* quant_x8.c: y [M, ldy] (dt) = X @ W^T for W's N rows in groups of 8 (is_x8) at w */
 void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt,

@@ -52,7 +52,7 @@ NO_CONTRACT static void decode_block(int kind, const uint8_t *blk, float *out) {
     }
 }
 
-/* row r of a group-of-8 kind of Q4_0, Q4_1, Q5_0, Q5_1, Q4_K or Q5_K (quant_blocks.h) -> out, as
+/* row r of a group-of-8 kind of Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, IQ4_NL or IQ4_XS (quant_blocks.h) -> out, as
  * decode_block decodes the block it came from */
 NO_CONTRACT static void decode_x8_row(const uint8_t *w, int kind, int64_t r, int K, float *out) {
     int rr = (int)(r % 8), block = qblock(kind), bytes = 8 * qblock_bytes(kind);
@@ -61,6 +61,18 @@ NO_CONTRACT static void decode_x8_row(const uint8_t *w, int kind, int64_t r, int
         const uint8_t *blk = g + (size_t)b * bytes;
         float d = f16_to_f32(u16_at(blk + 2 * rr));
         float *o = out + (size_t)b * block;
+        if (kind == IQ4_NLX8 || kind == IQ4_XSX8) {  /* d * value, or (d * (scale - 32)) * value a sub-block */
+            const int xs = kind == IQ4_XSX8;
+            for (int s = 0; s < (xs ? 8 : 1); s++) {
+                const uint8_t *cs = xs ? blk + 64 + 128 * s : blk + 16;
+                float dl = xs ? d * (float)((int)((xs_scales(blk, s) >> (8 * rr)) & 63) - 32) : d;
+                for (int c = 0; c < 4; c++)
+                    for (int h = 0; h < 2; h++)
+                        for (int i = 0; i < 4; i++)
+                            o[32 * s + 8 * c + 4 * h + i] = dl * (float)IQ4_VALUES[x8_code(cs, NULL, rr, c, h, i)];
+            }
+            continue;
+        }
         if (kind == Q4_KX8 || kind == Q5_KX8) {  /* its d, dmin and 12 scale bytes, sub-block s's codes */
             const int hi = kind == Q5_KX8;
             float dmin = f16_to_f32(u16_at(blk + 16 + 2 * rr));
