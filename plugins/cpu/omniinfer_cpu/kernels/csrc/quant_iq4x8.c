@@ -11,34 +11,40 @@
 #define XS_BYTES 1088  /* an IQ4_XSX8 block: 256 columns of 8 rows */
 
 #if defined(__AVX2__)
-/* a group's 4 chunks of nibbles at p -> its 8 vectors of IQ4 values: as unsigned bytes v + 128
- * for vpdpbusd (VNNI), else as the signed v */
-INLINE void iq4_codes(const uint8_t *p, __m256i c[8]) {
+/* a group's 4 chunks of nibbles at p -> its 8 vectors of IQ4 values v: u, as unsigned bytes (VNNI:
+ * v + 128, for vpdpbusd; else |v|, for vpmaddubsw), and (no VNNI) v itself in c for its signs */
+INLINE void iq4_codes(const uint8_t *p, __m256i u[8], __m256i c[8]) {
     __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
 #if defined(DPBUSD256)
+    (void)c;
+    x8_nibbles(p, u);
     t = _mm256_xor_si256(t, _mm256_set1_epi8((char)0x80));
-#endif
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) u[j] = _mm256_shuffle_epi8(t, u[j]);
+#else
     x8_nibbles(p, c);
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; j++) c[j] = _mm256_shuffle_epi8(t, c[j]);
+    for (int j = 0; j < 8; j++) c[j] = _mm256_shuffle_epi8(t, c[j]), u[j] = _mm256_abs_epi8(c[j]);
+#endif
 }
 /* the 8 rows' Sum v * x over those vectors and x's 32 int8 at x (isum: their sum). VNNI: Sum
  * (v + 128) x - 128 Sum x; else |v| times x with v's sign (a vpmaddubsw pair at most 2 * 127 *
  * 127: one fits int16, so each is widened) */
-INLINE __m256i iq4_dot(const __m256i c[8], const int8_t *x, int32_t isum) {
+INLINE __m256i iq4_dot(const __m256i u[8], const __m256i c[8], const int8_t *x, int32_t isum) {
     int32_t x4[8];
     memcpy(x4, x, 32);
 #if defined(DPBUSD256)
+    (void)c;
     __m256i s = _mm256_set1_epi32(-128 * isum);
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; j++) s = DPBUSD256(s, c[j], _mm256_set1_epi32(x4[j]));
+    for (int j = 0; j < 8; j++) s = DPBUSD256(s, u[j], _mm256_set1_epi32(x4[j]));
 #else
     (void)isum;
     const __m256i one = _mm256_set1_epi16(1);
     __m256i s = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
-        __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(c[j]), _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), c[j]));
+        __m256i p = _mm256_maddubs_epi16(u[j], _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), c[j]));
         s = _mm256_add_epi32(s, _mm256_madd_epi16(p, one));
     }
 #endif
@@ -53,11 +59,11 @@ INLINE void nl_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
         const uint8_t *blk = g + (size_t)b * 144;
         prefetch_ahead(blk, 144);
         __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        __m256i c[8];
-        iq4_codes(blk + 16, c);
+        __m256i u[8], c[8];
+        iq4_codes(blk + 16, u, c);
         for (int m = 0; m < MB; m++) {
             size_t r = (size_t)(m0 + m);
-            __m256i s = iq4_dot(c, X->q + r * X->K + 32 * b, X->isum[r * nbx + b]);
+            __m256i s = iq4_dot(u, c, X->q + r * X->K + 32 * b, X->isum[r * nbx + b]);
             acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(X->d[r * nbx + b])), acc[m]);
         }
     }
@@ -78,12 +84,12 @@ INLINE void xs_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
             __m256i sc = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)xs_scales(blk, s))),
                                           _mm256_set1_epi32(32));
             __m256 ds = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(sc));
-            __m256i c[8];
-            iq4_codes(cs, c);
+            __m256i u[8], c[8];
+            iq4_codes(cs, u, c);
             int xb = 8 * b + s;
             for (int m = 0; m < MB; m++) {
                 size_t r = (size_t)(m0 + m);
-                __m256i t = iq4_dot(c, X->q + r * X->K + 32 * xb, X->isum[r * nbx + xb]);
+                __m256i t = iq4_dot(u, c, X->q + r * X->K + 32 * xb, X->isum[r * nbx + xb]);
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(ds, _mm256_set1_ps(X->d[r * nbx + xb])),
                                          acc[m]);
             }
