@@ -93,7 +93,7 @@ def test_gguf_greedy_tokens_equal_transformers(models, arch, file_type, monkeypa
 
 @pytest.mark.parametrize("arch,file_type", [("llama", "q8_0"), ("llama", "q4_0"), ("qwen2", "q4_k"),
                                             ("qwen2", "q6_k"), ("llama", "q4_k_m"), ("llama", "q3_k_m"),
-                                            ("llama", "iq4_xs"), ("qwen2", "iq4_nl")])
+                                            ("llama", "iq4_xs"), ("qwen2", "iq4_nl"), ("qwen2", "q2_k")])
 def test_gguf_with_int8_activations_follows_transformers_up_to_near_ties(models, arch, file_type, monkeypatch):
     """Greedy tokens equal transformers' until a step whose two best tokens (by transformers) are
     within NEAR_TIE of each other, where ours must be the other of them."""
@@ -142,13 +142,14 @@ def test_the_k_m_files_of_a_narrow_model_run_on_the_kernels(narrow, file_type, m
 
 @pytest.mark.parametrize("mode", ["float", "int8"])
 def test_types_without_a_cpu_kernel_run_as_the_blocks_they_are_rewritten_to(models, mode, monkeypatch):
-    """A q3_k_m file's Q3_K tensors run on the CPU kernels as Q6_K blocks, a q2_k file's Q2_K as
-    Q8_0 (gguf_transcode.py), the original bytes gone; an iq4_xs file's IQ4_XS too with float
-    activations, and as its own bytes in groups of 8 with int8 activations (csrc/quant_iq4x8.c)."""
+    """A q3_k_m file's Q3_K tensors run on the CPU kernels as Q6_K blocks (gguf_transcode.py), the
+    original bytes gone; a q2_k file's Q2_K and an iq4_xs file's IQ4_XS so too, as Q8_0, with float
+    activations, and as their own bytes in groups of 8 with int8 ones (csrc/quant_k2x8.c, quant_iq4x8.c)."""
     monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", mode)
-    held = {"Q6_K": "cpu:Q6_Kx8", "Q8_0": "cpu:Q8_0x8", "IQ4_XS": "cpu:IQ4_XSx8"} if mode == "int8" else {}
-    for file_type, kind, target in (("q3_k_m", "Q3_K", "Q6_K"), ("q2_k", "Q2_K", "Q8_0"),
-                                    ("iq4_xs", "IQ4_XS", "IQ4_XS" if mode == "int8" else "Q8_0")):
+    int8 = mode == "int8"
+    held = {"Q6_K": "cpu:Q6_Kx8", "Q2_K": "cpu:Q2_Kx8", "IQ4_XS": "cpu:IQ4_XSx8"} if int8 else {}
+    for file_type, kind, target in (("q3_k_m", "Q3_K", "Q6_K"), ("q2_k", "Q2_K", "Q2_K" if int8 else "Q8_0"),
+                                    ("iq4_xs", "IQ4_XS", "IQ4_XS" if int8 else "Q8_0")):
         path = gguf_of(models, "llama", file_type)
         assert GGUFFile(path).tensors["blk.1.ffn_up.weight"][1].name == kind
         llm = LLM(path, num_kv_blocks=64)

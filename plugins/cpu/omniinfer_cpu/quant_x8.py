@@ -1,8 +1,8 @@
 """GGUF rows repacked in groups of 8 for the int8-activation products (csrc/quant_x8.c), as the
 formats "cpu:Q4_0x8", "cpu:Q8_0x8", "cpu:Q4_1x8", "cpu:Q5_0x8", "cpu:Q5_1x8", "cpu:Q4_Kx8",
-"cpu:Q5_Kx8", "cpu:Q6_Kx8", "cpu:IQ4_NLx8" and "cpu:IQ4_XSx8": the same bytes as the blocks they
-come from, interleaved so that one 32-bit lane holds 4 codes of one row (quant_blocks.h says the
-byte order). The piece replaces the original one in its layer (the memory held stays the
+"cpu:Q5_Kx8", "cpu:Q6_Kx8", "cpu:IQ4_NLx8", "cpu:IQ4_XSx8" and "cpu:Q2_Kx8": the same bytes as
+the blocks they come from, interleaved so that one 32-bit lane holds 4 codes of one row
+(quant_blocks.h says the byte order). The piece replaces the original one in its layer (the memory held stays the
 file's); the formats' dequantise and narrow undo the interleaving, so an embedding that shares
 the weight (tied) still reads its rows."""
 
@@ -191,6 +191,35 @@ def _unpack_iq4_xs(p: torch.Tensor) -> torch.Tensor:
     return torch.cat([d, high, low, qs], dim=-1)
 
 
+_CRUMB = 2 * torch.arange(4, dtype=torch.uint8)  # a 2-bit code's shift in its byte
+
+
+def _pack_q2_k(b: torch.Tensor) -> torch.Tensor:
+    """Q2_K blocks [G, 8, nb, 84] -> [G, nb, 672]: the 8 rows' d, dmin, scale bytes (byte t of row r
+    at 32 + 8t + r), then per sub-block s 2 vectors of 32 bytes: bits 2b, 2b + 1 of byte 4r + i of
+    vector a hold row r's weight 32s + 4 (4a + b) + i."""
+    groups, _, nb, _ = b.shape
+    qs = b[..., 16:80].reshape(groups, GROUP, nb, 2, 1, 32)  # weight 128n + 32j + l: byte 32n + l, bits 2j
+    codes = ((qs >> _CRUMB[:, None]) & 3).reshape(groups, GROUP, nb, 8, 2, 4, 4)  # [s, a, b, i]
+    packed = (codes << _CRUMB[:, None]).sum(dim=-2, dtype=torch.int32).to(torch.uint8)  # [G, r, nb, s, a, i]
+    d, dmin = b[..., 80:82].permute(0, 2, 1, 3), b[..., 82:84].permute(0, 2, 1, 3)  # [G, nb, r, 2]
+    scales = b[..., :16].permute(0, 2, 3, 1)  # [G, nb, t, r]
+    return torch.cat([d.reshape(groups, nb, 16), dmin.reshape(groups, nb, 16), scales.reshape(groups, nb, 128),
+                      packed.permute(0, 2, 3, 4, 1, 5).reshape(groups, nb, 512)], dim=-1)
+
+
+def _unpack_q2_k(p: torch.Tensor) -> torch.Tensor:
+    """[G, nb, 672] -> Q2_K blocks [G, 8, nb, 84]."""
+    groups, nb, _ = p.shape
+    d = p[..., :16].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)
+    dmin = p[..., 16:32].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)
+    scales = p[..., 32:160].reshape(groups, nb, 16, GROUP).permute(0, 3, 1, 2)
+    packed = p[..., 160:].reshape(groups, nb, 8, 2, GROUP, 4).permute(0, 4, 1, 2, 3, 5)  # [G, r, nb, s, a, i]
+    codes = ((packed.unsqueeze(-2) >> _CRUMB[:, None]) & 3).reshape(groups, GROUP, nb, 2, 4, 32)  # [n, j, l]
+    qs = (codes << _CRUMB[:, None]).sum(dim=-2, dtype=torch.int32).to(torch.uint8).reshape(groups, GROUP, nb, 64)
+    return torch.cat([scales, qs, d, dmin], dim=-1)
+
+
 def _pack_q8_0(b: torch.Tensor) -> torch.Tensor:
     """Q8_0 blocks [G, 8, nb, 34] -> [G, nb, 272]: the 8 rows' d, then chunk j's byte 4r + i: row r's
     weight 4j + i."""
@@ -211,7 +240,7 @@ def _unpack_q8_0(p: torch.Tensor) -> torch.Tensor:
 # GGUF type -> (pack, unpack): blocks [G, 8, nb, size] <-> [G, nb, 8 * size]
 PACKERS = {"Q8_0": (_pack_q8_0, _unpack_q8_0), "Q4_K": (_pack_q4_k, _unpack_q4_k),
            "Q5_K": (_pack_q5_k, _unpack_q5_k), "Q6_K": (_pack_q6_k, _unpack_q6_k),
-           "IQ4_XS": (_pack_iq4_xs, _unpack_iq4_xs),
+           "IQ4_XS": (_pack_iq4_xs, _unpack_iq4_xs), "Q2_K": (_pack_q2_k, _unpack_q2_k),
            **{name: (partial(_pack_classic, has_min=m, has_hi=h), partial(_unpack_classic, has_min=m, has_hi=h))
               for name, (m, h) in CLASSIC.items()}}
 # original kind -> (repacked kind, the original's block bytes)

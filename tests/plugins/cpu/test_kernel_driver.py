@@ -204,8 +204,9 @@ def quant_cases(gen):
     from omniinfer_cpu.quant_x8 import repack
 
     out = []
-    for kind in ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS"):
-        code = KIND_CODES.get(kind if kind == "int8" else f"gguf:{kind}")  # (None: IQ4, groups of 8 only)
+    for kind in ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS",
+                 "Q2_K"):
+        code = KIND_CODES.get(kind if kind == "int8" else f"gguf:{kind}")  # (None: groups of 8 only)
         w = torch.randn(19, 512, generator=gen) * 0.05
         if kind == "int8":
             piece = quantize(w)

@@ -18,8 +18,9 @@ from omniinfer.testing import kquant  # noqa: E402
 from omniinfer_cpu.quant import ACT_ENV, CpuQuantKernel, activation_mode  # noqa: E402
 
 KINDS = ["gguf:Q8_0", "gguf:Q4_0", "gguf:Q4_K", "gguf:Q6_K", "int8", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1",
-         "gguf:Q5_K", "gguf:Q3_K", "gguf:IQ4_NL", "gguf:IQ4_XS"]
-# (Q3_K always, IQ4_NL and IQ4_XS with float activations: as the Q6_K / Q8_0 they are rewritten to)
+         "gguf:Q5_K", "gguf:Q3_K", "gguf:IQ4_NL", "gguf:IQ4_XS", "gguf:Q2_K"]
+# (Q3_K always, IQ4_NL, IQ4_XS and Q2_K with float activations: as the Q6_K / Q8_0 they are rewritten to)
+NEARLY = ("gguf:IQ4_XS", "gguf:Q2_K")  # (whose rewrites move the numbers: tests/test_gguf_transcode.py)
 GGUF_KINDS = [k for k in KINDS if k.startswith("gguf:")]
 
 
@@ -46,8 +47,7 @@ def test_qlinear_matches_the_reference(isa_level, kind, dtype, monkeypatch):
         assert CpuQuantKernel.unavailable(kind, piece.shape) is None
         kernel = CpuQuantKernel(piece)
         assert kernel.name == f"cpu ({isa_level.level.name}, float activations)"
-        # (IQ4_XS's rewrite rounds its scales to float16: tests/test_gguf_transcode.py bounds that)
-        w = dequantize_piece(kernel.piece if kind == "gguf:IQ4_XS" else piece)
+        w = dequantize_piece(kernel.piece if kind in NEARLY else piece)
         for m in (1, 2, 3, 5, 8, 9, 70, 130):
             x = torch.randn(m, cols + 8, generator=gen)[:, 4:4 + cols].to(dtype)  # strided rows
             got = kernel.apply(x)
@@ -144,7 +144,7 @@ def test_rows_repacked_in_groups_of_8(isa_level, kind, monkeypatch):
         assert kernel.piece.kind == quant_x8.REPACKED[native][0]
         assert kernel.code == {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7, "gguf:Q6_K": 8, "gguf:Q4_1": 13,
                                "gguf:Q5_0": 14, "gguf:Q5_1": 15, "gguf:Q5_K": 16, "gguf:IQ4_NL": 17,
-                               "gguf:IQ4_XS": 18}[native] | 64
+                               "gguf:IQ4_XS": 18, "gguf:Q2_K": 19}[native] | 64
         assert kernel.piece.tensors["blocks8"].numel() == -(-rows // 8) * 8 * blocks.shape[1]
         assert torch.equal(quant_x8.as_original(kernel.piece).tensors["blocks"], blocks)
         w = dequantize_piece(piece)
@@ -172,7 +172,7 @@ def test_an_embedding_lookup_decodes_the_references_rows(isa_level, kind, mode, 
     rows, cols = 37, 512
     piece = piece_of(kind, torch.randn(rows, cols, generator=gen) * 0.05)
     kernel = CpuQuantKernel(piece)
-    w = dequantize_piece(kernel.piece if kind == "gguf:IQ4_XS" and mode == "float" else piece)  # (its rewrite's)
+    w = dequantize_piece(kernel.piece if kind in NEARLY and mode == "float" else piece)  # (its rewrite's)
     ids = torch.tensor([rows - 1, 0, 9, 8, 7, rows - 1, 16])
     for dtype in (torch.float32, torch.bfloat16):
         got = kernel.rows(ids, dtype)

@@ -78,7 +78,7 @@ SIGNATURES = {
     # x, ldx, packed, bias, out (int64), M, N, K, dtype, nthreads
     "omni_gemm_argmax": ([_P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32], _I32),
     # kind (quant_blocks.h: 0 Q8_0, 1 Q4_0, 2 Q4_K, 3 Q6_K, 4 int8, 9-12 Q4_1 Q5_0 Q5_1 Q5_K; 5-8
-    # and 13-16 those in groups of 8 rows, 17-18 IQ4_NL IQ4_XS in groups of 8; + 64: int8 activations)
+    # and 13-16 those in groups of 8 rows, 17-19 IQ4_NL IQ4_XS Q2_K in groups of 8; + 64: int8 activations)
     "omni_quant_supported": ([_I32], _I32),
     # x, ldx, w (blocks, or int8 q), scale (int8's, else NULL), y, ldy, M, N, K, kind, dtype, nthreads
     "omni_qlinear": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32], _I32),

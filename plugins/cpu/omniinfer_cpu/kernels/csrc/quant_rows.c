@@ -52,7 +52,7 @@ NO_CONTRACT static void decode_block(int kind, const uint8_t *blk, float *out) {
     }
 }
 
-/* row r of a group-of-8 kind of Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, IQ4_NL or IQ4_XS (quant_blocks.h) -> out, as
+/* row r of a group-of-8 kind of Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, IQ4_NL, IQ4_XS or Q2_K (quant_blocks.h) -> out, as
  * decode_block decodes the block it came from */
 NO_CONTRACT static void decode_x8_row(const uint8_t *w, int kind, int64_t r, int K, float *out) {
     int rr = (int)(r % 8), block = qblock(kind), bytes = 8 * qblock_bytes(kind);
@@ -71,6 +71,20 @@ NO_CONTRACT static void decode_x8_row(const uint8_t *w, int kind, int64_t r, int
                         for (int i = 0; i < 4; i++)
                             o[32 * s + 8 * c + 4 * h + i] = dl * (float)IQ4_VALUES[x8_code(cs, NULL, rr, c, h, i)];
             }
+            continue;
+        }
+        if (kind == Q2_KX8) {  /* (d * scale) * q - dmin * minimum, a scale byte per 16 weights */
+            float dmin = f16_to_f32(u16_at(blk + 16 + 2 * rr));
+            for (int s = 0; s < 8; s++)
+                for (int half = 0; half < 2; half++) {
+                    uint8_t sb = blk[32 + 8 * (2 * s + half) + rr];
+                    float dl = d * (float)(sb & 15), ml = dmin * (float)(sb >> 4);
+                    for (int k = 4 * half; k < 4 * half + 4; k++)
+                        for (int i = 0; i < 4; i++) {
+                            float p = dl * (float)((blk[160 + 64 * s + 32 * (k / 4) + 4 * rr + i] >> (2 * (k & 3))) & 3);
+                            o[32 * s + 4 * k + i] = p - ml;
+                        }
+                }
             continue;
         }
         if (kind == Q4_KX8 || kind == Q5_KX8) {  /* its d, dmin and 12 scale bytes, sub-block s's codes */
