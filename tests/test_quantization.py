@@ -141,21 +141,21 @@ def test_the_k_m_files_of_a_narrow_model_run_on_the_kernels(narrow, file_type, m
 
 
 @pytest.mark.parametrize("mode", ["float", "int8"])
-def test_types_without_a_cpu_kernel_run_as_the_blocks_they_are_rewritten_to(models, mode, monkeypatch):
-    """A q3_k_m file's Q3_K tensors run on the CPU kernels as Q6_K blocks (gguf_transcode.py), the
-    original bytes gone; a q2_k file's Q2_K and an iq4_xs file's IQ4_XS so too, as Q8_0, with float
-    activations, and as their own bytes in groups of 8 with int8 ones (csrc/quant_k2x8.c, quant_iq4x8.c)."""
+def test_types_without_a_float_cpu_kernel_run_as_the_blocks_they_are_rewritten_to(models, mode, monkeypatch):
+    """With float activations a q3_k_m file's Q3_K tensors run on the CPU kernels as Q6_K blocks, a
+    q2_k file's Q2_K and an iq4_xs file's IQ4_XS as Q8_0 (gguf_transcode.py), the original bytes
+    gone; with int8 activations each runs as its own bytes in groups of 8 (csrc/quant_k23x8.c,
+    quant_iq4x8.c)."""
     monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", mode)
     int8 = mode == "int8"
-    held = {"Q6_K": "cpu:Q6_Kx8", "Q2_K": "cpu:Q2_Kx8", "IQ4_XS": "cpu:IQ4_XSx8"} if int8 else {}
-    for file_type, kind, target in (("q3_k_m", "Q3_K", "Q6_K"), ("q2_k", "Q2_K", "Q2_K" if int8 else "Q8_0"),
-                                    ("iq4_xs", "IQ4_XS", "IQ4_XS" if int8 else "Q8_0")):
+    for file_type, kind, target in (("q3_k_m", "Q3_K", "Q6_K"), ("q2_k", "Q2_K", "Q8_0"),
+                                    ("iq4_xs", "IQ4_XS", "Q8_0")):
         path = gguf_of(models, "llama", file_type)
         assert GGUFFile(path).tensors["blk.1.ffn_up.weight"][1].name == kind
         llm = LLM(path, num_kv_blocks=64)
         try:
             up = llm.llm_engine.executor.worker.model_runner.model.model.layers["1"].mlp.gate_up_proj
-            assert up.qweight.kinds == [held.get(target, f"gguf:{target}")]
+            assert up.qweight.kinds == [f"cpu:{kind}x8" if int8 else f"gguf:{target}"]
             [(_, name, why)] = up.quant_choices
             assert name.startswith("cpu") and not why, (name, why)
         finally:

@@ -1,9 +1,9 @@
 """The CPU plugin's products for quantised weights (quant.c's `omni_qlinear`): GGUF's Q8_0, Q4_0,
 Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks, and omniinfer's int8; at every ISA level; GGUF's
-IQ4_NL, IQ4_XS and Q2_K with int8 activations. Q3_K blocks are rewritten at load, exactly, as
-Q6_K (more bytes, the same numbers); for float activations IQ4_NL (exactly), IQ4_XS and Q2_K
-(within the bounds quantization/gguf_transcode.py states) as Q8_0. (F16, BF16 and F32 tensors
-load as float weights.)
+IQ4_NL, IQ4_XS, Q2_K and Q3_K with int8 activations. For float activations those are rewritten at
+load as types that have a product (quantization/gguf_transcode.py: more bytes): Q3_K exactly as
+Q6_K, IQ4_NL exactly as Q8_0, IQ4_XS and Q2_K as Q8_0 within the bounds it states. (F16, BF16 and
+F32 tensors load as float weights.)
 
 Activations: by default each row of x is rounded to int8 in blocks of 32 and meets the weight
 blocks in integer multiply-adds (quant_q8.c, as llama.cpp's q8 dot products; the GGUF kinds'
@@ -41,14 +41,15 @@ ACT_MODES = ("int8", "float")
 QACT_INT8 = 64  # quant_blocks.h: set in a kind code, x is rounded to int8 blocks
 # quant_blocks.h: rows in groups of 8 (int8 activations only), by the kind they come from
 X8_CODES = {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7, "gguf:Q6_K": 8, "gguf:Q4_1": 13, "gguf:Q5_0": 14,
-            "gguf:Q5_1": 15, "gguf:Q5_K": 16, "gguf:IQ4_NL": 17, "gguf:IQ4_XS": 18, "gguf:Q2_K": 19}
+            "gguf:Q5_1": 15, "gguf:Q5_K": 16, "gguf:IQ4_NL": 17, "gguf:IQ4_XS": 18, "gguf:Q2_K": 19,
+            "gguf:Q3_K": 20}
 # the kinds with no row-at-a-time code: their groups of 8 run int8 activations (csrc/quant_iq4x8.c,
-# quant_k2x8.c); with float activations they take their rewrite (TRANSCODED)
-X8_ONLY = ("gguf:IQ4_NL", "gguf:IQ4_XS", "gguf:Q2_K")
+# quant_k23x8.c); with float activations they take their rewrite (TRANSCODED)
+X8_ONLY = ("gguf:IQ4_NL", "gguf:IQ4_XS", "gguf:Q2_K", "gguf:Q3_K")
 GGUF_OF_CODE = {code: kind for kind, code in KIND_CODES.items() if kind.startswith("gguf:")}
-# GGUF types with no kernel of their own (IQ4_NL, IQ4_XS, Q2_K: none for float activations), rewritten
-# at load as one that has (quantization/gguf_transcode.py): exactly, Q3_K as Q6_K and IQ4_NL as
-# Q8_0; within float16's rounding of a scale, IQ4_XS as Q8_0; requantised to 8 bits, Q2_K as Q8_0
+# GGUF types with no float-activation kernel of their own, rewritten at load as one that has
+# (quantization/gguf_transcode.py): exactly, Q3_K as Q6_K and IQ4_NL as Q8_0; within float16's
+# rounding of a scale, IQ4_XS as Q8_0; requantised to 8 bits, Q2_K as Q8_0
 TRANSCODED = {f"gguf:{k}": f"gguf:{v}" for k, v in REWRITES.items()}
 
 

@@ -1,10 +1,10 @@
 """GGUF rows repacked in groups of 8 for the int8-activation products (csrc/quant_x8.c), as the
 formats "cpu:Q4_0x8", "cpu:Q8_0x8", "cpu:Q4_1x8", "cpu:Q5_0x8", "cpu:Q5_1x8", "cpu:Q4_Kx8",
-"cpu:Q5_Kx8", "cpu:Q6_Kx8", "cpu:IQ4_NLx8", "cpu:IQ4_XSx8" and "cpu:Q2_Kx8": the same bytes as
-the blocks they come from, interleaved so that one 32-bit lane holds 4 codes of one row
-(quant_blocks.h says the byte order). The piece replaces the original one in its layer (the memory held stays the
-file's); the formats' dequantise and narrow undo the interleaving, so an embedding that shares
-the weight (tied) still reads its rows."""
+"cpu:Q5_Kx8", "cpu:Q6_Kx8", "cpu:IQ4_NLx8", "cpu:IQ4_XSx8", "cpu:Q2_Kx8" and "cpu:Q3_Kx8": the
+same bytes as the blocks they come from, interleaved so that one 32-bit lane holds 4 codes of
+one row (quant_blocks.h says the byte order). The piece replaces the original one in its layer
+(the memory held stays the file's); the formats' dequantise and narrow undo the interleaving, so
+an embedding that shares the weight (tied) still reads its rows."""
 
 from __future__ import annotations
 
@@ -194,18 +194,41 @@ def _unpack_iq4_xs(p: torch.Tensor) -> torch.Tensor:
 _CRUMB = 2 * torch.arange(4, dtype=torch.uint8)  # a 2-bit code's shift in its byte
 
 
+def _pack_crumbs(qs: torch.Tensor) -> torch.Tensor:
+    """Q2_K / Q3_K 2-bit codes [G, 8, nb, 64] (weight 128n + 32j + l: byte 32n + l, bits 2j) -> per
+    sub-block s 2 vectors of 32 bytes, [G, nb, 8, 64]: bits 2b, 2b + 1 of byte 4r + i of vector a
+    hold row r's weight 32s + 4 (4a + b) + i."""
+    groups, _, nb, _ = qs.shape
+    codes = ((qs.reshape(groups, GROUP, nb, 2, 1, 32) >> _CRUMB[:, None]) & 3).reshape(groups, GROUP, nb, 8, 2, 4, 4)
+    packed = (codes << _CRUMB[:, None]).sum(dim=-2, dtype=torch.int32).to(torch.uint8)  # [G, r, nb, s, a, i]
+    return packed.permute(0, 2, 3, 4, 1, 5).reshape(groups, nb, 8, 64)
+
+
+def _unpack_crumbs(p: torch.Tensor) -> torch.Tensor:
+    """_pack_crumbs' inverse: [G, nb, 8, 64] -> [G, 8, nb, 64]."""
+    groups, nb = p.shape[:2]
+    packed = p.reshape(groups, nb, 8, 2, GROUP, 4).permute(0, 4, 1, 2, 3, 5)  # [G, r, nb, s, a, i]
+    codes = ((packed.unsqueeze(-2) >> _CRUMB[:, None]) & 3).reshape(groups, GROUP, nb, 2, 4, 32)  # [n, j, l]
+    return (codes << _CRUMB[:, None]).sum(dim=-2, dtype=torch.int32).to(torch.uint8).reshape(groups, GROUP, nb, 64)
+
+
+def _rows_last(b: torch.Tensor) -> torch.Tensor:
+    """[G, 8, nb, n] bytes -> [G, nb, 8n]: byte t of row r at 8t + r."""
+    return b.permute(0, 2, 3, 1).reshape(b.shape[0], b.shape[2], -1)
+
+
+def _rows_back(p: torch.Tensor) -> torch.Tensor:
+    """_rows_last's inverse: [G, nb, 8n] -> [G, 8, nb, n]."""
+    return p.reshape(p.shape[0], p.shape[1], -1, GROUP).permute(0, 3, 1, 2)
+
+
 def _pack_q2_k(b: torch.Tensor) -> torch.Tensor:
     """Q2_K blocks [G, 8, nb, 84] -> [G, nb, 672]: the 8 rows' d, dmin, scale bytes (byte t of row r
-    at 32 + 8t + r), then per sub-block s 2 vectors of 32 bytes: bits 2b, 2b + 1 of byte 4r + i of
-    vector a hold row r's weight 32s + 4 (4a + b) + i."""
+    at 32 + 8t + r), then per sub-block its codes as _pack_crumbs's."""
     groups, _, nb, _ = b.shape
-    qs = b[..., 16:80].reshape(groups, GROUP, nb, 2, 1, 32)  # weight 128n + 32j + l: byte 32n + l, bits 2j
-    codes = ((qs >> _CRUMB[:, None]) & 3).reshape(groups, GROUP, nb, 8, 2, 4, 4)  # [s, a, b, i]
-    packed = (codes << _CRUMB[:, None]).sum(dim=-2, dtype=torch.int32).to(torch.uint8)  # [G, r, nb, s, a, i]
     d, dmin = b[..., 80:82].permute(0, 2, 1, 3), b[..., 82:84].permute(0, 2, 1, 3)  # [G, nb, r, 2]
-    scales = b[..., :16].permute(0, 2, 3, 1)  # [G, nb, t, r]
-    return torch.cat([d.reshape(groups, nb, 16), dmin.reshape(groups, nb, 16), scales.reshape(groups, nb, 128),
-                      packed.permute(0, 2, 3, 4, 1, 5).reshape(groups, nb, 512)], dim=-1)
+    return torch.cat([d.reshape(groups, nb, 16), dmin.reshape(groups, nb, 16), _rows_last(b[..., :16]),
+                      _pack_crumbs(b[..., 16:80]).reshape(groups, nb, 512)], dim=-1)
 
 
 def _unpack_q2_k(p: torch.Tensor) -> torch.Tensor:
@@ -213,11 +236,31 @@ def _unpack_q2_k(p: torch.Tensor) -> torch.Tensor:
     groups, nb, _ = p.shape
     d = p[..., :16].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)
     dmin = p[..., 16:32].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)
-    scales = p[..., 32:160].reshape(groups, nb, 16, GROUP).permute(0, 3, 1, 2)
-    packed = p[..., 160:].reshape(groups, nb, 8, 2, GROUP, 4).permute(0, 4, 1, 2, 3, 5)  # [G, r, nb, s, a, i]
-    codes = ((packed.unsqueeze(-2) >> _CRUMB[:, None]) & 3).reshape(groups, GROUP, nb, 2, 4, 32)  # [n, j, l]
-    qs = (codes << _CRUMB[:, None]).sum(dim=-2, dtype=torch.int32).to(torch.uint8).reshape(groups, GROUP, nb, 64)
-    return torch.cat([scales, qs, d, dmin], dim=-1)
+    qs = _unpack_crumbs(p[..., 160:].reshape(groups, nb, 8, 64))
+    return torch.cat([_rows_back(p[..., 32:160]), qs, d, dmin], dim=-1)
+
+
+def _pack_q3_k(b: torch.Tensor) -> torch.Tensor:
+    """Q3_K blocks [G, 8, nb, 110] -> [G, nb, 880]: the 8 rows' d, their 12 scale bytes (byte t of
+    row r at 16 + 8t + r), then per sub-block s its 2-bit codes as _pack_crumbs's and their hmask
+    bits (hmask byte l, bit s: weight 32s + l) as _fifth_bits puts them (bit k of byte 4r + i: row
+    r's weight 32s + 4k + i)."""
+    groups, _, nb, _ = b.shape
+    d = b[..., 108:110].permute(0, 2, 1, 3).reshape(groups, nb, 16)
+    bits = (b[..., :32].unsqueeze(-2) >> _BIT[:, None]) & 1  # [G, r, nb, s, l]
+    high = _fifth_bits(bits.permute(0, 2, 3, 1, 4))  # [G, nb, s, 32]
+    subs = torch.cat([_pack_crumbs(b[..., 32:96]), high], dim=-1)
+    return torch.cat([d, _rows_last(b[..., 96:108]), subs.reshape(groups, nb, 768)], dim=-1)
+
+
+def _unpack_q3_k(p: torch.Tensor) -> torch.Tensor:
+    """[G, nb, 880] -> Q3_K blocks [G, 8, nb, 110]."""
+    groups, nb, _ = p.shape
+    d = p[..., :16].reshape(groups, nb, GROUP, 2).permute(0, 2, 1, 3)
+    subs = p[..., 112:].reshape(groups, nb, 8, 96)
+    bits = _bits_of(subs[..., 64:]).permute(0, 3, 1, 4, 2)  # [G, nb, s, r, l] -> [G, r, nb, l, s]
+    hmask = (bits << _BIT).sum(dim=-1, dtype=torch.int32).to(torch.uint8)
+    return torch.cat([hmask, _unpack_crumbs(subs[..., :64]), _rows_back(p[..., 16:112]), d], dim=-1)
 
 
 def _pack_q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -241,6 +284,7 @@ def _unpack_q8_0(p: torch.Tensor) -> torch.Tensor:
 PACKERS = {"Q8_0": (_pack_q8_0, _unpack_q8_0), "Q4_K": (_pack_q4_k, _unpack_q4_k),
            "Q5_K": (_pack_q5_k, _unpack_q5_k), "Q6_K": (_pack_q6_k, _unpack_q6_k),
            "IQ4_XS": (_pack_iq4_xs, _unpack_iq4_xs), "Q2_K": (_pack_q2_k, _unpack_q2_k),
+           "Q3_K": (_pack_q3_k, _unpack_q3_k),
            **{name: (partial(_pack_classic, has_min=m, has_hi=h), partial(_unpack_classic, has_min=m, has_hi=h))
               for name, (m, h) in CLASSIC.items()}}
 # original kind -> (repacked kind, the original's block bytes)

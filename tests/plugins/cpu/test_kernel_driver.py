@@ -205,7 +205,7 @@ def quant_cases(gen):
 
     out = []
     for kind in ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS",
-                 "Q2_K"):
+                 "Q2_K", "Q3_K"):
         code = KIND_CODES.get(kind if kind == "int8" else f"gguf:{kind}")  # (None: groups of 8 only)
         w = torch.randn(19, 512, generator=gen) * 0.05
         if kind == "int8":

@@ -19,7 +19,7 @@ from omniinfer_cpu.quant import ACT_ENV, CpuQuantKernel, activation_mode  # noqa
 
 KINDS = ["gguf:Q8_0", "gguf:Q4_0", "gguf:Q4_K", "gguf:Q6_K", "int8", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1",
          "gguf:Q5_K", "gguf:Q3_K", "gguf:IQ4_NL", "gguf:IQ4_XS", "gguf:Q2_K"]
-# (Q3_K always, IQ4_NL, IQ4_XS and Q2_K with float activations: as the Q6_K / Q8_0 they are rewritten to)
+# (Q3_K, IQ4_NL, IQ4_XS and Q2_K with float activations: as the Q6_K / Q8_0 they are rewritten to)
 NEARLY = ("gguf:IQ4_XS", "gguf:Q2_K")  # (whose rewrites move the numbers: tests/test_gguf_transcode.py)
 GGUF_KINDS = [k for k in KINDS if k.startswith("gguf:")]
 
@@ -123,11 +123,11 @@ def test_the_activation_mode_is_checked(monkeypatch):
 
 @pytest.mark.parametrize("kind", GGUF_KINDS)
 def test_rows_repacked_in_groups_of_8(isa_level, kind, monkeypatch):
-    """int8 activations: GGUF rows in groups of 8 (cpu:Q4_0x8 ... cpu:Q6_Kx8), any row count
-    (a last group padded), the same sums as x rounded to int8 gives; the repacked piece dequantises
-    and narrows back to the very rows (a tied embedding reads them); at every row count."""
+    """int8 activations: GGUF rows in groups of 8 (cpu:Q4_0x8 ... cpu:Q3_Kx8; every type, those
+    rewritten for float activations too), any row count (a last group padded), the same sums as x
+    rounded to int8 gives; the repacked piece holds the file's bytes, and dequantises and narrows
+    back to the very rows (a tied embedding reads them); at every row count."""
     from omniinfer.quantization.base import narrow_piece
-    from omniinfer.quantization.gguf_transcode import transcode
     from omniinfer_cpu import quant_x8
     from omniinfer_cpu.quant import TRANSCODED, X8_ONLY
 
@@ -137,14 +137,12 @@ def test_rows_repacked_in_groups_of_8(isa_level, kind, monkeypatch):
         weight = torch.randn(rows, 256, generator=gen) * 0.05
         piece = piece_of(kind, weight)
         kernel = CpuQuantKernel(piece)
-        native, blocks = kind, piece.tensors["blocks"]
-        if kind in TRANSCODED and kind not in X8_ONLY:  # (Q3_K: the Q6_K blocks it is rewritten to)
-            native = TRANSCODED[kind]
-            blocks = transcode(kind[5:], blocks, 256)[1]
-        assert kernel.piece.kind == quant_x8.REPACKED[native][0]
+        blocks = piece.tensors["blocks"]
+        assert kind not in TRANSCODED or kind in X8_ONLY
+        assert kernel.piece.kind == quant_x8.REPACKED[kind][0]
         assert kernel.code == {"gguf:Q4_0": 5, "gguf:Q8_0": 6, "gguf:Q4_K": 7, "gguf:Q6_K": 8, "gguf:Q4_1": 13,
                                "gguf:Q5_0": 14, "gguf:Q5_1": 15, "gguf:Q5_K": 16, "gguf:IQ4_NL": 17,
-                               "gguf:IQ4_XS": 18, "gguf:Q2_K": 19}[native] | 64
+                               "gguf:IQ4_XS": 18, "gguf:Q2_K": 19, "gguf:Q3_K": 20}[kind] | 64
         assert kernel.piece.tensors["blocks8"].numel() == -(-rows // 8) * 8 * blocks.shape[1]
         assert torch.equal(quant_x8.as_original(kernel.piece).tensors["blocks"], blocks)
         w = dequantize_piece(piece)

@@ -8,7 +8,7 @@
 
 enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q4_KX8 = 7, Q6_KX8 = 8,
        Q4_1 = 9, Q5_0 = 10, Q5_1 = 11, Q5_K = 12, Q4_1X8 = 13, Q5_0X8 = 14, Q5_1X8 = 15, Q5_KX8 = 16,
-       IQ4_NLX8 = 17, IQ4_XSX8 = 18, Q2_KX8 = 19, NUM_KINDS = 20 };
+       IQ4_NLX8 = 17, IQ4_XSX8 = 18, Q2_KX8 = 19, Q3_KX8 = 20, NUM_KINDS = 21 };
 /* Q4_0X8: Q4_0 rows repacked in groups of 8 for the int8-activation path (quant_x8.c). Group g
  * (rows 8g .. 8g + 7; a last group padded with zero rows) is K / 32 blocks of 144 bytes: the 8
  * rows' float16 d, then 4 chunks of 32 bytes; byte 4r + i of chunk c holds row r's weight
@@ -36,8 +36,11 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q
  * 64 + 128s, its codes as Q4_0X8's chunks. Q2_KX8 from Q2_K: blocks of 672 bytes: the 8 rows' d,
  * their dmin, their 16 scale bytes (byte 32 + 8t + r: row r's byte t, a 4-bit scale and minimum
  * of weights 16t .. 16t + 15), then sub-block s at 160 + 64s: 2 vectors of 32 bytes (bits 2b,
- * 2b + 1 of byte 4r + i of vector a: row r's weight 32s + 4 (4a + b) + i). The IQ4 kinds and Q2_K
- * have only the int8-activation path. */
+ * 2b + 1 of byte 4r + i of vector a: row r's weight 32s + 4 (4a + b) + i). Q3_KX8 from Q3_K:
+ * blocks of 880 bytes: the 8 rows' d, their 12 scale bytes (byte 16 + 8t + r: row r's byte t),
+ * then sub-block s at 112 + 96s: its 2-bit codes as Q2_KX8's, then their hmask bits in 32 bytes
+ * (bit k of byte 4r + i: row r's weight 32s + 4k + i). The IQ4 kinds, Q2_K and Q3_K have only
+ * the int8-activation path. */
 /* vpdpbusd on 8 int32 lanes (each += 4 products of unsigned by signed bytes): AVX-512 VNNI's
  * EVEX form, or AVX-VNNI's VEX one (the avx2_vnni level: Intel cores since Alder Lake, Zen 5) */
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -50,7 +53,7 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q
 
 INLINE int qblock(int kind) {
     return kind == Q4_K || kind == Q5_K || kind == Q6_K || kind == Q4_KX8 || kind == Q5_KX8 || kind == Q6_KX8 ||
-                   kind == IQ4_XSX8 || kind == Q2_KX8
+                   kind == IQ4_XSX8 || kind == Q2_KX8 || kind == Q3_KX8
                ? 256
          : kind == I8 ? 1 : 32;
 }
@@ -58,7 +61,7 @@ INLINE int qblock(int kind) {
 /* a block's bytes (X8: a row's share of its group's block) */
 INLINE int qblock_bytes(int kind) {
     static const int bytes[NUM_KINDS] = {34, 18, 144, 210, 0, 18, 34, 144, 210, 20, 22, 24, 176, 20, 22, 24, 176,
-                                         18, 136, 84};
+                                         18, 136, 84, 110};
     return bytes[kind];
 }
 
@@ -67,7 +70,7 @@ INLINE size_t qrow_bytes(int kind, int K) {
 }
 
 /* the kinds held in groups of 8 rows (quant_x8.c; int8 activations only) */
-INLINE int is_x8(int kind) { return (kind >= Q4_0X8 && kind <= Q6_KX8) || (kind >= Q4_1X8 && kind <= Q2_KX8); }
+INLINE int is_x8(int kind) { return (kind >= Q4_0X8 && kind <= Q6_KX8) || (kind >= Q4_1X8 && kind <= Q3_KX8); }
 
 /* IQ4_NL / IQ4_XS: the int8 values a 4-bit code indexes (llama.cpp's kvalues_iq4nl;
  * omniinfer/quantization/gguf_blocks.py's IQ4_VALUES) */
@@ -82,6 +85,15 @@ INLINE uint64_t xs_scales(const uint8_t *blk, int s) {
     memcpy(&lo, blk + 32 + 8 * (s / 2), 8);
     memcpy(&hi, blk + 16 + 8 * (s / 4), 8);
     return ((lo >> (4 * (s & 1))) & 0x0f0f0f0f0f0f0f0full) | (((hi >> (2 * (s & 3))) & 0x0303030303030303ull) << 4);
+}
+
+/* Q3_KX8: the 8 rows' 6-bit scales (0..63) of 16-weight group t as 8 bytes to a 64-bit word:
+ * scale byte t & 7's nibble t >> 3, byte 8 + (t & 3)'s bits 2 (t >> 2), 2 (t >> 2) + 1 above */
+INLINE uint64_t k3_scales(const uint8_t *blk, int t) {
+    uint64_t lo, hi;
+    memcpy(&lo, blk + 16 + 8 * (t & 7), 8);
+    memcpy(&hi, blk + 16 + 8 * (8 + (t & 3)), 8);
+    return ((lo >> (4 * (t >> 3))) & 0x0f0f0f0f0f0f0f0full) | (((hi >> (2 * (t >> 2))) & 0x0303030303030303ull) << 4);
 }
 
 INLINE uint16_t u16_at(const uint8_t *p) {
@@ -267,8 +279,8 @@ typedef void (*x8_group_fn)(const uint8_t *g, const xq *X, int m0, int MB, float
 x8_group_fn omni_kx8_group(int kind);
 /* quant_iq4x8.c: the group function of IQ4_NLX8 or IQ4_XSX8 */
 x8_group_fn omni_iq4x8_group(int kind);
-/* quant_k2x8.c: Q2_KX8's */
-x8_group_fn omni_k2x8_group(void);
+/* quant_k23x8.c: the group function of Q2_KX8 or Q3_KX8 */
+x8_group_fn omni_k23x8_group(int kind);
 
 /* quant_x8.c: y [M, ldy] (dt) = X @ W^T for W's N rows in groups of 8 (is_x8) at w */
 void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt,

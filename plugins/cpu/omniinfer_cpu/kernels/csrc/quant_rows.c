@@ -52,8 +52,8 @@ NO_CONTRACT static void decode_block(int kind, const uint8_t *blk, float *out) {
     }
 }
 
-/* row r of a group-of-8 kind of Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, IQ4_NL, IQ4_XS or Q2_K (quant_blocks.h) -> out, as
- * decode_block decodes the block it came from */
+/* row r of a group-of-8 kind of Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, IQ4_NL, IQ4_XS, Q2_K or Q3_K
+ * (quant_blocks.h) -> out, as decode_block decodes the block it came from */
 NO_CONTRACT static void decode_x8_row(const uint8_t *w, int kind, int64_t r, int K, float *out) {
     int rr = (int)(r % 8), block = qblock(kind), bytes = 8 * qblock_bytes(kind);
     const uint8_t *g = w + (size_t)(r / 8) * (size_t)(K / block) * bytes;
@@ -71,6 +71,20 @@ NO_CONTRACT static void decode_x8_row(const uint8_t *w, int kind, int64_t r, int
                         for (int i = 0; i < 4; i++)
                             o[32 * s + 8 * c + 4 * h + i] = dl * (float)IQ4_VALUES[x8_code(cs, NULL, rr, c, h, i)];
             }
+            continue;
+        }
+        if (kind == Q3_KX8) {  /* (d * (s - 32)) * (v - 4), a 6-bit s per 16 weights */
+            for (int s = 0; s < 8; s++)
+                for (int half = 0; half < 2; half++) {
+                    float dl = d * (float)((int)((k3_scales(blk, 2 * s + half) >> (8 * rr)) & 63) - 32);
+                    const uint8_t *cs = blk + 112 + 96 * s;
+                    for (int k = 4 * half; k < 4 * half + 4; k++)
+                        for (int i = 0; i < 4; i++) {
+                            int v = ((cs[32 * (k / 4) + 4 * rr + i] >> (2 * (k & 3))) & 3) |
+                                    (((cs[64 + 4 * rr + i] >> k) & 1) << 2);
+                            o[32 * s + 4 * k + i] = dl * (float)(v - 4);
+                        }
+                }
             continue;
         }
         if (kind == Q2_KX8) {  /* (d * scale) * q - dmin * minimum, a scale byte per 16 weights */
