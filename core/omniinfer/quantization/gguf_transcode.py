@@ -19,8 +19,9 @@ or as near as float16 and int8 allow (IQ4_XS and Q2_K as Q8_0).
 
 Each takes more bytes (Q3_K 110 -> 210 a block of 256, IQ4_XS 136 -> 272, Q2_K 84 -> 272, IQ4_NL
 18 -> 34 a block of 32): a platform uses this to run a type it has no kernel for at the speed of
-the one it has (the CPU plugin: a Q3_K_M file's Q3_K tensors, the IQ4_NL a narrow model's IQ4_XS
-file falls back to, IQ4_XS and Q2_K files), instead of the reference (~140x slower there)."""
+the one it has, instead of the reference (~140x slower on the CPU). The CPU plugin does so for
+these four types with float activations; with int8 activations (its default) it runs them on
+the file's own bytes."""
 
 from __future__ import annotations
 
