@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import machine_line  # noqa: E402
 
 KINDS = ("gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1", "gguf:Q4_K", "gguf:Q5_K", "gguf:Q6_K",
-         "gguf:IQ4_NL", "gguf:IQ4_XS", "bfloat16", "float32")
+         "gguf:IQ4_NL", "gguf:IQ4_XS", "gguf:Q2_K", "gguf:Q3_K", "bfloat16", "float32")
 READ_BYTES = 1 << 28
 
 
