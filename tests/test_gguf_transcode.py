@@ -79,7 +79,9 @@ def test_q2_k_as_q8_0_moves_each_weight_by_at_most_half_a_step():
         assert np.all(np.abs(got - want) <= step / 2 + 1e-12)
 
 
-def test_a_scale_float16_cannot_hold_is_refused_and_the_cpu_kernel_leaves_it_to_the_reference():
+def test_a_scale_float16_cannot_hold_is_refused_and_the_cpu_kernel_leaves_it_to_the_reference(monkeypatch):
+    """(With float activations, which take the rewrite; with int8 ones the CPU kernel holds the
+    file's own d and 6-bit scales, and nothing is refused.)"""
     from omniinfer.quantization.base import KernelRefused, QuantPiece
 
     data = random_blocks(gguf_blocks.BY_NAME["IQ4_XS"], 1, 256, np.random.default_rng(0))
@@ -88,5 +90,9 @@ def test_a_scale_float16_cannot_hold_is_refused_and_the_cpu_kernel_leaves_it_to_
     with pytest.raises(ValueError, match=r"an IQ4_XS sub-block scale of 1.86e\+06 is not a float16 within 0.00390625"):
         gguf_transcode.transcode("IQ4_XS", torch.from_numpy(data), 256)
     cpu = pytest.importorskip("omniinfer_cpu.quant")
+    piece = QuantPiece("gguf:IQ4_XS", (1, 256), {"blocks": torch.from_numpy(data)})
+    monkeypatch.setenv(cpu.ACT_ENV, "float")
     with pytest.raises(KernelRefused, match="IQ4_XS sub-block scale"):
-        cpu.CpuQuantKernel(QuantPiece("gguf:IQ4_XS", (1, 256), {"blocks": torch.from_numpy(data)}))
+        cpu.CpuQuantKernel(piece)
+    monkeypatch.setenv(cpu.ACT_ENV, "int8")
+    assert cpu.CpuQuantKernel(piece).piece.kind == "cpu:IQ4_XSx8"

@@ -25,10 +25,13 @@ PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """arch -> a tiny checkpoint wide enough for the K-quants' 256-weight blocks."""
+    """arch -> a tiny checkpoint wide enough for the K-quants' 256-weight blocks (qwen3: heads of
+    128, not hidden / heads, as Qwen3-0.6B's: the file says so in attention.key_length)."""
     root = tmp_path_factory.mktemp("quant")
+    extra = {"qwen3": {"head_dim": 128}}
     return {arch: build_tiny_checkpoint(str(root / arch), arch, hidden_size=256, intermediate_size=512,
-                                        vocab_size=1000, seed=3) for arch in ("llama", "qwen2")}
+                                        vocab_size=1000, seed=3, **extra.get(arch, {}))
+            for arch in ("llama", "qwen2", "qwen3")}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +69,7 @@ NEARLY = ("q2_k", "iq4_xs")
     ("llama", "q8_0"), ("llama", "q4_0"), ("llama", "q4_k_m"), ("llama", "q5_k"), ("llama", "f16"),
     ("qwen2", "q4_1"), ("qwen2", "q5_0"), ("qwen2", "q5_1"), ("qwen2", "q6_k"), ("qwen2", "q4_k"),
     ("qwen2", "bf16"), ("llama", "q3_k_m"), ("qwen2", "q2_k"), ("llama", "iq4_xs"), ("qwen2", "iq4_nl"),
+    ("qwen3", "q4_k_m"), ("qwen3", "q8_0"),
 ])
 def test_gguf_greedy_tokens_equal_transformers(models, arch, file_type, monkeypatch):
     """transformers reads the same file (and dequantises it); the second prompt's 35 tokens go in
@@ -93,7 +97,8 @@ def test_gguf_greedy_tokens_equal_transformers(models, arch, file_type, monkeypa
 
 @pytest.mark.parametrize("arch,file_type", [("llama", "q8_0"), ("llama", "q4_0"), ("qwen2", "q4_k"),
                                             ("qwen2", "q6_k"), ("llama", "q4_k_m"), ("llama", "q3_k_m"),
-                                            ("llama", "iq4_xs"), ("qwen2", "iq4_nl"), ("qwen2", "q2_k")])
+                                            ("llama", "iq4_xs"), ("qwen2", "iq4_nl"), ("qwen2", "q2_k"),
+                                            ("qwen3", "q4_k_m")])
 def test_gguf_with_int8_activations_follows_transformers_up_to_near_ties(models, arch, file_type, monkeypatch):
     """Greedy tokens equal transformers' until a step whose two best tokens (by transformers) are
     within NEAR_TIE of each other, where ours must be the other of them."""

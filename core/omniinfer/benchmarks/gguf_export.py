@@ -1,9 +1,9 @@
-"""A Hugging Face Llama or Qwen2 checkpoint written as a GGUF file, with the `gguf` package, so
+"""A Hugging Face Llama, Qwen2 or Qwen3 checkpoint written as a GGUF file, with the `gguf` package, so
 llama.cpp reads the very weights omniinfer runs (`--compare llama.cpp` in the benchmarks).
 
 Names, shapes and metadata follow llama.cpp's own converter (convert_hf_to_gguf.py): tensors as
 ``blk.N.attn_q.weight`` and so on, Llama's q/k rows permuted from Hugging Face's rotate-half
-order to GGML's interleaved rotary (Qwen2 uses the NeoX order and keeps them), norms and
+order to GGML's interleaved rotary (Qwen2 and Qwen3 use the NeoX order and keep them), norms and
 biases in float32, the other 2-D weights in the types llama.cpp's quantiser gives them for the file
 type asked for (`tensor_type`: its mixes and its fallbacks; the K-quants through
 omniinfer.testing.kquant's round-to-nearest quantisers, as the gguf package has none). The vocabulary is the
@@ -14,10 +14,14 @@ checkpoints have a small tokenizer and a large embedding).
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
 
+from omniinfer.hf_config import rope_theta
+from omniinfer.quantization.gguf_file import _LAYER as _GGUF_LAYER
+from omniinfer.quantization.gguf_file import ARCHITECTURES as _GGUF_ARCHS
 from omniinfer.testing import kquant
 
 FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k",
@@ -95,13 +99,8 @@ def tensor_type(gguf_tensor: str, file_type: str, cols: int, num_layers: int = 1
     return kind
 
 
-_LAYER = {
-    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-_ARCHS = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_LAYER = {hf: name for name, hf in _GGUF_LAYER.items()}  # (the reader's names, the other way)
+_ARCHS = {**{hf: arch for arch, hf in _GGUF_ARCHS.items()}, "MistralForCausalLM": "llama"}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -116,7 +115,7 @@ def gguf_name(hf_name: str) -> str:
         inner, kind = ".".join(parts[3:-1]), parts[-1]
         if inner in _LAYER:
             return f"blk.{parts[2]}.{_LAYER[inner]}.{kind}"
-    raise ValueError(f"tensor {hf_name!r} has no GGUF name here (Llama and Qwen2 layouts only)")
+    raise ValueError(f"tensor {hf_name!r} has no GGUF name here (Llama, Qwen2 and Qwen3 layouts only)")
 
 
 def _permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
@@ -146,7 +145,10 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
     writer.add_feed_forward_length(cfg["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
-    writer.add_rope_freq_base(float(cfg.get("rope_theta", 10000.0)))
+    if cfg.get("head_dim"):  # (as llama.cpp's converter)
+        writer.add_key_length(cfg["head_dim"])
+        writer.add_value_length(cfg["head_dim"])
+    writer.add_rope_freq_base(float(rope_theta(cfg)))
     writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     writer.add_file_type(_FTYPE[file_type])
     _add_vocab(writer, model_dir, cfg["vocab_size"], arch)
@@ -154,6 +156,9 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
     for name in sorted(os.listdir(model_dir)):
         if name.endswith(".safetensors"):
             tensors.update(load_file(os.path.join(model_dir, name)))
+    factors = _llama3_factors(cfg, heads)
+    if factors is not None:
+        writer.add_tensor("rope_freqs.weight", factors)
     tied = bool(cfg.get("tie_word_embeddings"))
     if tied:
         tensors.pop("lm_head.weight", None)
@@ -180,6 +185,24 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
     return out_path
 
 
+def _llama3_factors(cfg: dict, heads: int) -> np.ndarray | None:
+    """A llama3 rope scaling as llama.cpp's converter writes it: the factor each rotary frequency
+    is divided by ('rope_freqs.weight', float32 [head_dim / 2]); None without one."""
+    from omniinfer.hf_config import rope_scaling
+
+    s = rope_scaling(cfg)
+    if not s or s["rope_type"] != "llama3":
+        return None
+    dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    freqs = 1.0 / (rope_theta(cfg) ** (np.arange(0, dim, 2, dtype=np.float32) / dim))
+    factor, low, high = s.get("factor", 8.0), s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_len / wavelen - low) / (high - low)
+    medium = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < old_len / high, 1.0, np.where(wavelen > old_len / low, factor, medium)).astype(np.float32)
+
+
 def _add_vocab(writer, model_dir: str, vocab_size: int, arch: str) -> None:
     """The byte-level BPE tokenizer as llama.cpp's "gpt2" model, padded to vocab_size."""
     with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
@@ -197,7 +220,7 @@ def _add_vocab(writer, model_dir: str, vocab_size: int, arch: str) -> None:
     merges = tok["model"].get("merges", [])
     merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "default")
+    writer.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3") else "default")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

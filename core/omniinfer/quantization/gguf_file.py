@@ -4,8 +4,8 @@ needs), and the tokenizer transformers builds from the file. The header is read 
 gguf_header.py (held to the `gguf` package's reader in the tests); the blocks are dequantised as
 the `gguf` package does (gguf_blocks.py).
 
-Families: llama (Llama 1-3, Mistral) and qwen2. The file is checked before anything large is
-allocated: every tensor's bytes must lie inside the file and match its type and shape.
+Families: llama (Llama 1-3, Mistral), qwen2 and qwen3. The file is checked before anything large
+is allocated: every tensor's bytes must lie inside the file and match its type and shape.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from omniinfer.quantization.gguf_header import GGUFError, GGUFHeader
 
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "is_gguf", "load_tokenizer"]
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _LAYER = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # (qwen3)
 }
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
@@ -43,7 +44,7 @@ def hf_name(name: str) -> str:
         return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _TOP:
         return f"{_TOP[parts[0]]}.{parts[1]}"
-    raise GGUFError(f"tensor {name!r} is not one omniinfer knows in a llama/qwen2 GGUF file")
+    raise GGUFError(f"tensor {name!r} is not one omniinfer knows in a {'/'.join(ARCHITECTURES)} GGUF file")
 
 
 class GGUFFile:
@@ -99,15 +100,17 @@ class GGUFFile:
         cfg["rope_theta"] = float(self.field(f"{a}.rope.freq_base", 10000.0))
         cfg["max_position_embeddings"] = int(self.field(f"{a}.context_length", 2048))
         scaling = self.field(f"{a}.rope.scaling.type")
+        linear = None
         if scaling not in (None, "none"):
-            factor = float(self.field(f"{a}.rope.scaling.factor", 1.0))
             if scaling != "linear":
                 raise GGUFError(f"{self.path}: rope scaling {scaling!r} is not supported for GGUF files yet "
-                                "(linear is)")
-            cfg["rope_scaling"] = {"rope_type": "linear", "factor": factor}
-        if "rope_freqs.weight" in self.tensors:
-            raise GGUFError(f"{self.path}: tensor 'rope_freqs.weight' (Llama 3.1 rope scaling) is not "
-                            "supported for GGUF files yet")
+                                "(linear is, and the frequency factors of a 'rope_freqs.weight' tensor)")
+            linear = float(self.field(f"{a}.rope.scaling.factor", 1.0))
+        if "rope_freqs.weight" in self.tensors:  # (llama.cpp's converter writes Llama 3.1's llama3 scaling so)
+            factors = self.rope_freqs(cfg) * (linear or 1.0)  # (llama.cpp: a frequency over both)
+            cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors.tolist()}
+        elif linear is not None:
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": linear}
         embd = self.tensors.get("token_embd.weight")
         if embd is None:
             raise GGUFError(f"{self.path}: tensor 'token_embd.weight' is missing")
@@ -121,10 +124,27 @@ class GGUFFile:
         cfg["attention_bias"] = False  # (qwen2's q/k/v biases are its model_type's)
         return cfg
 
+    def rope_freqs(self, cfg: dict) -> np.ndarray:
+        """The 'rope_freqs.weight' tensor: what each rotary frequency is divided by (llama.cpp's
+        rope: theta_i = position * base ** (-2i / head_dim) / factor_i), float64 [head_dim / 2]."""
+        offset, kind, shape, n_bytes = self.tensors["rope_freqs.weight"]
+        pairs = (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) // 2
+        if kind.name != "F32" or shape != (pairs,):
+            raise GGUFError(f"{self.path}: tensor 'rope_freqs.weight' is {kind.name} of shape {shape}; expected F32 "
+                            f"of shape ({pairs},), a factor for each rotary frequency")
+        factors = self.header.map[offset:offset + n_bytes].view("<f4").astype(np.float64)
+        if not np.all(np.isfinite(factors) & (factors > 0)):
+            raise GGUFError(f"{self.path}: tensor 'rope_freqs.weight' holds {factors.tolist()}; its factors "
+                            "must be finite and positive")
+        return factors
+
     def named_tensors(self):
-        """(Hugging Face name, GGUFTensor) for every tensor, in the file's order."""
+        """(Hugging Face name, GGUFTensor) for every weight, in the file's order (rope_freqs goes
+        into the config: hf_config)."""
         heads = self.hf_config()
         for name, (offset, kind, shape, n_bytes) in self.tensors.items():
+            if name == "rope_freqs.weight":
+                continue
             perm_heads = None
             if self.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
                 perm_heads = heads["num_attention_heads"] if "attn_q" in name else heads["num_key_value_heads"]

@@ -1,6 +1,8 @@
 """Rotary position embedding (GPT-NeoX "rotate half" layout, as Hugging Face checkpoints use), with
 every frequency scaling the supported families ship: `linear`, `dynamic` (NTK), `yarn`, `llama3`
 and `longrope` (Phi-3's, also spelled `su`). Each is transformers' `modeling_rope_utils` formula.
+`freq_factors` (omniinfer's: a GGUF file's `rope_freqs` tensor, as llama.cpp's converter writes
+`llama3`) divides each frequency by its own factor, as llama.cpp's rope does.
 
 A scaling only changes the cos/sin table, [max_position, head_size / 2] float32: row p is what the
 token at position p is rotated by. Where transformers recomputes the frequencies from the batch's
@@ -19,7 +21,7 @@ from torch import nn
 
 from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope", "freq_factors")
 
 
 def _base_inv_freq(dim: int, theta: float) -> torch.Tensor:
@@ -123,6 +125,12 @@ def rope_tables(head_size: int, num_positions: int, theta: float, scaling: dict 
         inv_freq = inv_freq / float(_need(scaling, "factor"))
     elif kind == "llama3":
         inv_freq = _llama3(inv_freq, scaling)
+    elif kind == "freq_factors":
+        factors = torch.tensor(_need(scaling, "factors"), dtype=torch.float64)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope scaling 'freq_factors' has {factors.numel()} factors; a head of "
+                             f"{head_size} has {inv_freq.numel()} rotary frequencies")
+        inv_freq = (inv_freq.double() / factors).float()
     elif kind == "yarn":
         inv_freq, attention = _yarn(head_size, theta, scaling, max_position)
     if kind in ("dynamic", "longrope"):
