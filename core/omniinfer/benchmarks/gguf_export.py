@@ -1,14 +1,16 @@
-"""A Hugging Face Llama, Qwen2 or Qwen3 checkpoint written as a GGUF file, with the `gguf` package, so
-llama.cpp reads the very weights omniinfer runs (`--compare llama.cpp` in the benchmarks).
+"""A Hugging Face Llama, Qwen2, Qwen3 or Phi-3 checkpoint written as a GGUF file, with the `gguf`
+package, so llama.cpp reads the very weights omniinfer runs (`--compare llama.cpp` in the
+benchmarks).
 
 Names, shapes and metadata follow llama.cpp's own converter (convert_hf_to_gguf.py): tensors as
 ``blk.N.attn_q.weight`` and so on, Llama's q/k rows permuted from Hugging Face's rotate-half
-order to GGML's interleaved rotary (Qwen2 and Qwen3 use the NeoX order and keep them), norms and
+order to GGML's interleaved rotary (the others use the NeoX order and keep them), norms and
 biases in float32, the other 2-D weights in the types llama.cpp's quantiser gives them for the file
 type asked for (`tensor_type`: its mixes and its fallbacks; the K-quants through
-omniinfer.testing.kquant's round-to-nearest quantisers, as the gguf package has none). The vocabulary is the
-checkpoint's tokenizer, padded with unused tokens up to the model's vocabulary size (random
-checkpoints have a small tokenizer and a large embedding).
+omniinfer.testing.kquant's round-to-nearest quantisers, as the gguf package has none). The
+vocabulary is the checkpoint's tokenizer, padded with unused tokens up to the model's vocabulary
+size (random checkpoints have a small tokenizer and a large embedding); a llama3 rope scaling as
+its 'rope_freqs.weight' factors, Phi-3's longrope as its 'rope_factors_long/short.weight'.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import numpy as np
 
 from omniinfer.hf_config import rope_theta
+from omniinfer.quantization.gguf_file import _ARCH_LAYER
 from omniinfer.quantization.gguf_file import _LAYER as _GGUF_LAYER
 from omniinfer.quantization.gguf_file import ARCHITECTURES as _GGUF_ARCHS
 from omniinfer.testing import kquant
@@ -53,6 +56,8 @@ def more_bits(layer: int, num_layers: int) -> bool:
 def _mixed(role: str, file_type: str, layer: int, num_layers: int, gqa: int) -> str | None:
     """The type a *_K_M, q2_k or iq4 file gives attn_v / ffn_down / attn_output of `layer` (llama.cpp,
     a dense model that is not Falcon), or None: the file's own."""
+    if role == "attn_qkv":  # (a fused q/k/v: Phi-3's)
+        return {"q3_k_m": "Q4_K", "q4_k_m": "Q5_K", "q5_k_m": "Q6_K"}.get(file_type)
     if file_type in ("q4_k_m", "q5_k_m"):
         return "Q6_K" if role in ("attn_v", "ffn_down") and more_bits(layer, num_layers) else None
     if file_type == "q3_k_m":
@@ -99,7 +104,8 @@ def tensor_type(gguf_tensor: str, file_type: str, cols: int, num_layers: int = 1
     return kind
 
 
-_LAYER = {hf: name for name, hf in _GGUF_LAYER.items()}  # (the reader's names, the other way)
+# (the reader's names, the other way)
+_LAYER = {hf: name for name, hf in [*_GGUF_LAYER.items(), *(i for o in _ARCH_LAYER.values() for i in o.items())]}
 _ARCHS = {**{hf: arch for arch, hf in _GGUF_ARCHS.items()}, "MistralForCausalLM": "llama"}
 
 
@@ -115,7 +121,7 @@ def gguf_name(hf_name: str) -> str:
         inner, kind = ".".join(parts[3:-1]), parts[-1]
         if inner in _LAYER:
             return f"blk.{parts[2]}.{_LAYER[inner]}.{kind}"
-    raise ValueError(f"tensor {hf_name!r} has no GGUF name here (Llama, Qwen2 and Qwen3 layouts only)")
+    raise ValueError(f"tensor {hf_name!r} has no GGUF name here (Llama, Qwen2, Qwen3 and Phi-3 layouts only)")
 
 
 def _permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
@@ -159,6 +165,9 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
     factors = _llama3_factors(cfg, heads)
     if factors is not None:
         writer.add_tensor("rope_freqs.weight", factors)
+    if arch == "phi3":
+        for name, value in _phi3_metadata(writer, cfg, heads).items():
+            writer.add_tensor(name, value)
     tied = bool(cfg.get("tie_word_embeddings"))
     if tied:
         tensors.pop("lm_head.weight", None)
@@ -203,6 +212,24 @@ def _llama3_factors(cfg: dict, heads: int) -> np.ndarray | None:
     return np.where(wavelen < old_len / high, 1.0, np.where(wavelen > old_len / low, factor, medium)).astype(np.float32)
 
 
+def _phi3_metadata(writer, cfg: dict, heads: int) -> dict[str, np.ndarray]:
+    """Phi-3's keys as llama.cpp's converter writes them; its longrope factors as the tensors it
+    writes them as (returned)."""
+    from omniinfer.hf_config import rope_scaling
+
+    s = rope_scaling(cfg) or {}
+    max_len = cfg.get("max_position_embeddings", 2048)
+    original = s.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_len
+    writer.add_rope_scaling_orig_ctx_len(int(original))
+    writer.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    writer.add_sliding_window(int(cfg.get("sliding_window") or 0))
+    if not s.get("long_factor"):
+        return {}
+    scale = max_len / original
+    writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    return {f"rope_factors_{k}.weight": np.asarray(s[f"{k}_factor"], dtype=np.float32) for k in ("long", "short")}
+
+
 def _add_vocab(writer, model_dir: str, vocab_size: int, arch: str) -> None:
     """The byte-level BPE tokenizer as llama.cpp's "gpt2" model, padded to vocab_size."""
     with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
@@ -230,6 +257,8 @@ def _add_vocab(writer, model_dir: str, vocab_size: int, arch: str) -> None:
         writer.add_bos_token_id(cfg["bos_token_id"])
     if cfg.get("eos_token_id") is not None:
         writer.add_eos_token_id(cfg["eos_token_id"])
+    if cfg.get("pad_token_id") is not None:
+        writer.add_pad_token_id(cfg["pad_token_id"])
     tokenizer_config = os.path.join(model_dir, "tokenizer_config.json")
     if os.path.isfile(tokenizer_config):  # (as llama.cpp's converter: the chat template goes in too)
         with open(tokenizer_config, encoding="utf-8") as f:

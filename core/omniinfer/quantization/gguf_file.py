@@ -4,7 +4,8 @@ needs), and the tokenizer transformers builds from the file. The header is read 
 gguf_header.py (held to the `gguf` package's reader in the tests); the blocks are dequantised as
 the `gguf` package does (gguf_blocks.py).
 
-Families: llama (Llama 1-3, Mistral), qwen2 and qwen3. The file is checked before anything large
+Families: llama (Llama 1-3, Mistral), qwen2, qwen3 and phi3 (Phi-3, Phi-3.5: fused q/k/v and
+gate/up tensors, as Hugging Face's). The file is checked before anything large
 is allocated: every tensor's bytes must lie inside the file and match its type and shape.
 """
 
@@ -23,25 +24,31 @@ from omniinfer.quantization.gguf_header import GGUFError, GGUFHeader
 
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "is_gguf", "load_tokenizer"]
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "phi3": "Phi3ForCausalLM"}
 _LAYER = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # (qwen3)
+    "attn_qkv": "self_attn.qkv_proj",  # (phi3)
 }
+_ARCH_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}  # (gate and up in one tensor)
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# rotary factors, read into the config (hf_config), not weights
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
 def is_gguf(path) -> bool:
     return isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(".gguf") and os.path.isfile(path)
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`."""
     parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    layer = {**_LAYER, **_ARCH_LAYER.get(arch, {})}
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _TOP:
         return f"{_TOP[parts[0]]}.{parts[1]}"
     raise GGUFError(f"tensor {name!r} is not one omniinfer knows in a {'/'.join(ARCHITECTURES)} GGUF file")
@@ -107,10 +114,12 @@ class GGUFFile:
                                 "(linear is, and the frequency factors of a 'rope_freqs.weight' tensor)")
             linear = float(self.field(f"{a}.rope.scaling.factor", 1.0))
         if "rope_freqs.weight" in self.tensors:  # (llama.cpp's converter writes Llama 3.1's llama3 scaling so)
-            factors = self.rope_freqs(cfg) * (linear or 1.0)  # (llama.cpp: a frequency over both)
+            factors = self.rope_factors("rope_freqs.weight", cfg) * (linear or 1.0)  # (llama.cpp: over both)
             cfg["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors.tolist()}
         elif linear is not None:
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": linear}
+        if a == "phi3":
+            self._phi3(cfg)
         embd = self.tensors.get("token_embd.weight")
         if embd is None:
             raise GGUFError(f"{self.path}: tensor 'token_embd.weight' is missing")
@@ -124,32 +133,59 @@ class GGUFFile:
         cfg["attention_bias"] = False  # (qwen2's q/k/v biases are its model_type's)
         return cfg
 
-    def rope_freqs(self, cfg: dict) -> np.ndarray:
-        """The 'rope_freqs.weight' tensor: what each rotary frequency is divided by (llama.cpp's
-        rope: theta_i = position * base ** (-2i / head_dim) / factor_i), float64 [head_dim / 2]."""
-        offset, kind, shape, n_bytes = self.tensors["rope_freqs.weight"]
+    def _phi3(self, cfg: dict) -> None:
+        """Phi-3's metadata beyond Llama's: its rotary dimensions (the whole head: Phi-4-mini's
+        partial rotary is not supported), sliding window (0: none), original context and the
+        longrope factors of its 128k models (tensors, as llama.cpp's converter writes them)."""
+        head = cfg["hidden_size"] // cfg["num_attention_heads"]
+        dims = self.field("phi3.rope.dimension_count")
+        if dims is not None and int(dims) != head:
+            raise GGUFError(f"{self.path}: phi3.rope.dimension_count={dims} rotates part of each {head}-wide "
+                            "head (partial rotary); only whole heads are supported")
+        window = int(self.field("phi3.attention.sliding_window", 0) or 0)
+        cfg["sliding_window"] = window or None
+        original = self.field("phi3.rope.scaling.original_context_length")
+        if original is not None:
+            cfg["original_max_position_embeddings"] = int(original)
+        if "rope_factors_long.weight" in self.tensors or "rope_factors_short.weight" in self.tensors:
+            if original is None:
+                raise GGUFError(f"{self.path}: longrope factors without phi3.rope.scaling.original_context_length")
+            cfg["rope_scaling"] = {"rope_type": "longrope", "original_max_position_embeddings": int(original),
+                                   **{f"{k}_factor": self.rope_factors(f"rope_factors_{k}.weight", cfg).tolist()
+                                      for k in ("long", "short")}}
+            attention = self.field("phi3.rope.scaling.attn_factor")
+            if attention is not None:
+                cfg["rope_scaling"]["attention_factor"] = float(attention)
+
+    def rope_factors(self, name: str, cfg: dict) -> np.ndarray:
+        """A rotary factor tensor (float64 [head_dim / 2]): 'rope_freqs.weight', what each frequency
+        is divided by (llama.cpp's rope: theta_i = position * base ** (-2i / head_dim) / factor_i),
+        or Phi-3's 'rope_factors_long.weight' / 'rope_factors_short.weight' (longrope's)."""
+        if name not in self.tensors:
+            raise GGUFError(f"{self.path}: tensor {name!r} is missing")
+        offset, kind, shape, n_bytes = self.tensors[name]
         pairs = (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) // 2
         if kind.name != "F32" or shape != (pairs,):
-            raise GGUFError(f"{self.path}: tensor 'rope_freqs.weight' is {kind.name} of shape {shape}; expected F32 "
+            raise GGUFError(f"{self.path}: tensor {name!r} is {kind.name} of shape {shape}; expected F32 "
                             f"of shape ({pairs},), a factor for each rotary frequency")
         factors = self.header.map[offset:offset + n_bytes].view("<f4").astype(np.float64)
         if not np.all(np.isfinite(factors) & (factors > 0)):
-            raise GGUFError(f"{self.path}: tensor 'rope_freqs.weight' holds {factors.tolist()}; its factors "
+            raise GGUFError(f"{self.path}: tensor {name!r} holds {factors.tolist()}; its factors "
                             "must be finite and positive")
         return factors
 
     def named_tensors(self):
-        """(Hugging Face name, GGUFTensor) for every weight, in the file's order (rope_freqs goes
-        into the config: hf_config)."""
+        """(Hugging Face name, GGUFTensor) for every weight, in the file's order (the rotary
+        factor tensors go into the config: hf_config)."""
         heads = self.hf_config()
         for name, (offset, kind, shape, n_bytes) in self.tensors.items():
-            if name == "rope_freqs.weight":
+            if name in _ROPE_TENSORS:
                 continue
             perm_heads = None
             if self.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
                 perm_heads = heads["num_attention_heads"] if "attn_q" in name else heads["num_key_value_heads"]
             data = self.header.map[offset:offset + n_bytes]
-            yield hf_name(name), GGUFTensor(self.path, name, data, kind, shape, perm_heads)
+            yield hf_name(name, self.arch), GGUFTensor(self.path, name, data, kind, shape, perm_heads)
 
 
 def _rope_order(rows: int, heads: int) -> torch.Tensor:
