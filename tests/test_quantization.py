@@ -281,10 +281,12 @@ def test_pieces_reach_the_device_before_a_kernel_sees_them():
         assert rows.is_meta and rows.shape == (2, 512)
 
 
-def test_gguf_under_tensor_parallelism(models):
+@pytest.mark.parametrize("arch,file_type", [("llama", "q8_0"), ("qwen2", "iq4_nl")])
+def test_gguf_under_tensor_parallelism(models, arch, file_type):
     """Column-parallel layers split rows, row-parallel ones split columns on block boundaries
-    (Q8_0's 32 weights; 256 / 2 = 128 columns a rank)."""
-    path = gguf_of(models, "llama", "q8_0")
+    (Q8_0's and IQ4_NL's 32 weights; 256 / 2 = 128 columns a rank), each rank's share then
+    repacked in groups of 8 rows by the CPU kernels."""
+    path = gguf_of(models, arch, file_type)
     single = LLM(path, num_kv_blocks=64)
     try:
         want = run(single)
