@@ -181,20 +181,20 @@ INLINE __m256i x8_nibble_dot(const __m256i c[8], const int8_t *x) {
     return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
 #endif
 }
-/* the fifth bits at hb of a group's 8 code vectors (bit k of each byte: vector k) set as 16 in c[k] */
-INLINE void x5_codes(const uint8_t *hb, __m256i c[8]) {
-    const __m256i bit4 = _mm256_set1_epi8(16);
+/* bits at hb of a group's 8 code vectors (bit k of each byte: vector k's) set as bit `bit` of the
+ * byte in c[k]: the 5-bit kinds' fifth bits (x5_codes: 16), Q3_KX8's hmask bits (4) */
+INLINE void x8_high_bits(const uint8_t *hb, __m256i c[8], const int bit) {
+    const __m256i mask = _mm256_set1_epi8((char)(1 << bit));
     __m256i h = _mm256_loadu_si256((const __m256i *)hb);
-    /* (16-bit shifts: what crosses into a byte's neighbour lands outside bit 4 and is masked off) */
-    c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(h, 4), bit4));
-    c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(h, 3), bit4));
-    c[2] = _mm256_or_si256(c[2], _mm256_and_si256(_mm256_slli_epi16(h, 2), bit4));
-    c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_slli_epi16(h, 1), bit4));
-    c[4] = _mm256_or_si256(c[4], _mm256_and_si256(h, bit4));
-    c[5] = _mm256_or_si256(c[5], _mm256_and_si256(_mm256_srli_epi16(h, 1), bit4));
-    c[6] = _mm256_or_si256(c[6], _mm256_and_si256(_mm256_srli_epi16(h, 2), bit4));
-    c[7] = _mm256_or_si256(c[7], _mm256_and_si256(_mm256_srli_epi16(h, 3), bit4));
+    /* (16-bit shifts of at most bit left and 7 - bit right: what crosses into a byte's neighbour
+     * lands outside the bit and is masked off) */
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        __m256i v = k <= bit ? _mm256_slli_epi16(h, bit - k) : _mm256_srli_epi16(h, k - bit);
+        c[k] = _mm256_or_si256(c[k], _mm256_and_si256(v, mask));
+    }
 }
+INLINE void x5_codes(const uint8_t *hb, __m256i c[8]) { x8_high_bits(hb, c, 4); }
 /* x8_nibble_dot for codes 0..31: without VNNI the vpmaddubsw sums are widened every 4 (a pair is
  * at most 2 * 31 * 127: four fit int16, eight do not) */
 INLINE __m256i x8_dot5(const __m256i c[8], const int8_t *x) {

@@ -31,18 +31,7 @@ INLINE void k23_codes(const uint8_t *cs, __m256i c[8], const int three) {
         c[4 * a + 2] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m3);
         c[4 * a + 3] = _mm256_and_si256(_mm256_srli_epi16(v, 6), m3);
     }
-    if (three) {  /* (16-bit shifts: what crosses into a byte's neighbour lands outside bit 2) */
-        const __m256i bit2 = _mm256_set1_epi8(4);
-        __m256i h = _mm256_loadu_si256((const __m256i *)(cs + 64));
-        c[0] = _mm256_or_si256(c[0], _mm256_and_si256(_mm256_slli_epi16(h, 2), bit2));
-        c[1] = _mm256_or_si256(c[1], _mm256_and_si256(_mm256_slli_epi16(h, 1), bit2));
-        c[2] = _mm256_or_si256(c[2], _mm256_and_si256(h, bit2));
-        c[3] = _mm256_or_si256(c[3], _mm256_and_si256(_mm256_srli_epi16(h, 1), bit2));
-        c[4] = _mm256_or_si256(c[4], _mm256_and_si256(_mm256_srli_epi16(h, 2), bit2));
-        c[5] = _mm256_or_si256(c[5], _mm256_and_si256(_mm256_srli_epi16(h, 3), bit2));
-        c[6] = _mm256_or_si256(c[6], _mm256_and_si256(_mm256_srli_epi16(h, 4), bit2));
-        c[7] = _mm256_or_si256(c[7], _mm256_and_si256(_mm256_srli_epi16(h, 5), bit2));
-    }
+    if (three) x8_high_bits(cs + 64, c, 2);
 }
 
 INLINE void k23_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8], const int three) {
