@@ -1,6 +1,6 @@
-"""A Hugging Face Llama, Qwen2, Qwen3 or Phi-3 checkpoint written as a GGUF file, with the `gguf`
-package, so llama.cpp reads the very weights omniinfer runs (`--compare llama.cpp` in the
-benchmarks).
+"""A Hugging Face Llama, Qwen2, Qwen3, Phi-3 or Gemma 2/3 checkpoint written as a GGUF file, with
+the `gguf` package, so llama.cpp reads the very weights omniinfer runs (`--compare llama.cpp` in
+the benchmarks).
 
 Names, shapes and metadata follow llama.cpp's own converter (convert_hf_to_gguf.py): tensors as
 ``blk.N.attn_q.weight`` and so on, Llama's q/k rows permuted from Hugging Face's rotate-half
@@ -104,12 +104,10 @@ def tensor_type(gguf_tensor: str, file_type: str, cols: int, num_layers: int = 1
     return kind
 
 
-# (the reader's names, the other way)
-_LAYER = {hf: name for name, hf in [*_GGUF_LAYER.items(), *(i for o in _ARCH_LAYER.values() for i in o.items())]}
 _ARCHS = {**{hf: arch for arch, hf in _GGUF_ARCHS.items()}, "MistralForCausalLM": "llama"}
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     if hf_name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if hf_name == "model.norm.weight":
@@ -117,11 +115,13 @@ def gguf_name(hf_name: str) -> str:
     if hf_name == "lm_head.weight":
         return "output.weight"
     parts = hf_name.split(".")
+    layer = {hf: name for name, hf in {**_GGUF_LAYER, **_ARCH_LAYER.get(arch, {})}.items()}  # (the reader's, inverted)
     if parts[:2] == ["model", "layers"]:
         inner, kind = ".".join(parts[3:-1]), parts[-1]
-        if inner in _LAYER:
-            return f"blk.{parts[2]}.{_LAYER[inner]}.{kind}"
-    raise ValueError(f"tensor {hf_name!r} has no GGUF name here (Llama, Qwen2, Qwen3 and Phi-3 layouts only)")
+        if inner in layer:
+            return f"blk.{parts[2]}.{layer[inner]}.{kind}"
+    raise ValueError(f"tensor {hf_name!r} has no GGUF name here (Llama, Qwen2, Qwen3, Phi-3 and Gemma 2/3 "
+                     "layouts only)")
 
 
 def _permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
@@ -154,7 +154,11 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
     if cfg.get("head_dim"):  # (as llama.cpp's converter)
         writer.add_key_length(cfg["head_dim"])
         writer.add_value_length(cfg["head_dim"])
-    writer.add_rope_freq_base(float(rope_theta(cfg)))
+    theta, scaling = _global_rope(cfg)
+    writer.add_rope_freq_base(theta)
+    if scaling and scaling["rope_type"] == "linear":  # (Gemma 3's global layers)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(scaling["factor"]))
     writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     writer.add_file_type(_FTYPE[file_type])
     _add_vocab(writer, model_dir, cfg["vocab_size"], arch)
@@ -168,14 +172,21 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
     if arch == "phi3":
         for name, value in _phi3_metadata(writer, cfg, heads).items():
             writer.add_tensor(name, value)
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(int(cfg["sliding_window"]))
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if cfg.get(key) is not None and not (arch == "gemma3" and key == "attn_logit_softcapping"):
+                getattr(writer, f"add_{key}")(float(cfg[key]))
     tied = bool(cfg.get("tie_word_embeddings"))
     if tied:
         tensors.pop("lm_head.weight", None)
     for hf_name, value in tensors.items():
         w = value.float().numpy()
+        if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
+            w = w + 1.0  # (as llama.cpp's converter: ggml's RMSNorm multiplies by the weight, Gemma's by 1 + it)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _permute_rotary(w, heads if "q_proj" in hf_name else kv_heads)
-        name = gguf_name(hf_name)
+        name = gguf_name(hf_name, arch)
         kind = "F32" if w.ndim == 1 else tensor_type(name, file_type, w.shape[-1], cfg["num_hidden_layers"], tied,
                                                      heads // kv_heads)
         if kind == "F32":
@@ -192,6 +203,18 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+def _global_rope(cfg: dict) -> tuple[float, dict | None]:
+    """(rope base, scaling) of the full-attention layers (Gemma 3's per layer type; else the model's)."""
+    from omniinfer.hf_config import rope_scaling
+
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        full = dict(params["full_attention"])
+        kind = full.get("rope_type", "default")
+        return float(full.get("rope_theta", 1_000_000.0)), None if kind == "default" else {**full, "rope_type": kind}
+    return float(rope_theta(cfg)), rope_scaling(cfg)
 
 
 def _llama3_factors(cfg: dict, heads: int) -> np.ndarray | None:

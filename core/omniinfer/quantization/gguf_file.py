@@ -4,8 +4,9 @@ needs), and the tokenizer transformers builds from the file. The header is read 
 gguf_header.py (held to the `gguf` package's reader in the tests); the blocks are dequantised as
 the `gguf` package does (gguf_blocks.py).
 
-Families: llama (Llama 1-3, Mistral), qwen2, qwen3 and phi3 (Phi-3, Phi-3.5: fused q/k/v and
-gate/up tensors, as Hugging Face's). The file is checked before anything large
+Families: llama (Llama 1-3, Mistral), qwen2, qwen3, phi3 (Phi-3, Phi-3.5: fused q/k/v and
+gate/up tensors, as Hugging Face's), gemma2 and gemma3 (text; their norm weights stored as 1 + w,
+as llama.cpp's converter writes them). The file is checked before anything large
 is allocated: every tensor's bytes must lie inside the file and match its type and shape.
 """
 
@@ -25,7 +26,8 @@ from omniinfer.quantization.gguf_header import GGUFError, GGUFHeader
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "is_gguf", "load_tokenizer"]
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+_MODEL_TYPES = {"gemma3": "gemma3_text"}  # (else the architecture's name)
 _LAYER = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
@@ -33,7 +35,14 @@ _LAYER = {
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # (qwen3)
     "attn_qkv": "self_attn.qkv_proj",  # (phi3)
 }
-_ARCH_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"}}  # (gate and up in one tensor)
+_GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}  # (a norm before and after each block)
+_ARCH_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"},  # (gate and up in one tensor)
+               "gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS}
+# llama.cpp's rules for what a Gemma file does not say: a sliding layer to each global one (2) or
+# five to one (6), the sliding layers' rope base (Gemma 3), and the 27B models' attention scale
+# (by their layer count: 1 / sqrt(hidden / heads), where the others' is 1 / sqrt(head_dim))
+_GEMMA = {"gemma2": dict(pattern=2, layers_27b=46), "gemma3": dict(pattern=6, layers_27b=62, local_theta=10000.0)}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # rotary factors, read into the config (hf_config), not weights
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -93,7 +102,7 @@ class GGUFFile:
         a = self.arch
         need = {"hidden_size": f"{a}.embedding_length", "num_hidden_layers": f"{a}.block_count",
                 "intermediate_size": f"{a}.feed_forward_length", "num_attention_heads": f"{a}.attention.head_count"}
-        cfg = {"architectures": [ARCHITECTURES[a]], "model_type": a}
+        cfg = {"architectures": [ARCHITECTURES[a]], "model_type": _MODEL_TYPES.get(a, a)}
         for name, key in need.items():
             value = self.field(key)
             if value is None:
@@ -120,6 +129,8 @@ class GGUFFile:
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": linear}
         if a == "phi3":
             self._phi3(cfg)
+        if a in _GEMMA:
+            self._gemma(cfg)
         embd = self.tensors.get("token_embd.weight")
         if embd is None:
             raise GGUFError(f"{self.path}: tensor 'token_embd.weight' is missing")
@@ -157,6 +168,23 @@ class GGUFFile:
             if attention is not None:
                 cfg["rope_scaling"]["attention_factor"] = float(attention)
 
+    def _gemma(self, cfg: dict) -> None:
+        """Gemma 2 / 3's metadata beyond Llama's, and llama.cpp's rules (_GEMMA) for the rest."""
+        a, rules = self.arch, _GEMMA[self.arch]
+        if "head_dim" not in cfg:
+            raise GGUFError(f"{self.path}: metadata key {a + '.attention.key_length'!r} is missing")
+        layers = cfg["num_hidden_layers"]
+        cfg["layer_types"] = ["full_attention" if (i + 1) % rules["pattern"] == 0 else "sliding_attention"
+                              for i in range(layers)]
+        cfg["sliding_window"] = int(self.field(f"{a}.attention.sliding_window", 4096))
+        big = layers == rules["layers_27b"]
+        cfg["query_pre_attn_scalar"] = cfg["hidden_size"] // cfg["num_attention_heads"] if big else cfg["head_dim"]
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+            value = self.field(f"{a}.{key}")
+            cfg[key] = None if value is None else float(value)
+        if "local_theta" in rules:
+            cfg["rope_local_base_freq"] = rules["local_theta"]
+
     def rope_factors(self, name: str, cfg: dict) -> np.ndarray:
         """A rotary factor tensor (float64 [head_dim / 2]): 'rope_freqs.weight', what each frequency
         is divided by (llama.cpp's rope: theta_i = position * base ** (-2i / head_dim) / factor_i),
@@ -185,7 +213,9 @@ class GGUFFile:
             if self.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
                 perm_heads = heads["num_attention_heads"] if "attn_q" in name else heads["num_key_value_heads"]
             data = self.header.map[offset:offset + n_bytes]
-            yield hf_name(name, self.arch), GGUFTensor(self.path, name, data, kind, shape, perm_heads)
+            # (Gemma's norms: llama.cpp's converter adds the 1 its RMSNorm adds, Hugging Face's does not)
+            offset_added = 1.0 if self.arch in _GEMMA and name.endswith("norm.weight") else 0.0
+            yield hf_name(name, self.arch), GGUFTensor(self.path, name, data, kind, shape, perm_heads, offset_added)
 
 
 def _rope_order(rows: int, heads: int) -> torch.Tensor:
@@ -201,8 +231,12 @@ class GGUFTensor:
     aligned) columns gives a QuantPiece of those bytes, or, for float types, a float tensor."""
 
     def __init__(self, path: str, name: str, data: np.ndarray, kind: gguf_blocks.BlockType,
-                 shape: tuple[int, ...], perm_heads: int | None = None):
+                 shape: tuple[int, ...], perm_heads: int | None = None, offset_added: float = 0.0):
+        """`offset_added`: what the file added to every value of a float vector (taken off as read)."""
+        if offset_added and (len(shape) != 1 or kind.block > 1):
+            raise GGUFError(f"tensor {name!r} ({kind.name}, shape {shape}): an offset is taken off float vectors only")
         self.path, self.name, self.kind, self.shape = path, name, kind, shape
+        self.offset_added = offset_added
         self._data = data  # numpy memmap: the tensor's bytes
         self._rows = None if perm_heads is None else _rope_order(shape[0], perm_heads)
 
@@ -225,7 +259,9 @@ class GGUFTensor:
     def _float(self, raw: torch.Tensor) -> torch.Tensor:
         cols = self.shape[-1]
         out = gguf_blocks.dequantize(raw, self.kind, cols)
-        return out.reshape(-1) if len(self.shape) == 1 else out
+        if len(self.shape) > 1:
+            return out
+        return out.reshape(-1) - self.offset_added if self.offset_added else out.reshape(-1)
 
     def narrow(self, dim: int, start: int, length: int):
         if len(self.shape) == 1:
