@@ -62,12 +62,15 @@ def test_the_files_config_is_the_checkpoints(gemma, arch):
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_a_gemma_file_follows_transformers_on_its_checkpoint(gemma, arch, monkeypatch):
-    """The f32 file token for token; a q8_0 file up to a near-tie (its weights rounded)."""
+    """The f32 file token for token; a q8_0 file up to a near-tie (its weights rounded), with float
+    and with int8 activations (the CPU kernels' default)."""
     monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", "float")
     model = gemma[arch]
     want = hf_greedy(model, PROMPTS, PARAMS.max_tokens)
     got = generate(export(model, os.path.join(model, "f32.gguf"), "f32"), model)
     assert got == [tokens for tokens, _ in want]
-    got = generate(export(model, os.path.join(model, "q8_0.gguf"), "q8_0"), model)
-    for tokens, (_, steps) in zip(got, want):
-        agreed_steps(tokens, steps)
+    path = export(model, os.path.join(model, "q8_0.gguf"), "q8_0")
+    for mode in ("float", "int8"):
+        monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", mode)
+        for tokens, (_, steps) in zip(generate(path, model), want):
+            agreed_steps(tokens, steps)

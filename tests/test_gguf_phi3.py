@@ -14,7 +14,7 @@ import pytest
 from omniinfer import LLM, SamplingParams
 from omniinfer.benchmarks.gguf_export import export
 from omniinfer.quantization.gguf_file import GGUFError, GGUFFile
-from omniinfer.testing.greedy import hf_greedy, kernel_names
+from omniinfer.testing.greedy import agreed_steps, hf_greedy, kernel_names
 from omniinfer.testing.tiny_models import FAMILY_SETTINGS, build_tiny_checkpoint
 
 PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -52,6 +52,9 @@ def test_a_phi3_file_follows_transformers_on_the_same_file(phi3, file_type, monk
     got = generate(path, plain, [SHORT, LONG])
     want = hf_greedy(plain, [SHORT, LONG], PARAMS.max_tokens, os.path.basename(path))
     assert got == [tokens for tokens, _ in want]
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", "int8")  # (the default: up to a near-tie)
+    for tokens, (_, steps) in zip(generate(path, plain, [SHORT, LONG]), want):
+        agreed_steps(tokens, steps)
 
 
 def test_a_longrope_phi3_file_runs_as_its_checkpoint(phi3, monkeypatch):
