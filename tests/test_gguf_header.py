@@ -159,6 +159,13 @@ def test_a_damaged_header_is_a_clear_error_before_any_large_allocation(files, tm
 
     with pytest.raises(GGUFError, match=r"tensor 'blk.1.ffn_up.weight' appears twice"):
         GGUFHeader(_corrupt(path, tmp_path / "tensor_twice.gguf", duplicate_tensor))
+    def no_heads(data):  # a count of 0 (hidden / heads would divide by it)
+        at = _offset_of(data, "qwen2.attention.head_count")
+        assert struct.unpack("<I", data[at:at + 4]) == (4,)  # (uint32)
+        data[at + 4:at + 8] = struct.pack("<I", 0)
+
+    with pytest.raises(GGUFError, match=r"metadata key 'qwen2.attention.head_count' is 0; expected a positive count"):
+        gguf_file.GGUFFile(_corrupt(path, tmp_path / "heads.gguf", no_heads)).hf_config()
     with pytest.raises(GGUFError, match=r"is not a GGUF file \(it starts with b'\\x89PNG'"):
         GGUFHeader(_corrupt(path, tmp_path / "png.gguf", lambda d: d.__setitem__(slice(0, 4), b"\x89PNG")))
 

@@ -103,15 +103,17 @@ class GGUFFile:
         need = {"hidden_size": f"{a}.embedding_length", "num_hidden_layers": f"{a}.block_count",
                 "intermediate_size": f"{a}.feed_forward_length", "num_attention_heads": f"{a}.attention.head_count"}
         cfg = {"architectures": [ARCHITECTURES[a]], "model_type": _MODEL_TYPES.get(a, a)}
+        need.update(num_key_value_heads=f"{a}.attention.head_count_kv", head_dim=f"{a}.attention.key_length")
         for name, key in need.items():
             value = self.field(key)
+            if value is None and name in ("num_key_value_heads", "head_dim"):  # (optional: heads, hidden / heads)
+                continue
             if value is None:
                 raise GGUFError(f"{self.path}: metadata key {key!r} is missing")
+            if not isinstance(value, (int, np.integer)) or not 0 < int(value) < 1 << 24:
+                raise GGUFError(f"{self.path}: metadata key {key!r} is {value!r}; expected a positive count")
             cfg[name] = int(value)
-        cfg["num_key_value_heads"] = int(self.field(f"{a}.attention.head_count_kv", cfg["num_attention_heads"]))
-        key_length = self.field(f"{a}.attention.key_length")
-        if key_length is not None:
-            cfg["head_dim"] = int(key_length)
+        cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
         cfg["rms_norm_eps"] = float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6))
         cfg["rope_theta"] = float(self.field(f"{a}.rope.freq_base", 10000.0))
         cfg["max_position_embeddings"] = int(self.field(f"{a}.context_length", 2048))
