@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from omniinfer.hf_config import rope_theta
+from omniinfer.hf_config import rope_scaling, rope_theta
 from omniinfer.quantization.gguf_file import _ARCH_LAYER
 from omniinfer.quantization.gguf_file import _LAYER as _GGUF_LAYER
 from omniinfer.quantization.gguf_file import ARCHITECTURES as _GGUF_ARCHS
@@ -207,8 +207,6 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
 
 def _global_rope(cfg: dict) -> tuple[float, dict | None]:
     """(rope base, scaling) of the full-attention layers (Gemma 3's per layer type; else the model's)."""
-    from omniinfer.hf_config import rope_scaling
-
     params = cfg.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
         full = dict(params["full_attention"])
@@ -220,8 +218,6 @@ def _global_rope(cfg: dict) -> tuple[float, dict | None]:
 def _llama3_factors(cfg: dict, heads: int) -> np.ndarray | None:
     """A llama3 rope scaling as llama.cpp's converter writes it: the factor each rotary frequency
     is divided by ('rope_freqs.weight', float32 [head_dim / 2]); None without one."""
-    from omniinfer.hf_config import rope_scaling
-
     s = rope_scaling(cfg)
     if not s or s["rope_type"] != "llama3":
         return None
@@ -238,8 +234,6 @@ def _llama3_factors(cfg: dict, heads: int) -> np.ndarray | None:
 def _phi3_metadata(writer, cfg: dict, heads: int) -> dict[str, np.ndarray]:
     """Phi-3's keys as llama.cpp's converter writes them; its longrope factors as the tensors it
     writes them as (returned)."""
-    from omniinfer.hf_config import rope_scaling
-
     s = rope_scaling(cfg) or {}
     max_len = cfg.get("max_position_embeddings", 2048)
     original = s.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_len

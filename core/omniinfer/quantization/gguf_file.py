@@ -150,7 +150,7 @@ class GGUFFile:
         """Phi-3's metadata beyond Llama's: its rotary dimensions (the whole head: Phi-4-mini's
         partial rotary is not supported), sliding window (0: none), original context and the
         longrope factors of its 128k models (tensors, as llama.cpp's converter writes them)."""
-        head = cfg["hidden_size"] // cfg["num_attention_heads"]
+        head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         dims = self.field("phi3.rope.dimension_count")
         if dims is not None and int(dims) != head:
             raise GGUFError(f"{self.path}: phi3.rope.dimension_count={dims} rotates part of each {head}-wide "
