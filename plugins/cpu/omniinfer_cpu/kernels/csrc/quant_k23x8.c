@@ -34,10 +34,23 @@ INLINE void k23_codes(const uint8_t *cs, __m256i c[8], const int three) {
     if (three) x8_high_bits(cs + 64, c, 2);
 }
 
+/* a Q3_KX8 block's 16 x 8 scales, s - 32 as int8 (byte 8t + r: row r's scale of weights 16t ..
+ * 16t + 15), unpacked for all 16 at once (k3_scales' bits, 32 bytes a register) */
+INLINE void k3_all_scales(const uint8_t *blk, int8_t out[128]) {
+    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+    __m256i lo[2] = {_mm256_loadu_si256((const __m256i *)(blk + 16)), _mm256_loadu_si256((const __m256i *)(blk + 48))};
+    __m256i hi = _mm256_loadu_si256((const __m256i *)(blk + 80));
+    for (int q = 0; q < 4; q++) {  /* t = 4q .. 4q + 3: bytes t & 7's nibble t >> 3, byte 8 + t % 4's bits 2q */
+        __m256i l = q < 2 ? lo[q] : _mm256_srli_epi16(lo[q - 2], 4);
+        __m256i h = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * q), m3);
+        __m256i v = _mm256_or_si256(_mm256_and_si256(l, m4), _mm256_slli_epi16(h, 4));
+        _mm256_storeu_si256((__m256i *)(out + 32 * q), _mm256_sub_epi8(v, off));
+    }
+}
+
 INLINE void k23_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8], const int three) {
     const int nbx = X->K / 32, nbs = X->K / 16, bytes = three ? K3_BYTES : K2_BYTES;
     const __m128i m4 = _mm_set1_epi8(15);
-    const __m256i off16 = _mm256_set1_epi16(three ? 32 : 0), off32 = _mm256_set1_epi32(three ? 32 : 0);
     __m256 acc[XMB];
     for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
     for (int b = 0; b < X->K / 256; b++) {
@@ -47,23 +60,25 @@ INLINE void k23_rows(const uint8_t *g, const xq *X, int m0, const int MB, float 
         /* what multiplies a row's offset term: dmin (times the minimum), or 4 d (times the scale) */
         __m256 ow = three ? _mm256_mul_ps(dw, _mm256_set1_ps(4.0f))
                           : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        int8_t sc3[128];
+        if (three) k3_all_scales(blk, sc3);
         for (int s = 0; s < 8; s++) {
             const uint8_t *cs = k23_sub(blk, s, three);
             prefetch_ahead(cs, three ? 96 : 64);
-            /* the 8 rows' scales of the halves (bytes 0-7, 8-15), each in both of its row's 16-bit
-             * lanes (sc0, sc1); their offset terms' factors as float (o0, o1) */
+            /* the 8 rows' scales of the halves (bytes 0-7, 8-15; int8: Q2_K's 0..15, Q3_K's -32..31),
+             * each in both of its row's 16-bit lanes (sc0, sc1); their offset terms' factors as float
+             * (o0, o1: Q2_K's minimums, Q3_K's scales) */
             __m128i sv, mv;
             if (three) {
-                sv = mv = _mm_set_epi64x((long long)k3_scales(blk, 2 * s + 1), (long long)k3_scales(blk, 2 * s));
+                sv = mv = _mm_loadu_si128((const __m128i *)(sc3 + 16 * s));
             } else {
                 __m128i v = _mm_loadu_si128((const __m128i *)(blk + 32 + 16 * s));
                 sv = _mm_and_si128(v, m4), mv = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
             }
-            __m256i sc0 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sv, sv)), off16);
-            __m256i sc1 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_unpackhi_epi8(sv, sv)), off16);
-            __m256 o0 = _mm256_mul_ps(ow, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(mv), off32)));
-            __m256 o1 = _mm256_mul_ps(
-                ow, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(mv, 8)), off32)));
+            __m256i sc0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(sv, sv));
+            __m256i sc1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(sv, sv));
+            __m256 o0 = _mm256_mul_ps(ow, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(mv)));
+            __m256 o1 = _mm256_mul_ps(ow, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(mv, 8))));
             __m256i c[8];
             k23_codes(cs, c, three);
             int xb = 8 * b + s;
