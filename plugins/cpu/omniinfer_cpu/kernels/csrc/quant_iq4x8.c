@@ -8,8 +8,6 @@
  * but x. (Float activations still take the rewrite: quant.py.) */
 #include "quant_blocks.h"
 
-#define XS_BYTES 1088  /* an IQ4_XSX8 block: 256 columns of 8 rows */
-
 #if defined(__AVX2__)
 /* a group's 4 chunks of nibbles at p -> its 8 vectors of IQ4 values v: u, as unsigned bytes (VNNI:
  * v + 128, for vpdpbusd; else |v|, for vpmaddubsw), and (no VNNI) v itself in c for its signs */
@@ -51,42 +49,28 @@ INLINE __m256i iq4_dot(const __m256i u[8], const __m256i c[8], const int8_t *x, 
     return s;
 }
 
-INLINE void nl_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
-    const int nbx = X->K / 32;
+/* IQ4_NLX8 (xs 0: blocks of 32 columns, 144 bytes: the 8 rows' d, then the codes) or IQ4_XSX8
+ * (xs 1: blocks of 256 columns, 1088 bytes: the 8 rows' d and scale bytes, then 8 sub-blocks of
+ * codes) */
+INLINE void iq4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8], const int xs) {
+    const int nbx = X->K / 32, subs = xs ? 8 : 1, head = xs ? 64 : 16;
     __m256 acc[XMB];
     for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
-    for (int b = 0; b < nbx; b++) {
-        const uint8_t *blk = g + (size_t)b * 144;
-        prefetch_ahead(blk, 144);
+    for (int b = 0; b < nbx / subs; b++) {
+        const uint8_t *blk = g + (size_t)b * (head + 128 * subs);
+        prefetch_ahead(blk, head);
         __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        __m256i u[8], c[8];
-        iq4_codes(blk + 16, u, c);
-        for (int m = 0; m < MB; m++) {
-            size_t r = (size_t)(m0 + m);
-            __m256i s = iq4_dot(u, c, X->q + r * X->K + 32 * b, X->isum[r * nbx + b]);
-            acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(dw, _mm256_set1_ps(X->d[r * nbx + b])), acc[m]);
-        }
-    }
-    for (int m = 0; m < MB; m++) _mm256_storeu_ps(out[m], acc[m]);
-}
-
-INLINE void xs_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
-    const int nbx = X->K / 32;
-    __m256 acc[XMB];
-    for (int m = 0; m < MB; m++) acc[m] = _mm256_setzero_ps();
-    for (int b = 0; b < X->K / 256; b++) {
-        const uint8_t *blk = g + (size_t)b * XS_BYTES;
-        prefetch_ahead(blk, 64);
-        __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        for (int s = 0; s < 8; s++) {
-            const uint8_t *cs = blk + 64 + 128 * s;
+        for (int s = 0; s < subs; s++) {
+            const uint8_t *cs = blk + head + 128 * s;
             prefetch_ahead(cs, 128);
-            __m256i sc = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)xs_scales(blk, s))),
-                                          _mm256_set1_epi32(32));
-            __m256 ds = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(sc));
+            __m256 ds = dw;  /* IQ4_XS: d * (scale - 32) */
+            if (xs) {
+                __m256i sc = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)xs_scales(blk, s)));
+                ds = _mm256_mul_ps(dw, _mm256_cvtepi32_ps(_mm256_sub_epi32(sc, _mm256_set1_epi32(32))));
+            }
             __m256i u[8], c[8];
             iq4_codes(cs, u, c);
-            int xb = 8 * b + s;
+            int xb = subs * b + s;
             for (int m = 0; m < MB; m++) {
                 size_t r = (size_t)(m0 + m);
                 __m256i t = iq4_dot(u, c, X->q + r * X->K + 32 * xb, X->isum[r * nbx + xb]);
@@ -118,47 +102,27 @@ INLINE int32x4_t iq4_dot_neon(int8x16_t c[8][2], const int8_t *x, int h) {
     return vpaddq_s32(lo, hi);
 }
 
-INLINE void nl_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
-    const int nbx = X->K / 32;
+INLINE void iq4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8], const int xs) {
+    const int nbx = X->K / 32, subs = xs ? 8 : 1, head = xs ? 64 : 16;
     float32x4_t acc[XMB][2];
     for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
-    for (int b = 0; b < nbx; b++) {
-        const uint8_t *blk = g + (size_t)b * 144;
-        prefetch_ahead(blk, 144);
+    for (int b = 0; b < nbx / subs; b++) {
+        const uint8_t *blk = g + (size_t)b * (head + 128 * subs);
+        prefetch_ahead(blk, head);
         float32x4_t dw[2] = {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk))),
                              vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk + 4)))};
-        int8x16_t c[8][2];
-        iq4_codes_neon(blk + 16, c);
-        for (int m = 0; m < MB; m++) {
-            size_t r = (size_t)(m0 + m);
-            float d = X->d[r * nbx + b];
-            for (int h = 0; h < 2; h++) {
-                int32x4_t s = iq4_dot_neon(c, X->q + r * X->K + 32 * b, h);
-                acc[m][h] = vfmaq_f32(acc[m][h], vcvtq_f32_s32(s), vmulq_n_f32(dw[h], d));
-            }
-        }
-    }
-    for (int m = 0; m < MB; m++) vst1q_f32(out[m], acc[m][0]), vst1q_f32(out[m] + 4, acc[m][1]);
-}
-
-INLINE void xs_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
-    const int nbx = X->K / 32;
-    float32x4_t acc[XMB][2];
-    for (int m = 0; m < MB; m++) acc[m][0] = acc[m][1] = vdupq_n_f32(0.f);
-    for (int b = 0; b < X->K / 256; b++) {
-        const uint8_t *blk = g + (size_t)b * XS_BYTES;
-        prefetch_ahead(blk, 64);
-        float32x4_t dw[2] = {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk))),
-                             vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk + 4)))};
-        for (int s = 0; s < 8; s++) {
-            const uint8_t *cs = blk + 64 + 128 * s;
+        for (int s = 0; s < subs; s++) {
+            const uint8_t *cs = blk + head + 128 * s;
             prefetch_ahead(cs, 128);
-            int16x8_t sc = vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vcreate_u8(xs_scales(blk, s)))), vdupq_n_s16(32));
-            float32x4_t ds[2] = {vmulq_f32(dw[0], vcvtq_f32_s32(vmovl_s16(vget_low_s16(sc)))),
-                                 vmulq_f32(dw[1], vcvtq_f32_s32(vmovl_high_s16(sc)))};
+            float32x4_t ds[2] = {dw[0], dw[1]};  /* IQ4_XS: d * (scale - 32) */
+            if (xs) {
+                int16x8_t sc = vsubq_s16(vreinterpretq_s16_u16(vmovl_u8(vcreate_u8(xs_scales(blk, s)))), vdupq_n_s16(32));
+                ds[0] = vmulq_f32(dw[0], vcvtq_f32_s32(vmovl_s16(vget_low_s16(sc))));
+                ds[1] = vmulq_f32(dw[1], vcvtq_f32_s32(vmovl_high_s16(sc)));
+            }
             int8x16_t c[8][2];
             iq4_codes_neon(cs, c);
-            int xb = 8 * b + s;
+            int xb = subs * b + s;
             for (int m = 0; m < MB; m++) {
                 size_t r = (size_t)(m0 + m);
                 float d = X->d[r * nbx + xb];
@@ -181,37 +145,22 @@ INLINE int32_t iq4_dot_c(const uint8_t *cs, int r, const int8_t *x) {
     return t;
 }
 
-INLINE void nl_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
-    const int nbx = X->K / 32;
+INLINE void iq4_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8], const int xs) {
+    const int nbx = X->K / 32, subs = xs ? 8 : 1, head = xs ? 64 : 16;
     for (int m = 0; m < MB; m++)
         for (int r = 0; r < 8; r++) out[m][r] = 0.f;
-    for (int b = 0; b < nbx; b++) {
-        const uint8_t *blk = g + (size_t)b * 144;
-        prefetch_ahead(blk, 144);
-        for (int m = 0; m < MB; m++) {
-            size_t row = (size_t)(m0 + m);
-            for (int r = 0; r < 8; r++)
-                out[m][r] += (float)iq4_dot_c(blk + 16, r, X->q + row * X->K + 32 * b) *
-                             (f16_to_f32(u16_at(blk + 2 * r)) * X->d[row * nbx + b]);
-        }
-    }
-}
-
-INLINE void xs_rows(const uint8_t *g, const xq *X, int m0, const int MB, float out[XMB][8]) {
-    const int nbx = X->K / 32;
-    for (int m = 0; m < MB; m++)
-        for (int r = 0; r < 8; r++) out[m][r] = 0.f;
-    for (int b = 0; b < X->K / 256; b++) {
-        const uint8_t *blk = g + (size_t)b * XS_BYTES;
-        for (int s = 0; s < 8; s++) {
-            const uint8_t *cs = blk + 64 + 128 * s;
+    for (int b = 0; b < nbx / subs; b++) {
+        const uint8_t *blk = g + (size_t)b * (head + 128 * subs);
+        for (int s = 0; s < subs; s++) {
+            const uint8_t *cs = blk + head + 128 * s;
             prefetch_ahead(cs, 128);
-            uint64_t sc = xs_scales(blk, s);
-            int xb = 8 * b + s;
+            uint64_t sc = xs ? xs_scales(blk, s) : 0;
+            int xb = subs * b + s;
             for (int m = 0; m < MB; m++) {
                 size_t row = (size_t)(m0 + m);
                 for (int r = 0; r < 8; r++) {
-                    float ds = f16_to_f32(u16_at(blk + 2 * r)) * (float)((int)((sc >> (8 * r)) & 63) - 32);
+                    float ds = f16_to_f32(u16_at(blk + 2 * r));
+                    if (xs) ds *= (float)((int)((sc >> (8 * r)) & 63) - 32);
                     out[m][r] += (float)iq4_dot_c(cs, r, X->q + row * X->K + 32 * xb) * (ds * X->d[row * nbx + xb]);
                 }
             }
@@ -219,6 +168,9 @@ INLINE void xs_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     }
 }
 #endif
+
+GROUP_OF(nl_rows, iq4_rows, 0)
+GROUP_OF(xs_rows, iq4_rows, 1)
 
 ROWS_OF(nl_rows)
 ROWS_OF(xs_rows)
