@@ -103,17 +103,10 @@ class GGUFFile:
         need = {"hidden_size": f"{a}.embedding_length", "num_hidden_layers": f"{a}.block_count",
                 "intermediate_size": f"{a}.feed_forward_length", "num_attention_heads": f"{a}.attention.head_count"}
         cfg = {"architectures": [ARCHITECTURES[a]], "model_type": _MODEL_TYPES.get(a, a)}
-        need.update(num_key_value_heads=f"{a}.attention.head_count_kv", head_dim=f"{a}.attention.key_length")
-        for name, key in need.items():
-            value = self.field(key)
-            if value is None and name in ("num_key_value_heads", "head_dim"):  # (optional: heads, hidden / heads)
-                continue
-            if value is None:
-                raise GGUFError(f"{self.path}: metadata key {key!r} is missing")
-            if not isinstance(value, (int, np.integer)) or not 0 < int(value) < 1 << 24:
-                raise GGUFError(f"{self.path}: metadata key {key!r} is {value!r}; expected a positive count")
-            cfg[name] = int(value)
-        cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
+        cfg.update({name: self._count(key) for name, key in need.items()})
+        cfg["num_key_value_heads"] = self._count(f"{a}.attention.head_count_kv", cfg["num_attention_heads"])
+        if self.field(f"{a}.attention.key_length") is not None:  # (else hidden / heads)
+            cfg["head_dim"] = self._count(f"{a}.attention.key_length")
         cfg["rms_norm_eps"] = float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6))
         cfg["rope_theta"] = float(self.field(f"{a}.rope.freq_base", 10000.0))
         cfg["max_position_embeddings"] = int(self.field(f"{a}.context_length", 2048))
@@ -145,6 +138,15 @@ class GGUFFile:
                 cfg[ours] = int(value)
         cfg["attention_bias"] = False  # (qwen2's q/k/v biases are its model_type's)
         return cfg
+
+    def _count(self, key: str, default: int | None = None) -> int:
+        """A metadata count the config is built from: present (or defaulted) and positive."""
+        value = self.field(key, default)
+        if value is None:
+            raise GGUFError(f"{self.path}: metadata key {key!r} is missing")
+        if not isinstance(value, (int, np.integer)) or not 0 < int(value) < 1 << 24:
+            raise GGUFError(f"{self.path}: metadata key {key!r} is {value!r}; expected a positive count")
+        return int(value)
 
     def _phi3(self, cfg: dict) -> None:
         """Phi-3's metadata beyond Llama's: its rotary dimensions (the whole head: Phi-4-mini's
