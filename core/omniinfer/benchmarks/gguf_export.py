@@ -174,8 +174,8 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
             writer.add_tensor(name, value)
     if arch in ("gemma2", "gemma3"):
         writer.add_sliding_window(int(cfg["sliding_window"]))
-        for key in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if cfg.get(key) is not None and not (arch == "gemma3" and key == "attn_logit_softcapping"):
+        for key in ("attn_logit_softcapping", "final_logit_softcapping"):  # (Gemma 3 has no attention cap)
+            if cfg.get(key) is not None:
                 getattr(writer, f"add_{key}")(float(cfg[key]))
     tied = bool(cfg.get("tie_word_embeddings"))
     if tied:
