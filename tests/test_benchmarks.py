@@ -215,7 +215,9 @@ def test_take_turns_rotates_the_order():
 def test_a_terminated_benchmark_deletes_its_checkpoint(tmp_path, script):
     """SIGTERM (as from `timeout`) unwinds: the temporary checkpoint does not stay on disk."""
     args = {"throughput.py": ["--shape", "tiny", "-n", "64", "--output-len", "512", "--repeats", "50"],
-            "host_overhead.py": ["--seqs", "64", "--steps", "480"]}[script]
+            # one row is over in well under a second (a trivial model), and a SIGTERM that lands as
+            # the interpreter exits reads as 0 or -15: forty rows keep it running for tens of seconds
+            "host_overhead.py": ["--seqs", *["64"] * 40, "--steps", "480"]}[script]
     env = dict(os.environ, OMNIINFER_LOG_LEVEL="WARNING", TMPDIR=str(tmp_path))
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, cwd=ROOT)
