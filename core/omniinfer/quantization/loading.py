@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from omniinfer.logger import init_logger
+from omniinfer.models.layers.moe import FusedMoE
 from omniinfer.quantization.base import QuantLinearMethod, QuantSlot, piece_to
+from omniinfer.quantization.experts import ExpertSlots, QuantExperts, QuantMoEMethod
 
 logger = init_logger(__name__)
 
@@ -20,6 +22,9 @@ def prepare(model: nn.Module, quantized: set[str], device: torch.device) -> None
     tensors are quantised. Their layers get a QuantSlot; every other deferred weight gets memory."""
     decided: dict[int, tuple[str, object]] = {}  # a shared (tied) parameter: decided once
     for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            _prepare_experts(module, name, quantized, device)
+            continue
         weight = getattr(module, "weight", None)
         if not isinstance(weight, nn.Parameter) or not weight.is_meta:
             continue
@@ -47,6 +52,29 @@ def prepare(model: nn.Module, quantized: set[str], device: torch.device) -> None
             module.weight = value
 
 
+def _prepare_experts(layer: FusedMoE, name: str, quantized: set[str], device: torch.device) -> None:
+    """Quantised experts (either stack in `quantized`: a float part is kept as a float piece) get
+    ExpertSlots, loaded through the layer's own loader; float ones get memory."""
+    params = {"w13_weight": layer.w13_weight, "w2_weight": layer.w2_weight}
+    if not any(p.is_meta for p in params.values()):
+        return
+    if not any(f"{name}.{attr}" in quantized for attr in params):
+        for attr, param in params.items():
+            real = nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device), requires_grad=False)
+            real.weight_loader = param.weight_loader
+            setattr(layer, attr, real)
+        return
+    layer.qslots = []
+    for attr, param in params.items():
+        slots = ExpertSlots(param.shape[0], tuple(param.shape[1:]), f"{name}.{attr}")
+
+        def loader(_param, loaded, shard_id=None, slots=slots):
+            layer.weight_loader(slots, loaded, shard_id)
+
+        param.weight_loader = loader
+        layer.qslots.append(slots)
+
+
 def finish(model: nn.Module, device: torch.device, kernels: list) -> Counter:
     """Each slot's weight into its layer, on `device`, with the method that applies it; returns
     how many layers each (format, kernel) pair serves, and logs it. The pieces come from the
@@ -58,6 +86,17 @@ def finish(model: nn.Module, device: torch.device, kernels: list) -> Counter:
     served: Counter = Counter()
     reasons: dict[tuple[str, str], str] = {}
     for module in model.modules():
+        if getattr(module, "qslots", None) is not None:  # a FusedMoE's quantised experts
+            w13, w2 = (slots.finish(device) for slots in module.qslots)
+            module.qexperts = QuantExperts(w13, w2)
+            module.moe_method = QuantMoEMethod(method)
+            module.moe_method.process_weights_after_loading(module)
+            del module.qslots
+            for kind, kernel, why in module.quant_choices:
+                served[(kind, kernel)] += 1
+                if why:
+                    reasons[(kind, kernel)] = why
+            continue
         slot = getattr(module, "qslot", None)
         if slot is None:
             continue
@@ -84,4 +123,5 @@ def finish(model: nn.Module, device: torch.device, kernels: list) -> Counter:
 def quantized_bytes(model: nn.Module) -> int:
     """The bytes the model's quantised weights hold (each shared weight once)."""
     seen = {id(m.qweight): m.qweight for m in model.modules() if getattr(m, "qweight", None) is not None}
-    return sum(w.nbytes for w in seen.values())
+    experts = sum(m.qexperts.nbytes for m in model.modules() if getattr(m, "qexperts", None) is not None)
+    return sum(w.nbytes for w in seen.values()) + experts

@@ -69,13 +69,27 @@ class MoEMethod:
 def reference_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """The routed experts' weighted sum in torch (the oracle every MoE kernel is tested against)."""
+
+    def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(xs, w13[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w2[e])
+
+    return routed_sum(x, topk_weights, topk_ids, w13.shape[0], expert)
+
+
+def routed_sum(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int,
+               expert) -> torch.Tensor:
+    """sum over k of topk_weights[t, k] * expert(e, x_t), e = topk_ids[t, k]: the experts one by one,
+    in increasing order, each over the tokens routed to it (`expert(e, xs)` -> [n, hidden])."""
     out = torch.zeros_like(x)
-    num_experts = w13.shape[0]
+    if x.shape[0] == 1:  # (decode at batch 1: the routed experts straight from the list, no masks)
+        for k, e in sorted(enumerate(topk_ids[0].tolist()), key=lambda pair: pair[1]):
+            out += (expert(e, x) * topk_weights[:, k, None]).to(out.dtype)
+        return out
     hit = torch.bincount(topk_ids.flatten(), minlength=num_experts).nonzero().flatten().tolist()
     for e in hit:
         token_idx, k_idx = torch.where(topk_ids == e)
-        gate, up = F.linear(x[token_idx], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[token_idx, k_idx, None]
+        y = expert(e, x[token_idx]) * topk_weights[token_idx, k_idx, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
 
@@ -88,7 +102,7 @@ def install_moe_methods(model: nn.Module, choose) -> int:
     let it process the loaded weights. Returns how many layers changed."""
     changed = 0
     for module in model.modules():
-        if isinstance(module, FusedMoE):
+        if isinstance(module, FusedMoE) and module.qexperts is None:  # (quantised: its formats' method)
             method = choose(module)
             if method is not None:
                 module.moe_method = method
@@ -122,6 +136,7 @@ class FusedMoE(nn.Module):
         self.tp_size, self.tp_rank = ps.get_tp_size(), ps.get_tp_rank()
         self.intermediate_per_rank = i = _per_rank(intermediate_size, what)
         self.moe_method = DEFAULT_MOE_METHOD
+        self.qexperts = None  # quantised experts (omniinfer.quantization.experts), in place of the two below
         device = weight_device()
         self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size, device=device),
                                        requires_grad=False)
