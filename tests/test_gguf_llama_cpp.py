@@ -92,3 +92,56 @@ def test_llama_cpps_files_follow_transformers(quantized, shape, file_type, monke
             agreed_steps(tokens, hf_greedy_gguf(path, prompt, len(tokens), scores=True)[1])
         else:
             assert tokens == hf_greedy_gguf(path, prompt, len(tokens)), (shape, file_type)
+
+
+# mixture-of-experts files: Qwen3-MoE's and Mixtral's (8 experts: llama.cpp's rules for them)
+MOE_TYPES = {"q4_k_m": "Q4_K_M", "q3_k_m": "Q3_K_M", "q4_0": "Q4_0"}
+
+
+@pytest.fixture(scope="module")
+def moe_quantized(tmp_path_factory):
+    """(arch, file type) -> (llama.cpp's file, the checkpoint)."""
+    from test_gguf_moe import COMMON, FAMILIES
+
+    root = tmp_path_factory.mktemp("llama_cpp_moe")
+    files = {}
+    for arch in ("qwen3_moe", "mixtral"):
+        ckpt = build_tiny_checkpoint(str(root / arch), arch, **COMMON, **FAMILIES[arch])
+        f16 = export(ckpt, str(root / f"{arch}-f16.gguf"), "f16")
+        for file_type, name in MOE_TYPES.items():
+            out = str(root / f"{arch}-{file_type}.gguf")
+            subprocess.run([QUANTIZE, f16, out, name], check=True, capture_output=True, timeout=600)
+            files[arch, file_type] = out, ckpt
+    return files
+
+
+@pytest.mark.parametrize("file_type", sorted(MOE_TYPES))
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_the_exporter_types_experts_as_llama_cpp_does(moe_quantized, arch, file_type):
+    path, ckpt = moe_quantized[arch, file_type]
+    with open(os.path.join(ckpt, "config.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    experts = cfg.get("num_local_experts") or cfg["num_experts"]
+    gqa = cfg["num_attention_heads"] // cfg["num_key_value_heads"]
+    for t in gguf.GGUFReader(path).tensors:
+        if len(t.shape) >= 2:
+            ours = tensor_type(t.name, file_type, int(t.shape[0]), cfg["num_hidden_layers"], False, gqa, experts)
+            assert ours == gguf.GGMLQuantizationType(t.tensor_type).name, t.name
+
+
+@pytest.mark.parametrize("file_type", sorted(MOE_TYPES))
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_llama_cpps_moe_files_follow_transformers(moe_quantized, arch, file_type, monkeypatch, tmp_path):
+    """Float activations: the experts' kernels compute the file's weights (llama.cpp's scale search)
+    as transformers does on the `gguf` package's dequantisation of them: the same tokens."""
+    from omniinfer.testing.greedy import dequantized_checkpoint, hf_greedy
+
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", "float")
+    path, ckpt = moe_quantized[arch, file_type]
+    llm = LLM(path, tokenizer=ckpt, num_kv_blocks=64)
+    try:
+        got = run(llm)
+    finally:
+        llm.shutdown()
+    want = hf_greedy(dequantized_checkpoint(path, ckpt, str(tmp_path / "ref")), PROMPTS, len(got[0]))
+    assert got == [tokens for tokens, _ in want]

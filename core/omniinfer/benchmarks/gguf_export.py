@@ -1,11 +1,12 @@
-"""A Hugging Face Llama, Qwen2, Qwen3, Phi-3 or Gemma 2/3 checkpoint written as a GGUF file, with
-the `gguf` package, so llama.cpp reads the very weights omniinfer runs (`--compare llama.cpp` in
-the benchmarks).
+"""A Hugging Face Llama, Qwen2, Qwen3, Phi-3, Gemma 2/3, Mixtral, Qwen2-MoE or Qwen3-MoE checkpoint
+written as a GGUF file, with the `gguf` package, so llama.cpp reads the very weights omniinfer
+runs (`--compare llama.cpp` in the benchmarks).
 
 Names, shapes and metadata follow llama.cpp's own converter (convert_hf_to_gguf.py): tensors as
 ``blk.N.attn_q.weight`` and so on, Llama's q/k rows permuted from Hugging Face's rotate-half
 order to GGML's interleaved rotary (the others use the NeoX order and keep them), norms and
-biases in float32, the other 2-D weights in the types llama.cpp's quantiser gives them for the file
+biases and routers in float32, each layer's experts stacked into one [experts, rows, cols] tensor
+per projection, the other weights in the types llama.cpp's quantiser gives them for the file
 type asked for (`tensor_type`: its mixes and its fallbacks; the K-quants through
 omniinfer.testing.kquant's round-to-nearest quantisers, as the gguf package has none). The
 vocabulary is the checkpoint's tokenizer, padded with unused tokens up to the model's vocabulary
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 
 import numpy as np
 
@@ -25,6 +27,7 @@ from omniinfer.hf_config import rope_scaling, rope_theta
 from omniinfer.quantization.gguf_file import _ARCH_LAYER
 from omniinfer.quantization.gguf_file import _LAYER as _GGUF_LAYER
 from omniinfer.quantization.gguf_file import ARCHITECTURES as _GGUF_ARCHS
+from omniinfer.quantization.gguf_moe import EXPERTS, LAYER_NAMES, STACKS
 from omniinfer.testing import kquant
 
 FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k",
@@ -53,9 +56,15 @@ def more_bits(layer: int, num_layers: int) -> bool:
     return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
 
 
-def _mixed(role: str, file_type: str, layer: int, num_layers: int, gqa: int) -> str | None:
+def _mixed(role: str, file_type: str, layer: int, num_layers: int, gqa: int, experts: int = 0) -> str | None:
     """The type a *_K_M, q2_k or iq4 file gives attn_v / ffn_down / attn_output of `layer` (llama.cpp,
-    a dense model that is not Falcon), or None: the file's own."""
+    a model that is not Falcon; `experts`: its expert count, whose rules for 8 experts, Mixtral's,
+    come first), or None: the file's own."""
+    role = role.removesuffix("_exps").removesuffix("_shexp")  # (llama.cpp: by what the name contains)
+    if experts == 8 and role in ("attn_v", "attn_k"):
+        return "Q8_0"  # ("for the 8-expert model, bumping this to Q8_0 trades just ~128MB")
+    if experts == 8 and role == "attn_output":
+        return "Q5_K" if file_type in ("q2_k", "q3_k_m", "iq4_nl", "q4_k_m", "iq4_xs") else None
     if role == "attn_qkv":  # (a fused q/k/v: Phi-3's)
         return {"q3_k_m": "Q4_K", "q4_k_m": "Q5_K", "q5_k_m": "Q6_K"}.get(file_type)
     if file_type in ("q4_k_m", "q5_k_m"):
@@ -72,7 +81,7 @@ def _mixed(role: str, file_type: str, layer: int, num_layers: int, gqa: int) -> 
 
 
 def tensor_type(gguf_tensor: str, file_type: str, cols: int, num_layers: int = 1, tied: bool = False,
-                gqa: int = 1) -> str:
+                gqa: int = 1, experts: int = 0) -> str:
     """The type llama.cpp's quantiser (llama-quant.cpp, llama_tensor_get_type) gives a 2-D tensor
     of a `file_type` file, for the types here (`gqa`: query heads per KV head):
 
@@ -83,11 +92,16 @@ def tensor_type(gguf_tensor: str, file_type: str, cols: int, num_layers: int = 1
       ffn_down Q5_K in the first sixteenth and Q4_K after; q2_k: Q2_K, attn_v Q3_K (Q4_K at 4+
       query heads a KV head), attn_output and ffn_down Q3_K; iq4_nl / iq4_xs: their type, attn_v
       Q5_K at 4+ query heads a KV head, ffn_down Q5_K in the first eighth;
+    * experts (`ffn_*_exps`) and shared experts (`ffn_*_shexp`) as their dense roles; with 8
+      experts (Mixtral), attn_v and attn_k in Q8_0 (every file type) and attn_output Q5_K in the
+      K-quant and IQ4 mixes;
     * the rest in the file's type;
     * a row that is not whole blocks of that type falls back: Q2_K and Q3_K to Q4_0, Q4_K to Q5_0,
       Q5_K to Q5_1, Q6_K to Q8_0, IQ4_XS to IQ4_NL (Qwen2.5-0.5B's 896 columns: its q4_k_m file is
       mostly Q5_0), then to F16.
     """
+    if ".ffn_gate_inp" in gguf_tensor:  # (a router: the converter writes it in float32, the quantiser keeps it)
+        return "F32"
     if file_type in _FLOAT:
         return file_type.upper()
     base = _BASE.get(file_type, file_type.upper())
@@ -96,7 +110,7 @@ def tensor_type(gguf_tensor: str, file_type: str, cols: int, num_layers: int = 1
         kind = "Q8_0" if cols % _block(base) or base == "Q8_0" else "Q6_K"
     elif gguf_tensor.startswith("blk."):
         _, layer, role, _ = gguf_tensor.split(".")
-        kind = _mixed(role, file_type, int(layer), num_layers, gqa) or base
+        kind = _mixed(role, file_type, int(layer), num_layers, gqa, experts) or base
     if cols % _block(kind):
         kind = _FALLBACK.get(kind, "F16")
         if cols % _block(kind):
@@ -104,7 +118,10 @@ def tensor_type(gguf_tensor: str, file_type: str, cols: int, num_layers: int = 1
     return kind
 
 
-_ARCHS = {**{hf: arch for arch, hf in _GGUF_ARCHS.items()}, "MistralForCausalLM": "llama"}
+_ARCHS = {**{hf: arch for arch, hf in _GGUF_ARCHS.items()}, "MistralForCausalLM": "llama",
+          "MixtralForCausalLM": "llama"}
+# each family's router and shared expert (llama.cpp's names; the experts themselves are stacked)
+_MOE_NAMES = {hf: name for layer in LAYER_NAMES.values() for name, hf in layer.items()}
 
 
 def gguf_name(hf_name: str, arch: str = "llama") -> str:
@@ -120,6 +137,8 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str:
         inner, kind = ".".join(parts[3:-1]), parts[-1]
         if inner in layer:
             return f"blk.{parts[2]}.{layer[inner]}.{kind}"
+        if inner in _MOE_NAMES:
+            return f"blk.{parts[2]}.{_MOE_NAMES[inner]}.{kind}"
     raise ValueError(f"tensor {hf_name!r} has no GGUF name here (Llama, Qwen2, Qwen3, Phi-3 and Gemma 2/3 "
                      "layouts only)")
 
@@ -161,6 +180,7 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
         writer.add_rope_scaling_factor(float(scaling["factor"]))
     writer.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
     writer.add_file_type(_FTYPE[file_type])
+    experts = _moe_metadata(writer, cfg, arch)
     _add_vocab(writer, model_dir, cfg["vocab_size"], arch)
     tensors = {}
     for name in sorted(os.listdir(model_dir)):
@@ -180,29 +200,66 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
     tied = bool(cfg.get("tie_word_embeddings"))
     if tied:
         tensors.pop("lm_head.weight", None)
+    stacks: dict[str, dict[int, np.ndarray]] = {}  # an expert stack's name -> its experts
     for hf_name, value in tensors.items():
         w = value.float().numpy()
         if arch in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             w = w + 1.0  # (as llama.cpp's converter: ggml's RMSNorm multiplies by the weight, Gemma's by 1 + it)
         if arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             w = _permute_rotary(w, heads if "q_proj" in hf_name else kv_heads)
-        name = gguf_name(hf_name, arch)
-        kind = "F32" if w.ndim == 1 else tensor_type(name, file_type, w.shape[-1], cfg["num_hidden_layers"], tied,
-                                                     heads // kv_heads)
-        if kind == "F32":
-            writer.add_tensor(name, np.ascontiguousarray(w))  # norms and biases stay float32
+        expert = _EXPERT.match(hf_name)
+        if expert is not None and experts:
+            layer, e, which = expert.groups()
+            stack = f"blk.{layer}.{STACKS[EXPERTS[arch][1].index(which)]}.weight"
+            stacks.setdefault(stack, {})[int(e)] = w
             continue
-        qtype = getattr(gguf.GGMLQuantizationType, kind)
-        if kind in kquant.QUANTIZERS:
-            data = kquant.QUANTIZERS[kind](np.ascontiguousarray(w))
-        else:
-            data = gguf.quants.quantize(np.ascontiguousarray(w), qtype)
-        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+        name = gguf_name(hf_name, arch)
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            w = w.reshape(-1)  # (a [1, hidden] layer, written as the vector llama.cpp reads)
+        _add_tensor(writer, name, w, file_type, cfg, tied, experts)
+    for name, parts in stacks.items():  # (as llama.cpp's converter: each projection's experts in one tensor)
+        _add_tensor(writer, name, np.stack([parts[e] for e in range(experts)]), file_type, cfg, tied, experts)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return out_path
+
+
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def _add_tensor(writer, name: str, w: np.ndarray, file_type: str, cfg: dict, tied: bool, experts: int) -> None:
+    """One tensor (or a stack of experts, [experts, rows, cols]) in the type the file type gives it."""
+    import gguf
+
+    heads = cfg["num_attention_heads"]
+    gqa = heads // cfg.get("num_key_value_heads", heads)
+    kind = "F32" if w.ndim == 1 else tensor_type(name, file_type, w.shape[-1], cfg["num_hidden_layers"], tied,
+                                                 gqa, experts)
+    if kind == "F32":
+        writer.add_tensor(name, np.ascontiguousarray(w, dtype=np.float32))  # norms, biases, routers
+        return
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    rows = np.ascontiguousarray(w.reshape(-1, w.shape[-1]))
+    data = kquant.QUANTIZERS[kind](rows) if kind in kquant.QUANTIZERS else gguf.quants.quantize(rows, qtype)
+    data = data.reshape(*w.shape[:-1], -1)
+    writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+
+
+def _moe_metadata(writer, cfg: dict, arch: str) -> int:
+    """A mixture of experts' keys as llama.cpp's converter writes them; returns the expert count
+    (0: a dense model)."""
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if not experts:
+        return 0
+    writer.add_expert_count(experts)
+    writer.add_expert_used_count(int(cfg["num_experts_per_tok"]))
+    if arch != "llama":  # (Mixtral's experts are intermediate_size wide)
+        writer.add_expert_feed_forward_length(int(cfg["moe_intermediate_size"]))
+        if cfg.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(int(cfg["shared_expert_intermediate_size"]))
+    return experts
 
 
 def _global_rope(cfg: dict) -> tuple[float, dict | None]:
@@ -264,7 +321,7 @@ def _add_vocab(writer, model_dir: str, vocab_size: int, arch: str) -> None:
     merges = tok["model"].get("merges", [])
     merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3") else "default")
+    writer.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe") else "default")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)

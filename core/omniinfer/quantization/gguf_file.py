@@ -4,9 +4,10 @@ needs), and the tokenizer transformers builds from the file. The header is read 
 gguf_header.py (held to the `gguf` package's reader in the tests); the blocks are dequantised as
 the `gguf` package does (gguf_blocks.py).
 
-Families: llama (Llama 1-3, Mistral), qwen2, qwen3, phi3 (Phi-3, Phi-3.5: fused q/k/v and
-gate/up tensors, as Hugging Face's), gemma2 and gemma3 (text; their norm weights stored as 1 + w,
-as llama.cpp's converter writes them). The file is checked before anything large
+Families: llama (Llama 1-3, Mistral; Mixtral: a llama file with experts), qwen2, qwen3, phi3
+(Phi-3, Phi-3.5: fused q/k/v and gate/up tensors, as Hugging Face's), gemma2 and gemma3 (text;
+their norm weights stored as 1 + w, as llama.cpp's converter writes them), qwen2moe and qwen3moe
+(the mixtures of experts: gguf_moe.py). The file is checked before anything large
 is allocated: every tensor's bytes must lie inside the file and match its type and shape.
 """
 
@@ -19,15 +20,16 @@ import numpy as np
 import torch
 
 from omniinfer.models.layers.weights import WeightShapeError
-from omniinfer.quantization import gguf_blocks
+from omniinfer.quantization import gguf_blocks, gguf_moe
 from omniinfer.quantization.base import QuantPiece, register_format
 from omniinfer.quantization.gguf_header import GGUFError, GGUFHeader
 
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "is_gguf", "load_tokenizer"]
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-_MODEL_TYPES = {"gemma3": "gemma3_text"}  # (else the architecture's name)
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}  # (+ Mixtral: llama)
+_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # (else the name)
 _LAYER = {
     "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
@@ -38,7 +40,7 @@ _LAYER = {
 _GEMMA_NORMS = {"ffn_norm": "pre_feedforward_layernorm", "post_attention_norm": "post_attention_layernorm",
                 "post_ffw_norm": "post_feedforward_layernorm"}  # (a norm before and after each block)
 _ARCH_LAYER = {"phi3": {"ffn_up": "mlp.gate_up_proj"},  # (gate and up in one tensor)
-               "gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS}
+               "gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS, **gguf_moe.LAYER_NAMES}
 # llama.cpp's rules for what a Gemma file does not say: a sliding layer to each global one (2) or
 # five to one (6), the sliding layers' rope base (Gemma 3), and the 27B models' attention scale
 # (by their layer count: 1 / sqrt(hidden / heads), where the others' is 1 / sqrt(head_dim))
@@ -60,6 +62,9 @@ def hf_name(name: str, arch: str = "llama") -> str:
         return f"model.layers.{parts[1]}.{layer[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _TOP:
         return f"{_TOP[parts[0]]}.{parts[1]}"
+    split = gguf_moe.split_expert_name(name, arch)
+    if split is not None:
+        return split
     raise GGUFError(f"tensor {name!r} is not one omniinfer knows in a {'/'.join(ARCHITECTURES)} GGUF file")
 
 
@@ -102,11 +107,13 @@ class GGUFFile:
         a = self.arch
         need = {"hidden_size": f"{a}.embedding_length", "num_hidden_layers": f"{a}.block_count",
                 "intermediate_size": f"{a}.feed_forward_length", "num_attention_heads": f"{a}.attention.head_count"}
+        if a in ("qwen2moe", "qwen3moe") and self.field(need["intermediate_size"]) is None:
+            del need["intermediate_size"]  # (all layers sparse: gguf_moe.moe_config)
         cfg = {"architectures": [ARCHITECTURES[a]], "model_type": _MODEL_TYPES.get(a, a)}
-        cfg.update({name: self._count(key) for name, key in need.items()})
-        cfg["num_key_value_heads"] = self._count(f"{a}.attention.head_count_kv", cfg["num_attention_heads"])
+        cfg.update({name: self.count(key) for name, key in need.items()})
+        cfg["num_key_value_heads"] = self.count(f"{a}.attention.head_count_kv", cfg["num_attention_heads"])
         if self.field(f"{a}.attention.key_length") is not None:  # (else hidden / heads)
-            cfg["head_dim"] = self._count(f"{a}.attention.key_length")
+            cfg["head_dim"] = self.count(f"{a}.attention.key_length")
         cfg["rms_norm_eps"] = float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6))
         cfg["rope_theta"] = float(self.field(f"{a}.rope.freq_base", 10000.0))
         cfg["max_position_embeddings"] = int(self.field(f"{a}.context_length", 2048))
@@ -126,6 +133,7 @@ class GGUFFile:
             self._phi3(cfg)
         if a in _GEMMA:
             self._gemma(cfg)
+        gguf_moe.moe_config(self, cfg)
         embd = self.tensors.get("token_embd.weight")
         if embd is None:
             raise GGUFError(f"{self.path}: tensor 'token_embd.weight' is missing")
@@ -139,7 +147,7 @@ class GGUFFile:
         cfg["attention_bias"] = False  # (qwen2's q/k/v biases are its model_type's)
         return cfg
 
-    def _count(self, key: str, default: int | None = None) -> int:
+    def count(self, key: str, default: int | None = None) -> int:
         """A metadata count the config is built from: present (or defaulted) and positive."""
         value = self.field(key, default)
         if value is None:
@@ -217,6 +225,13 @@ class GGUFFile:
             if self.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
                 perm_heads = heads["num_attention_heads"] if "attn_q" in name else heads["num_key_value_heads"]
             data = self.header.map[offset:offset + n_bytes]
+            if gguf_moe.is_stack(name):  # (one expert at a time: each to its own slot)
+                for ours, at, part in gguf_moe.expert_views(self.arch, name, shape, n_bytes):
+                    expert = f"{name}[{ours.split('.experts.')[1].split('.')[0]}]"
+                    yield ours, GGUFTensor(self.path, expert, data[at:at + n_bytes // shape[0]], kind, part)
+                continue
+            if name.endswith("ffn_gate_inp_shexp.weight") and len(shape) == 1:
+                shape = (1, shape[0])  # (Qwen2-MoE's shared expert gate: a vector; Hugging Face's a 1-row layer)
             # (Gemma's norms: llama.cpp's converter adds the 1 its RMSNorm adds, Hugging Face's does not)
             offset_added = 1.0 if self.arch in _GEMMA and name.endswith("norm.weight") else 0.0
             yield hf_name(name, self.arch), GGUFTensor(self.path, name, data, kind, shape, perm_heads, offset_added)

@@ -44,3 +44,34 @@ def agreed_steps(tokens: list[int], steps: list[torch.Tensor], near_tie: float =
             assert margin < near_tie, f"step {i}: {ours} instead of {theirs}, {margin:.4f} below it"
             return i
     return min(len(tokens), len(steps))
+
+
+def dequantized_checkpoint(gguf_path: str, source: str, out: str) -> str:
+    """A Hugging Face checkpoint in `out` of a GGUF file's weights as the `gguf` package
+    dequantises them (float32), with `source`'s config and tokenizer: transformers then runs the
+    file's numbers where it does not read the file itself (MoE files, whose experts transformers
+    5 reads only for some families, and whose routing it does not take from the file). The names
+    are omniinfer's reader's: the f32 file of the same checkpoint checks those on their own."""
+    import os
+    import shutil
+
+    import gguf
+    from safetensors.torch import save_file
+
+    from omniinfer.quantization.base import QuantPiece
+    from omniinfer.quantization.gguf_file import GGUFFile
+
+    state = {}
+    for name, tensor in GGUFFile(gguf_path).named_tensors():
+        value = tensor.full()
+        if isinstance(value, QuantPiece):
+            blocks = value.tensors["blocks"].numpy()
+            value = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[tensor.kind.name])
+                                     .reshape(value.shape).astype("float32"))
+        state[name] = value.float().contiguous()
+    os.makedirs(out, exist_ok=True)
+    for f in os.listdir(source):
+        if f.endswith(".json") and f != "model.safetensors.index.json":
+            shutil.copy(os.path.join(source, f), out)
+    save_file(state, os.path.join(out, "model.safetensors"))
+    return out

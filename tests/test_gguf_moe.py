@@ -1,0 +1,152 @@
+"""Mixture-of-experts GGUF files (qwen3moe, qwen2moe with its shared expert, Mixtral as a llama file
+with experts), written as llama.cpp's converter writes them: each layer's experts stacked into one
+tensor per projection, the router in float32.
+
+References: transformers on the checkpoint the file came from (the f32 file: names, routing and
+the config read back), and transformers on the weights the `gguf` package dequantises from the
+file (the quantised files: what the kernels compute; transformers reads no routing rule from a
+GGUF file, and llama.cpp's are the file's meaning: Qwen3-MoE renormalises, Qwen2-MoE does not).
+Float activations give the reference's tokens; int8 activations (the default) follow it up to a
+near-tie (omniinfer.testing.greedy)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from omniinfer import LLM, SamplingParams
+from omniinfer.benchmarks.gguf_export import export
+from omniinfer.quantization.gguf_file import GGUFError, GGUFFile
+from omniinfer.testing.greedy import agreed_steps, dequantized_checkpoint, hf_greedy, kernel_names
+from omniinfer.testing.tiny_models import build_tiny_checkpoint
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+PROMPTS = [[1, 5, 9, 33, 7, 20], list(range(40, 90))]
+COMMON = dict(hidden_size=256, intermediate_size=256, seed=2)
+FAMILIES = {  # 8 experts, 2 a token; qwen3's experts 256 wide (K-quant blocks in down's rows too)
+    "qwen3_moe": dict(num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                      shared_expert_intermediate_size=128),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {arch: build_tiny_checkpoint(str(root / arch), arch, **COMMON, **kw) for arch, kw in FAMILIES.items()}
+
+
+def gguf_of(models, arch: str, file_type: str) -> str:
+    path = os.path.join(models[arch], f"{file_type}.gguf")
+    return path if os.path.isfile(path) else export(models[arch], path, file_type)
+
+
+def generate(path: str, tokenizer: str, **kw) -> list[list[int]]:
+    llm = LLM(path, tokenizer=tokenizer, num_kv_blocks=64, **kw)
+    try:
+        return [list(o.outputs[0].token_ids) for o in
+                llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_an_f32_moe_file_runs_as_its_checkpoint_in_transformers(models, arch):
+    path = gguf_of(models, arch, "f32")
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    assert {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_down_exps.weight", "blk.0.ffn_gate_inp.weight"} <= names
+    assert ("blk.0.ffn_gate_shexp.weight" in names) == (arch == "qwen2_moe")
+    assert generate(path, models[arch]) == [tokens for tokens, _ in hf_greedy(models[arch], PROMPTS, PARAMS.max_tokens)]
+
+
+@pytest.mark.parametrize("arch,file_type", [("qwen3_moe", "q4_k_m"), ("qwen3_moe", "q8_0"),
+                                            ("qwen2_moe", "q4_k_m"), ("mixtral", "q4_0")])
+def test_quantised_experts_compute_the_files_weights(models, arch, file_type, monkeypatch, tmp_path):
+    path = gguf_of(models, arch, file_type)
+    want = hf_greedy(dequantized_checkpoint(path, models[arch], str(tmp_path / "ref")), PROMPTS, PARAMS.max_tokens)
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", "float")
+    assert generate(path, models[arch]) == [tokens for tokens, _ in want]
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", "int8")
+    for tokens, (_, steps) in zip(generate(path, models[arch]), want):
+        agreed_steps(tokens, steps)
+
+
+def test_experts_are_held_as_the_files_bytes(models):
+    """No float copy: the stacked expert parameters stay on the meta device, each expert's gate/up
+    and down are the file's blocks run by the CPU kernels, and the model holds the file's bytes."""
+    path = gguf_of(models, "qwen3_moe", "q4_k_m")
+    llm = LLM(path, tokenizer=models["qwen3_moe"], num_kv_blocks=64)
+    try:
+        runner = llm.llm_engine.executor.worker.model_runner
+        experts = runner.model.model.layers["1"].mlp.experts
+        assert experts.w13_weight.is_meta and experts.w2_weight.is_meta
+        assert experts.moe_method.name == "quantised experts"
+        w13, w2 = experts.qexperts.w13, experts.qexperts.w2
+        assert len(w13) == len(w2) == 8
+        # (the file's kinds, held repacked in the CPU kernels' groups of 8 rows; down in Q6_K in
+        # the last layer: llama.cpp's more_bits)
+        assert [c[0] for c in w13[3].quant_choices + w2[3].quant_choices] == ["gguf:Q4_K", "gguf:Q6_K"]
+        assert w13[3].qweight.kinds == ["cpu:Q4_Kx8"] and w2[3].qweight.kinds == ["cpu:Q6_Kx8"]
+        assert {k for _, k, _ in experts.quant_choices} == kernel_names(llm)
+        assert all(k.startswith("cpu") for k in kernel_names(llm))
+        file_bytes = sum(GGUFFile(path).tensor_bytes().values())
+        assert 0.95 * file_bytes < runner.model_bytes() < 1.05 * file_bytes
+    finally:
+        llm.shutdown()
+
+
+def test_moe_gguf_under_tensor_parallelism(models):
+    """Each rank takes its half of every expert's gate/up rows and down columns (Q8_0's blocks of
+    32: 64 / 2 columns a rank), and of the shared expert's (128 / 2)."""
+    path = gguf_of(models, "qwen2_moe", "q8_0")
+    assert generate(path, models["qwen2_moe"], tensor_parallel_size=2) == generate(path, models["qwen2_moe"])
+
+
+def test_bad_expert_metadata_is_named(models, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(models["qwen3_moe"], bad)
+    with open(bad / "config.json") as f:
+        cfg = json.load(f)
+    cfg["num_experts_per_tok"] = 9
+    with open(bad / "config.json", "w") as f:
+        json.dump(cfg, f)
+    path = export(str(bad), str(tmp_path / "used.gguf"), "q8_0")
+    with pytest.raises(GGUFError, match=r"used.gguf: metadata key 'qwen3moe.expert_used_count' is 9, more than "
+                                         r"qwen3moe.expert_count=8"):
+        LLM(path, tokenizer=models["qwen3_moe"])
+
+    writer = gguf.GGUFWriter(str(tmp_path / "flat.gguf"), "qwen3moe")
+    for key, value in dict(embedding_length=256, block_count=1, head_count=4, expert_count=8,
+                           expert_used_count=2, expert_feed_forward_length=64).items():
+        getattr(writer, f"add_{key}")(value)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 256), dtype=np.float32))
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", np.zeros((512, 256), dtype=np.float32))  # (not stacked)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(GGUFError, match=r"tensor 'blk.0.ffn_gate_exps.weight' of shape \(512, 256\): experts are "
+                                         r"read as \[experts, rows, cols\] stacks"):
+        list(GGUFFile(str(tmp_path / "flat.gguf")).named_tensors())
+
+
+def test_the_reference_moe_path_is_the_same_sum_at_batch_one():
+    """routed_sum's batch-1 path (no masks) adds the same terms as its general one (in the same order:
+    what is left is the products' own rounding, one row against three)."""
+    from omniinfer.models.layers.moe import reference_moe
+
+    torch.manual_seed(0)
+    w13, w2 = torch.randn(6, 32, 16), torch.randn(6, 16, 16)
+    x = torch.randn(3, 16)
+    weights, ids = torch.rand(3, 2), torch.tensor([[4, 1], [0, 4], [5, 2]])
+    batch = reference_moe(x, w13, w2, weights, ids)
+    for t in range(3):
+        torch.testing.assert_close(reference_moe(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1]),
+                                   batch[t:t + 1], rtol=1e-6, atol=1e-4)
