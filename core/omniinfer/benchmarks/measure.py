@@ -27,6 +27,12 @@ SHAPES = {
     # back to Q5_0 and Q8_0, as a downloaded Qwen2.5-0.5B q4_k_m file does)
     "1b-8l": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8,
                   intermediate_size=8192, vocab_size=128256, arch="llama", tie_word_embeddings=True),
+    # Qwen3-30B-A3B's widths (head_dim 128, 8 experts of 768 a token), 8 of its 48 layers, 16 of
+    # its 128 experts (a token reads 8 a layer whatever the count) and a 32k vocabulary: a token
+    # reads the experts mostly, as the whole model's tokens do
+    "a3b-8l": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
+                   head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=16,
+                   num_experts_per_tok=8, norm_topk_prob=True, vocab_size=32000, arch="qwen3_moe"),
     # for the CI smoke test of the scripts: every code path, seconds to run
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=512, arch="llama"),
@@ -90,11 +96,9 @@ def model_flops(shape: dict, num_prompts: int, input_len: int, output_len: int) 
     """Model FLOPs of the workload: linear layers for every token, the LM head only where
     logits are needed (the last prompt token and every generated one but the last), and
     attention (QK^T and PV) over each token's context."""
-    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
-    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
-    head = h // heads
-    inter, vocab = shape["intermediate_size"], shape["vocab_size"]
-    per_layer = h * (heads + 2 * kv_heads) * head + heads * head * h + 3 * h * inter
+    h, layers, heads, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["num_attention_heads"], shape["vocab_size"]
+    head = shape.get("head_dim") or h // heads
+    per_layer = layer_params(shape)
     tokens = num_prompts * (input_len + output_len - 1)  # the last sampled token is never fed back
     linear = 2 * per_layer * layers * tokens
     lm_head = 2 * h * vocab * num_prompts * output_len
@@ -106,12 +110,19 @@ def model_flops(shape: dict, num_prompts: int, input_len: int, output_len: int) 
 
 def weight_bytes(shape: dict, dtype: torch.dtype) -> int:
     """Bytes read per decoded token: every linear weight plus the LM head (tied or not)."""
-    h, layers = shape["hidden_size"], shape["num_hidden_layers"]
-    heads, kv = shape["num_attention_heads"], shape["num_key_value_heads"]
-    head = h // heads
-    per_layer = h * (heads + 2 * kv) * head + heads * head * h + 3 * h * shape["intermediate_size"]
-    params = per_layer * layers + h * shape["vocab_size"]
+    params = layer_params(shape) * shape["num_hidden_layers"] + shape["hidden_size"] * shape["vocab_size"]
     return params * torch.empty((), dtype=dtype).element_size()
+
+
+def layer_params(shape: dict) -> int:
+    """A layer's linear weights one token goes through (of a mixture of experts: its router and
+    the experts it is routed to)."""
+    h, heads, kv = shape["hidden_size"], shape["num_attention_heads"], shape["num_key_value_heads"]
+    head = shape.get("head_dim") or h // heads
+    mlp = 3 * h * shape["intermediate_size"]
+    if shape.get("num_experts_per_tok"):
+        mlp = 3 * h * shape["moe_intermediate_size"] * shape["num_experts_per_tok"] + h * shape["num_experts"]
+    return h * (heads + 2 * kv) * head + heads * head * h + mlp
 
 
 def matmul_peak(shape: dict, dtype: torch.dtype, rows: list[int], seconds: float = 0.25,

@@ -46,8 +46,12 @@ def shape_of(model_dir: str) -> dict:
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "intermediate_size", "vocab_size")
-    shape = {k: cfg[k] for k in keys if k in cfg}
+            "intermediate_size", "vocab_size", "head_dim", "moe_intermediate_size", "num_experts_per_tok")
+    shape = {k: cfg[k] for k in keys if cfg.get(k) is not None}
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if experts and cfg.get("num_experts_per_tok"):
+        shape["num_experts"] = experts
+        shape.setdefault("moe_intermediate_size", cfg["intermediate_size"])  # (Mixtral's experts)
     shape.setdefault("num_key_value_heads", shape["num_attention_heads"])
     return shape
 
@@ -250,11 +254,18 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
 
 def gguf_bytes_per_token(path: str) -> int:
     """The bytes of a GGUF file's tensors one decoded token reads: all but the embedding table,
-    which the LM head reads whole where it is tied (no output.weight)."""
+    which the LM head reads whole where it is tied (no output.weight); of a mixture of experts'
+    stacks, the experts a token is routed to (expert_used_count of expert_count)."""
     from omniinfer.quantization.gguf_file import GGUFFile
+    from omniinfer.quantization.gguf_moe import is_stack
 
-    tensors = GGUFFile(path).tensor_bytes()
-    return sum(n for name, n in tensors.items() if not (name == "token_embd.weight" and "output.weight" in tensors))
+    file = GGUFFile(path)
+    tensors = file.tensor_bytes()
+    routed = 1.0
+    if file.field(f"{file.arch}.expert_count"):
+        routed = file.field(f"{file.arch}.expert_used_count") / file.field(f"{file.arch}.expert_count")
+    return int(sum(n * (routed if is_stack(name) else 1) for name, n in tensors.items()
+                   if not (name == "token_embd.weight" and "output.weight" in tensors)))
 
 
 def _llama_cpp(make):
