@@ -88,6 +88,7 @@ def test_experts_are_held_as_the_files_bytes(models):
         experts = runner.model.model.layers["1"].mlp.experts
         assert experts.w13_weight.is_meta and experts.w2_weight.is_meta
         assert experts.moe_method.name == "quantised experts"
+        assert experts.moe_method.step is not None  # (the CPU plugin's one-call step for a token's experts)
         w13, w2 = experts.qexperts.w13, experts.qexperts.w2
         assert len(w13) == len(w2) == 8
         # (the file's kinds, held repacked in the CPU kernels' groups of 8 rows; down in Q6_K in

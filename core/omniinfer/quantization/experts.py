@@ -8,7 +8,9 @@ and narrows gate and up rows (or, under tensor parallelism, down columns), which
 :class:`ExpertSlots` are each expert's QuantSlots. Applying is :class:`QuantMoEMethod`: routing
 as every method (`select_experts`), then for each routed expert its two products through the
 platform's kernels for their formats (`QuantLinearMethod`, the reference where none runs), the
-SiLU-and-multiply and the weighted sum as the torch reference (`routed_sum`).
+SiLU-and-multiply and the weighted sum as the torch reference (`routed_sum`). Where each expert's
+weights are one kernel of a class with an `experts_step` (the CPU plugin's: all of a token's
+experts in one C call), a one-token step takes it instead.
 """
 
 from __future__ import annotations
@@ -74,14 +76,24 @@ class QuantMoEMethod(MoEMethod):
 
     def __init__(self, linear: QuantLinearMethod):
         self.linear = linear
+        self.step = None  # the platform's one-token step (QuantKernel.experts_step), where it has one
 
     def process_weights_after_loading(self, layer) -> None:
         layer.quant_choices = []
-        for expert in (*layer.qexperts.w13, *layer.qexperts.w2):
+        experts = (*layer.qexperts.w13, *layer.qexperts.w2)
+        for expert in experts:
             self.linear.process_weights_after_loading(expert)
             layer.quant_choices.extend(expert.quant_choices)
+        kernels = [[k for _, k in e.quant_kernels] for e in experts]
+        if all(len(k) == 1 for k in kernels) and len({type(k[0]) for k in kernels}) == 1:
+            first = [e.quant_kernels[0][1] for e in layer.qexperts.w13]
+            self.step = type(first[0]).experts_step(first, [e.quant_kernels[0][1] for e in layer.qexperts.w2])
 
     def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1 and self.step is not None:  # (decode at batch 1: one call on the platform)
+            out = self.step(x, topk_weights, topk_ids)
+            if out is not None:
+                return out
         experts, linear = layer.qexperts, self.linear
 
         def expert(e: int, xs: torch.Tensor) -> torch.Tensor:

@@ -77,10 +77,10 @@ def _prepare_experts(layer: FusedMoE, name: str, quantized: set[str], device: to
 
 def finish(model: nn.Module, device: torch.device, kernels: list) -> Counter:
     """Each slot's weight into its layer, on `device`, with the method that applies it; returns
-    how many layers each (format, kernel) pair serves, and logs it. The pieces come from the
-    checkpoint on the host (a GGUF file's are views of its mapping): on an accelerator each moves
-    to the device here, layer by layer, before a kernel repacks it; on the CPU they stay as they
-    are."""
+    how many weights (a layer's segments; a mixture of experts' experts, each gate/up and down)
+    each (format, kernel) pair serves, and logs it. The pieces come from the checkpoint on the
+    host (bytes a GGUF file's tensors were read into): on an accelerator each moves to the device
+    here, layer by layer, before a kernel repacks it; on the CPU they stay as they are."""
     method = QuantLinearMethod(device.type, kernels)
     weights: dict[int, object] = {}
     served: Counter = Counter()
@@ -116,7 +116,7 @@ def finish(model: nn.Module, device: torch.device, kernels: list) -> Counter:
                     reasons[(kind, kernel)] = why
     for (kind, kernel), count in sorted(served.items()):
         why = reasons.get((kind, kernel))
-        logger.info("quantised layers: %d x %s -> %s%s", count, kind, kernel, f" ({why})" if why else "")
+        logger.info("quantised weights: %d x %s -> %s%s", count, kind, kernel, f" ({why})" if why else "")
     return served
 
 

@@ -45,3 +45,46 @@ class CpuMoEMethod(MoEMethod):
         if rc != 0:
             raise MemoryError("omni_moe could not allocate its work buffers")
         return out
+
+
+class CpuExpertsStep:
+    """One token's routed experts on quantised weights in one call (`omni_qmoe`): each expert's
+    gate/up and down through omni_qlinear on the blocks its CpuQuantKernel holds, as
+    QuantMoEMethod's loop does, without Python between them. float32 only (GGUF models run so)."""
+
+    def __init__(self, w13: list, w2: list):
+        self.w13, self.w2 = w13, w2
+        self.k = w13[0].k
+        self.hidden, self.intermediate = w13[0].piece.shape[1], w2[0].piece.shape[1]
+        self.table = None  # (the weights' addresses, read at the first call: after every repack)
+
+    @staticmethod
+    def of(w13: list, w2: list) -> CpuExpertsStep | None:
+        h, i = w13[0].piece.shape[1], w2[0].piece.shape[1]
+        if any(k.piece.shape != (2 * i, h) for k in w13) or any(k.piece.shape != (h, i) for k in w2):
+            return None
+        return CpuExpertsStep(w13, w2)
+
+    def _addresses(self):
+        def table(kernels):
+            return (torch.tensor([k.w.data_ptr() for k in kernels], dtype=torch.int64),
+                    torch.tensor([0 if k.scale is None else k.scale.data_ptr() for k in kernels], dtype=torch.int64),
+                    torch.tensor([k.code for k in kernels], dtype=torch.int32))
+
+        return (*table(self.w13), *table(self.w2))
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor | None:
+        if x.dtype != torch.float32 or topk_weights.dtype != torch.float32 or x.shape != (1, self.hidden):
+            return None
+        if self.table is None:
+            self.table = self._addresses()
+        x = x.contiguous()
+        ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
+        weights = topk_weights.reshape(-1).contiguous()
+        out = torch.empty_like(x)
+        rc = self.k.qmoe(x.data_ptr(), *(t.data_ptr() for t in self.table), ids.data_ptr(), weights.data_ptr(),
+                         ids.numel(), len(self.w13), out.data_ptr(), self.hidden, self.intermediate,
+                         torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"omni_qmoe failed ({rc}) for experts {ids.tolist()} of {len(self.w13)}")
+        return out

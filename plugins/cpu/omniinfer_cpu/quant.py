@@ -140,6 +140,12 @@ class CpuQuantKernel(QuantKernel):
             raise RuntimeError(f"omni_qlinear failed ({rc}) for a {self.piece.kind} weight of shape {self.piece.shape}")
         return out
 
+    @classmethod
+    def experts_step(cls, w13: list, w2: list):
+        from omniinfer_cpu.moe import CpuExpertsStep
+
+        return CpuExpertsStep.of(w13, w2)
+
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         """Rows `ids` decoded in C (quant_rows.c: the reference's values, bit for bit)."""
         if dtype not in DTYPE_CODES or ids.device.type != "cpu":

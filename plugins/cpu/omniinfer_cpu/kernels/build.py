@@ -99,6 +99,10 @@ SIGNATURES = {
     "omni_ec_pack": ([_P, _I32, _I32, _I32, _I64, _P, _I32], _I32),
     # x, ldx, ec, bias, y, ldy, M, N, K, dtype, nthreads
     "omni_linear_ec": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32], _I32),
+    # x (float32 [H]), w13, s13 (int64 [E]: each expert's blocks and scale, 0: none), kind13 (int32
+    # [E]), w2, s2, kind2, ids (int64 [n]), weights (float32 [n]), n, E, out (float32 [H]), H, I,
+    # nthreads
+    "omni_qmoe": ([_P, _P, _P, _P, _P, _P, _P, _P, _P, _I32, _I32, _P, _I32, _I32, _I32], _I32),
     # x, ldx, w13 [E, 2I, H], w2 [E, H, I], topk_ids (int64 [T, K]), topk_weights (float32 [T, K]),
     # out, ldo, T, K, E, H, I, dtype, nthreads
     "omni_moe": ([_P, _I64, _P, _P, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32, _I32], _I32),

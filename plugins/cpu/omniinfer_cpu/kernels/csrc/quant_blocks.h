@@ -282,10 +282,17 @@ x8_group_fn omni_iq4x8_group(int kind);
 /* quant_k23x8.c: the group function of Q2_KX8 or Q3_KX8 */
 x8_group_fn omni_k23x8_group(int kind);
 
+/* quant_x8.c: the group function of any X8 kind (is_x8) */
+x8_group_fn omni_x8_group(int kind);
 /* quant_x8.c: y [M, ldy] (dt) = X @ W^T for W's N rows in groups of 8 (is_x8) at w */
 void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt,
                    int nthreads);
 
+/* quant_q8.c: the rows of x [M, ldx] (dt) rounded to int8 blocks of 32 (K whole blocks), with the
+ * block scales and sums the int8 products read (xq's arrays; `s32` and `isum` [M, K / 32], `s`
+ * [M, K / 16]) */
+void omni_quantize_x(const void *x, int64_t ldx, int dt, int M, int K, int8_t *qx, float *dx, float *sx,
+                     float *s32, int32_t *xsum);
 /* quant_q8.c: the int8-activation path (kind without QACT_INT8; K whole blocks of 32) */
 int omni_qlinear_q8(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy,
                     int M, int N, int K, int kind, int dt, int nthreads);

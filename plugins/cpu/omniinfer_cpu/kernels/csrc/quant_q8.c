@@ -128,8 +128,8 @@ INLINE vf round_even(vf v) {
 /* The rows of x [M, ldx] (dt) as int8 [M, K] (qx), with each block's d [M, K / 32] (dx), the
  * sums of each 16 rounded values times d [M, K / 16] (sx) and each block's sum [M, K / 32] (xsum).
  * K is whole blocks of 32. */
-static void quantize_x(const void *x, int64_t ldx, int dt, int M, int K, int8_t *qx, float *dx, float *sx,
-                       float *s32, int32_t *xsum) {
+void omni_quantize_x(const void *x, int64_t ldx, int dt, int M, int K, int8_t *qx, float *dx, float *sx,
+                     float *s32, int32_t *xsum) {
     typedef int8_t vq8 __attribute__((vector_size(VL)));
     for (int m = 0; m < M; m++)
         for (int b = 0; b < K / 32; b++) {
@@ -374,7 +374,7 @@ int omni_qlinear_q8(const void *x, int64_t ldx, const uint8_t *w, const float *s
     if (!qx) return -1;
     float *dx = (float *)(((uintptr_t)(qx + (size_t)M * K) + 63) & ~(uintptr_t)63), *sx = dx + nb, *s32 = sx + 2 * nb;
     int32_t *xsum = (int32_t *)(s32 + nb);
-    quantize_x(x, ldx, dt, M, K, qx, dx, sx, s32, xsum);
+    omni_quantize_x(x, ldx, dt, M, K, qx, dx, sx, s32, xsum);
     if (is_x8(kind)) {
         xq X = {qx, dx, sx, s32, xsum, K};
         omni_qx8_rows(kind, w, &X, y, ldy, M, N, dt, nthreads);

@@ -195,14 +195,18 @@ ROWS_OF(q41_rows)
 ROWS_OF(q50_rows)
 ROWS_OF(q51_rows)
 
+x8_group_fn omni_x8_group(int kind) {
+    return kind == Q8_0X8 ? q8_rows_n : kind == Q4_1X8 ? q41_rows_n : kind == Q5_0X8 ? q50_rows_n
+         : kind == Q5_1X8 ? q51_rows_n : kind == Q4_0X8 ? q4_rows_n
+         : kind == IQ4_NLX8 || kind == IQ4_XSX8 ? omni_iq4x8_group(kind)
+         : kind == Q2_KX8 || kind == Q3_KX8 ? omni_k23x8_group(kind) : omni_kx8_group(kind);
+}
+
 void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy, int M, int N, int dt,
                    int nthreads) {
     int64_t G = (N + 7) / 8;
     size_t group_bytes = 8 * qrow_bytes(kind, X->K);
-    x8_group_fn group = kind == Q8_0X8 ? q8_rows_n : kind == Q4_1X8 ? q41_rows_n : kind == Q5_0X8 ? q50_rows_n
-                      : kind == Q5_1X8 ? q51_rows_n : kind == Q4_0X8 ? q4_rows_n
-                      : kind == IQ4_NLX8 || kind == IQ4_XSX8 ? omni_iq4x8_group(kind)
-                      : kind == Q2_KX8 || kind == Q3_KX8 ? omni_k23x8_group(kind) : omni_kx8_group(kind);
+    x8_group_fn group = omni_x8_group(kind);
     if (nthreads < 1) nthreads = 1;
     nthreads = threads_for((int64_t)N * X->K, nthreads);
     /* rows of x in chunks of about X_CHUNK_BYTES (they stay in L1 while every group meets them) */
