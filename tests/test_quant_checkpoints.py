@@ -247,3 +247,35 @@ def test_the_triton_kernel_runs_each_piece_as_the_reference(scheme):
         else:
             want = ReferenceKernel(piece).apply(x)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    root = tmp_path_factory.mktemp("intq_moe")
+    return build_tiny_checkpoint(str(root / "float"), "qwen3_moe", hidden_size=256, intermediate_size=256, seed=2,
+                                 num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                                 norm_topk_prob=True)
+
+
+@pytest.mark.parametrize("scheme,kernel", [(Scheme("gptq", 4, 128, sym=True), "cpu"),
+                                           (Scheme("awq", 4, 128, sym=False), "reference"),
+                                           (Scheme("ct", 8, -1, sym=True), "cpu")], ids=lambda s: getattr(s, "label", s))
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_quantized_moe_checkpoint_keeps_its_experts_quantized(moe_model, scheme, kernel, tp, monkeypatch):
+    """A Qwen3-MoE checkpoint whose experts' gate/up/down are quantised (the router stays float):
+    each expert is its own quantised weight in the MoE layer (no float stack), run by the format's
+    kernel; transformers' tokens on the values they stand for, one rank or two."""
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", "float")
+    path, ref = checkpoint(moe_model, scheme)
+    llm = LLM(path, num_kv_blocks=64, tensor_parallel_size=tp)
+    try:
+        if tp == 1:
+            experts = llm.llm_engine.executor.worker.model_runner.model.model.layers["0"].mlp.experts
+            assert experts.w13_weight.is_meta and len(experts.qexperts.w13) == 8
+            assert {k.split(" ")[0] for _, k, _ in experts.quant_choices} == {kernel}
+        got = run(llm)
+    finally:
+        llm.shutdown()
+    for (tokens, logprobs), (want, want_lp) in zip(got, hf_run(ref)):
+        assert tokens == want, scheme.label
+        assert max(abs(a - b) for a, b in zip(logprobs, want_lp)) < 1e-4, scheme.label
