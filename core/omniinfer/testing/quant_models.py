@@ -8,10 +8,11 @@ it too).
 A tiny random llama (float32, 256 wide so that the K-quants' 256-blocks fit, initializer_range
 0.1) is written as GGUF files (q4_k_m: Q4_K with Q6_K; q5_1; q8_0; q3_k_m: Q3_K with Q4_K, Q5_K and
 Q6_K; iq4_xs: IQ4_XS with Q6_K) and as GPTQ (4 bits, group 64,
-asymmetric, act-order) and AWQ (group 32) checkpoints. Each is served in float32 on the platform
+asymmetric, act-order) and AWQ (group 32) checkpoints; a tiny Qwen3-MoE (8 experts, top 2) as a
+q4_k_m file, its experts run quantised (quantization/experts.py). Each is served in float32 on the platform
 and its greedy tokens compared with transformers' (on the CPU: for GGUF, `from_pretrained(...,
-gguf_file=...)`, which dequantises the file; for GPTQ/AWQ the float checkpoint of the exact
-dequantised weights): equal, or differing first where transformers' two best tokens were within
+gguf_file=...)`, which dequantises the file; for GPTQ/AWQ and the MoE file the float checkpoint
+of the exact dequantised weights): equal, or differing first where transformers' two best tokens were within
 `testing.greedy.NEAR_TIE` of each other (int8 activations on the CPU round differently). Prints
 one row per case: the kernels its layers ran, tokens agreed, decode ms/token. Exit status 1
 when a case fails.
@@ -29,7 +30,7 @@ import time
 PROMPTS = [[1, 5, 9, 33, 7, 20], list(range(40, 75))]
 STEPS = 12
 CASES = ("gguf-q4_k_m", "gguf-q5_1", "gguf-q8_0", "gguf-q3_k_m", "gguf-iq4_xs", "gptq-4b-g64-asym-act",
-         "awq-4b-g32-asym")
+         "awq-4b-g32-asym", "moe-q4_k_m")
 
 
 def _build(root: str, case: str) -> tuple[str, str, str | None]:
@@ -43,6 +44,16 @@ def _build(root: str, case: str) -> tuple[str, str, str | None]:
         build_tiny_checkpoint(float_dir, "llama", hidden_size=256, intermediate_size=512,
                               vocab_size=1000, seed=7)
     method, _, rest = case.partition("-")
+    if method == "moe":  # (transformers reads no MoE routing from a file: its dequantised weights instead)
+        from omniinfer.testing.greedy import dequantized_checkpoint
+
+        moe_dir = os.path.join(root, "moe")
+        if not os.path.isdir(moe_dir):
+            build_tiny_checkpoint(moe_dir, "qwen3_moe", hidden_size=256, intermediate_size=256, vocab_size=1000,
+                                  seed=7, num_local_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                                  norm_topk_prob=True)
+        path = export(moe_dir, os.path.join(moe_dir, f"{rest}.gguf"), rest)
+        return path, dequantized_checkpoint(path, moe_dir, os.path.join(root, f"{case}-ref")), None
     if method == "gguf":
         path = export(float_dir, os.path.join(float_dir, f"{rest}.gguf"), rest)
         return path, float_dir, os.path.basename(path)
@@ -92,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="omniinfer-quant-models-") as root:
         rows = [run_case(root, case, args.platform) for case in args.case or CASES]
-    print(f"quantized models end to end (tiny llama, float32, {STEPS} greedy steps x "
+    print(f"quantized models end to end (tiny llama and Qwen3-MoE, float32, {STEPS} greedy steps x "
           f"{len(PROMPTS)} prompts, against transformers)")
     print(f"{'case':<22} {'platform':<8} {'agreed':>7} {'ms/tok':>7}  kernels")
     for r in rows:
