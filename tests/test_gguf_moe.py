@@ -151,3 +151,50 @@ def test_the_reference_moe_path_is_the_same_sum_at_batch_one():
     for t in range(3):
         torch.testing.assert_close(reference_moe(x[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1]),
                                    batch[t:t + 1], rtol=1e-6, atol=1e-4)
+
+
+def _rewrite(path: str, out: str, tensors) -> str:
+    """`path`'s metadata with the tensors `tensors(reader)` yields ((name, array, raw type or None))."""
+    reader = gguf.GGUFReader(path)
+    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        sub = field.types[1] if len(field.types) > 1 else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub)
+    for name, data, raw in tensors(reader):
+        writer.add_tensor(name, data, raw_dtype=raw) if raw is None else \
+            writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=raw)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_a_first_converter_mixtral_file_with_a_tensor_per_expert(models, tmp_path):
+    """llama.cpp's first Mixtral files: `blk.N.ffn_gate.E.weight`, one tensor an expert."""
+    def split(reader):
+        for t in reader.tensors:
+            stack = next((s for s in ("ffn_gate", "ffn_up", "ffn_down") if t.name.endswith(f".{s}_exps.weight")), None)
+            data = np.asarray(t.data)
+            if stack is None:
+                yield t.name, data, None
+                continue
+            for e in range(data.shape[0]):
+                yield t.name.replace(f"{stack}_exps", f"{stack}.{e}"), np.ascontiguousarray(data[e]), None
+
+    path = _rewrite(gguf_of(models, "mixtral", "f32"), str(tmp_path / "split.gguf"), split)
+    assert "blk.0.ffn_gate.3.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
+    assert generate(path, models["mixtral"]) == generate(gguf_of(models, "mixtral", "f32"), models["mixtral"])
+
+
+def test_a_layer_without_a_router_is_a_dense_mlp(tmp_path):
+    """A Qwen2-MoE whose layer 1 is dense (`mlp_only_layers`): its file has ffn_gate / ffn_up /
+    ffn_down there and no router, read back as that layer's MLP of `feed_forward_length`."""
+    ckpt = build_tiny_checkpoint(str(tmp_path / "ck"), "qwen2_moe", **COMMON, **FAMILIES["qwen2_moe"],
+                                 mlp_only_layers=[1])
+    path = export(ckpt, str(tmp_path / "f32.gguf"), "f32")
+    cfg = GGUFFile(path).hf_config()
+    assert cfg["mlp_only_layers"] == [1] and cfg["intermediate_size"] == COMMON["intermediate_size"]
+    assert generate(path, ckpt) == [tokens for tokens, _ in hf_greedy(ckpt, PROMPTS, PARAMS.max_tokens)]
