@@ -56,7 +56,7 @@ def moe_config(file, cfg: dict) -> None:
     used = file.count(f"{a}.expert_used_count")
     if used > experts:
         raise GGUFError(f"{file.path}: metadata key {a + '.expert_used_count'!r} is {used}, more than "
-                    f"{a}.expert_count={experts}")
+                        f"{a}.expert_count={experts}")
     cfg["num_experts_per_tok"] = used
     if a == "llama":
         cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=experts)
