@@ -145,3 +145,24 @@ def test_llama_cpps_moe_files_follow_transformers(moe_quantized, arch, file_type
         llm.shutdown()
     want = hf_greedy(dequantized_checkpoint(path, ckpt, str(tmp_path / "ref")), PROMPTS, len(got[0]))
     assert got == [tokens for tokens, _ in want]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2"])
+def test_a_qwen_files_tokenizer_encodes_as_llama_cpp(arch, tmp_path):
+    """The tokenizer built from a Qwen file (its "qwen2" pre-tokenizer: digits one by one) gives
+    the ids `llama-tokenize` gives on the same file."""
+    from test_gguf_moe import COMMON, FAMILIES
+
+    from omniinfer.quantization.gguf_file import load_tokenizer
+
+    try:
+        tokenize = tool("llama-tokenize")
+    except SkippedRun as e:
+        pytest.skip(f"llama.cpp's tokenizer tool is absent: {e}")
+    ckpt = build_tiny_checkpoint(str(tmp_path / arch), arch, **COMMON, **FAMILIES.get(arch, {}))
+    path = export(ckpt, str(tmp_path / "q8_0.gguf"), "q8_0")
+    text = "Blocks of tokens are shared by reference count: 0123 + 45 = ?"
+    out = subprocess.run([tokenize, "-m", path, "-p", text, "--ids", "--no-bos", "--log-disable"],
+                         capture_output=True, text=True, check=True, timeout=120,
+                         env=dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(tokenize)))
+    assert load_tokenizer(path).encode(text) == json.loads(out.stdout.strip().splitlines()[-1])

@@ -198,3 +198,17 @@ def test_a_layer_without_a_router_is_a_dense_mlp(tmp_path):
     cfg = GGUFFile(path).hf_config()
     assert cfg["mlp_only_layers"] == [1] and cfg["intermediate_size"] == COMMON["intermediate_size"]
     assert generate(path, ckpt) == [tokens for tokens, _ in hf_greedy(ckpt, PROMPTS, PARAMS.max_tokens)]
+
+
+def test_a_qwen_moe_files_tokenizer_is_a_qwen_files(models, tmp_path):
+    """No --tokenizer: a Qwen-MoE file's tokenizer is of the class a dense Qwen file's is (found by
+    its model type: Qwen2's; AutoTokenizer gives such a file a generic class, which encodes digits
+    other than llama.cpp does), encoding the same (and as llama.cpp: tests/test_gguf_llama_cpp.py)."""
+    from omniinfer.quantization.gguf_file import load_tokenizer
+
+    text = "Blocks of tokens are shared by reference count: 0123 + 45 = ?"
+    dense = build_tiny_checkpoint(str(tmp_path / "qwen3"), "qwen3", seed=1)
+    want = load_tokenizer(export(dense, str(tmp_path / "dense.gguf"), "q8_0"))
+    got = load_tokenizer(gguf_of(models, "qwen3_moe", "q8_0"))
+    assert type(got) is type(want) and type(got).__name__ == "Qwen2Tokenizer"
+    assert got.encode(text) == want.encode(text)

@@ -338,7 +338,7 @@ def load_tokenizer(path: str):
     file = GGUFFile(path)
     # by the architecture's name: importing its config class (AutoConfig.for_model) imports
     # transformers' modelling code with it, ~860 modules and 64 MB for llama
-    name = TOKENIZER_MAPPING_NAMES.get(file.arch)
+    name = TOKENIZER_MAPPING_NAMES.get(file.arch) or TOKENIZER_MAPPING_NAMES.get(_MODEL_TYPES.get(file.arch))
     if isinstance(name, tuple):  # transformers 4: (slow, fast)
         name = name[1] or name[0]
     cls = tokenizer_class_from_name(name) if name else None
