@@ -111,6 +111,22 @@ def test_enforce_eager_and_unsupported_backends_run_eagerly(checkpoint_dir, repl
             in messages)
 
 
+def test_moe_layers_that_read_their_routing_on_the_host_decode_eagerly(tmp_path, replaying_runner, caplog):
+    """Quantised experts (and the torch reference) read which experts were hit on the host: a
+    device graph cannot hold that, so such a model's decodes run eagerly, saying why."""
+    from omniinfer.benchmarks.gguf_export import export
+    from omniinfer.testing.tiny_models import build_tiny_checkpoint
+
+    ckpt = build_tiny_checkpoint(str(tmp_path / "moe"), "qwen3_moe", hidden_size=64, num_local_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=64)
+    path = export(ckpt, str(tmp_path / "q8_0.gguf"), "q8_0")
+    with caplog.at_level(logging.INFO, logger="omniinfer"):
+        _generate(path, [[5, 6, 7, 8]], tokenizer=ckpt, attention_backend="TRITON")
+    assert replaying_runner.captured == [] and replaying_runner.replays == 0
+    assert ("decode steps run eagerly: mixture-of-experts layers run quantised experts, which reads the "
+            "routing on the host" in [r.getMessage() for r in caplog.records])
+
+
 def test_capture_with_follows_the_cuda_graph_protocol():
     """The sequence the core runner relies on for CUDA and ROCm: warm up on a side stream,
     capture into the shared pool, hand back replay and the pool."""

@@ -19,7 +19,9 @@ How a decode-only step runs from a graph:
 Padding rows keep whatever an earlier step left in the static buffers: valid block ids and
 lengths, so their reads stay in bounds; their outputs are dropped and they write nothing.
 Prefill and mixed steps, pipeline or tensor parallel runs, backends without
-``supports_graph_capture``, draft models and ``enforce_eager=True`` run eagerly.
+``supports_graph_capture``, mixture-of-experts layers whose method reads the routing on the host
+(the torch reference, quantised experts: `MoEMethod.capturable`), draft models and
+``enforce_eager=True`` run eagerly.
 """
 
 from __future__ import annotations
@@ -83,6 +85,12 @@ def disabled_reason(runner) -> str | None:
         return f"attention backend {runner.attn_backend.name} does not support graph capture"
     if runner.config.parallel.world_size > 1:
         return "tensor/pipeline parallel runs are not captured yet"
+    from omniinfer.models.layers.moe import FusedMoE
+
+    host = sorted({m.moe_method.name for m in runner.model.modules()
+                   if isinstance(m, FusedMoE) and not m.moe_method.capturable})
+    if host:
+        return f"mixture-of-experts layers run {', '.join(host)}, which reads the routing on the host"
     return None
 
 

@@ -57,6 +57,9 @@ class MoEMethod:
     over the tokens routed to it (transformers' order of summation)."""
 
     name = "torch reference"
+    # a decode step through it can be captured in a device graph (no host read of the routing);
+    # the reference reads which experts were hit, so a model with such a layer decodes eagerly
+    capturable = False
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass

@@ -17,6 +17,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 class TritonMoEMethod(MoEMethod):
     name = "triton fused_moe"
+    capturable = True
 
     def process_weights_after_loading(self, layer) -> None:
         for p in (layer.w13_weight, layer.w2_weight):
