@@ -263,11 +263,11 @@ class QuantKernel:
 
     @classmethod
     def experts_step(cls, w13: list[QuantKernel], w2: list[QuantKernel]):
-        """A mixture-of-experts layer's one-token step on this platform, for experts whose gate/up
+        """A mixture-of-experts layer's step on this platform, for experts whose gate/up
         (`w13[e]`) and down (`w2[e]`) weights are each one kernel of this class: a callable
-        (x [1, hidden], topk_weights [1, k], topk_ids [1, k]) -> [1, hidden], what
-        quantization/experts.py's QuantMoEMethod computes expert by expert (it may return None
-        for a call it does not take); None: the platform has none."""
+        (x [T, hidden], topk_weights [T, k], topk_ids [T, k]) -> [T, hidden], what
+        quantization/experts.py's QuantMoEMethod computes expert by expert (it returns None for
+        a call it does not take: the method's loop takes it); None: the platform has none."""
         return None
 
 

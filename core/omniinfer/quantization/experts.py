@@ -9,8 +9,8 @@ and narrows gate and up rows (or, under tensor parallelism, down columns), which
 as every method (`select_experts`), then for each routed expert its two products through the
 platform's kernels for their formats (`QuantLinearMethod`, the reference where none runs), the
 SiLU-and-multiply and the weighted sum as the torch reference (`routed_sum`). Where each expert's
-weights are one kernel of a class with an `experts_step` (the CPU plugin's: all of a token's
-experts in one C call), a one-token step takes it instead.
+weights are one kernel of a class with an `experts_step` (the CPU plugin's: a step's experts in
+one C call), a step it takes goes there instead.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class QuantMoEMethod(MoEMethod):
 
     def __init__(self, linear: QuantLinearMethod):
         self.linear = linear
-        self.step = None  # the platform's one-token step (QuantKernel.experts_step), where it has one
+        self.step = None  # the platform's step (QuantKernel.experts_step), where it has one
 
     def process_weights_after_loading(self, layer) -> None:
         layer.quant_choices = []
@@ -90,7 +90,7 @@ class QuantMoEMethod(MoEMethod):
             self.step = type(first[0]).experts_step(first, [e.quant_kernels[0][1] for e in layer.qexperts.w2])
 
     def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1 and self.step is not None:  # (decode at batch 1: one call on the platform)
+        if self.step is not None:  # (one call on the platform, where it takes the step)
             out = self.step(x, topk_weights, topk_ids)
             if out is not None:
                 return out

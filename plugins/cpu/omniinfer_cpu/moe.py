@@ -8,6 +8,9 @@ import torch
 
 from omniinfer.models.layers.moe import MoEMethod
 from omniinfer_cpu.linear import DTYPE_CODES
+from omniinfer_cpu.quant import QACT_INT8, X8_CODES
+
+X8_KINDS = frozenset(X8_CODES.values())
 
 MAX_ROWS = 16  # tokens a step up to which the kernel runs (above: the torch reference)
 
@@ -48,15 +51,21 @@ class CpuMoEMethod(MoEMethod):
 
 
 class CpuExpertsStep:
-    """One token's routed experts on quantised weights in one call (`omni_qmoe`): each expert's
-    gate/up and down through omni_qlinear on the blocks its CpuQuantKernel holds, as
-    QuantMoEMethod's loop does, without Python between them. float32 only (GGUF models run so)."""
+    """A step's routed experts on quantised weights in one call: one token through `omni_qmoe`
+    (each expert's gate/up and down on the blocks its CpuQuantKernel holds, as QuantMoEMethod's
+    loop does, without Python between them), several (a prefill chunk) through
+    `omni_qmoe_tokens` where every expert is in groups of 8 rows with int8 activations (else the
+    loop takes them). float32 only (GGUF models run so)."""
 
     def __init__(self, w13: list, w2: list):
         self.w13, self.w2 = w13, w2
         self.k = w13[0].k
         self.hidden, self.intermediate = w13[0].piece.shape[1], w2[0].piece.shape[1]
         self.table = None  # (the weights' addresses, read at the first call: after every repack)
+        codes = {k.code for k in w13}, {k.code for k in w2}
+        grouped = all(len(c) == 1 and (next(iter(c)) & QACT_INT8) and (next(iter(c)) & ~QACT_INT8) in X8_KINDS
+                      for c in codes)
+        self.tokens_kinds = tuple(next(iter(c)) for c in codes) if grouped else None
 
     @staticmethod
     def of(w13: list, w2: list) -> CpuExpertsStep | None:
@@ -74,17 +83,27 @@ class CpuExpertsStep:
         return (*table(self.w13), *table(self.w2))
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor | None:
-        if x.dtype != torch.float32 or topk_weights.dtype != torch.float32 or x.shape != (1, self.hidden):
+        tokens = x.shape[0]
+        if (x.dtype != torch.float32 or topk_weights.dtype != torch.float32 or x.dim() != 2
+                or x.shape[1] != self.hidden or (tokens > 1 and self.tokens_kinds is None)):
             return None
         if self.table is None:
             self.table = self._addresses()
         x = x.contiguous()
-        ids = topk_ids.reshape(-1).to(torch.int64).contiguous()
-        weights = topk_weights.reshape(-1).contiguous()
+        ids = topk_ids.to(torch.int64).contiguous()
+        weights = topk_weights.contiguous()
         out = torch.empty_like(x)
-        rc = self.k.qmoe(x.data_ptr(), *(t.data_ptr() for t in self.table), ids.data_ptr(), weights.data_ptr(),
-                         ids.numel(), len(self.w13), out.data_ptr(), self.hidden, self.intermediate,
-                         torch.get_num_threads())
+        if tokens == 1:
+            rc = self.k.qmoe(x.data_ptr(), *(t.data_ptr() for t in self.table), ids.data_ptr(), weights.data_ptr(),
+                             ids.shape[1], len(self.w13), out.data_ptr(), self.hidden, self.intermediate,
+                             torch.get_num_threads())
+        else:
+            w13, _, _, w2, _, _ = self.table
+            rc = self.k.qmoe_tokens(x.data_ptr(), tokens, w13.data_ptr(), self.tokens_kinds[0], w2.data_ptr(),
+                                    self.tokens_kinds[1], ids.data_ptr(), weights.data_ptr(), ids.shape[1],
+                                    len(self.w13), out.data_ptr(), self.hidden, self.intermediate,
+                                    torch.get_num_threads())
         if rc != 0:
-            raise RuntimeError(f"omni_qmoe failed ({rc}) for experts {ids.tolist()} of {len(self.w13)}")
+            name = "omni_qmoe" if tokens == 1 else "omni_qmoe_tokens"
+            raise RuntimeError(f"{name} failed ({rc}) for experts {ids.tolist()} of {len(self.w13)}")
         return out

@@ -63,5 +63,33 @@ def test_the_step_refuses_what_it_does_not_take(isa_level, monkeypatch):
     step = layer.moe_method.step
     x = torch.randn(1, H)
     assert step(x.to(torch.bfloat16), torch.rand(1, 2), torch.tensor([[1, 2]])) is None  # (the loop takes it)
-    with pytest.raises(RuntimeError, match=r"omni_qmoe failed \(-1\) for experts \[1, 6\] of 6"):
+    with pytest.raises(RuntimeError, match=r"omni_qmoe failed \(-1\) for experts \[\[1, 6\]\] of 6"):
         step(x, torch.rand(1, 2), torch.tensor([[1, 6]]))
+
+
+@pytest.mark.parametrize("kinds", [("gguf:Q4_K", "gguf:Q6_K"), ("gguf:Q8_0", "gguf:Q4_0"),
+                                   ("gguf:IQ4_XS", "gguf:Q2_K")])
+def test_a_chunk_of_tokens_in_one_call_is_the_loops_sum(isa_level, kinds, monkeypatch):
+    """omni_qmoe_tokens (several tokens: a prefill chunk) against the loop, which multiplies each
+    expert's tokens through the same kernels: up to the order of float32 sums."""
+    monkeypatch.setenv(ACT_ENV, "int8")
+    layer = Layer(kinds, seed=7)
+    method = layer.moe_method
+    step = method.step
+    gen = torch.Generator().manual_seed(2)
+    for tokens, k in ((2, 2), (9, 3), (300, 2)):  # (300: past one chunk of 256 tokens)
+        x = torch.randn(tokens, H, generator=gen)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(tokens)])
+        weights = torch.rand(tokens, k, generator=gen)
+        got = step(x, weights, ids)
+        assert got is not None
+        method.step = None
+        want = method.apply(layer, x, weights, ids)
+        method.step = step
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_float_activations_leave_a_chunk_to_the_loop(isa_level, monkeypatch):
+    monkeypatch.setenv(ACT_ENV, "float")
+    layer = Layer(("gguf:Q8_0", "gguf:Q4_0"), seed=3)
+    assert layer.moe_method.step(torch.randn(3, H), torch.rand(3, 2), torch.tensor([[1, 2]] * 3)) is None

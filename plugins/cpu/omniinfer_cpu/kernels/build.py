@@ -103,6 +103,9 @@ SIGNATURES = {
     # [E]), w2, s2, kind2, ids (int64 [n]), weights (float32 [n]), n, E, out (float32 [H]), H, I,
     # nthreads
     "omni_qmoe": ([_P, _P, _P, _P, _P, _P, _P, _P, _P, _I32, _I32, _P, _I32, _I32, _I32], _I32),
+    # x (float32 [T, H]), T, w13 (int64 [E] addresses), kind13, w2, kind2, ids (int64 [T, n]),
+    # weights (float32 [T, n]), n, E, out (float32 [T, H]), H, I, nthreads
+    "omni_qmoe_tokens": ([_P, _I32, _P, _I32, _P, _I32, _P, _P, _I32, _I32, _P, _I32, _I32, _I32], _I32),
     # x, ldx, w13 [E, 2I, H], w2 [E, H, I], topk_ids (int64 [T, K]), topk_weights (float32 [T, K]),
     # out, ldo, T, K, E, H, I, dtype, nthreads
     "omni_moe": ([_P, _I64, _P, _P, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32, _I32], _I32),

@@ -48,6 +48,8 @@ int omni_linear_argmax_q8(const void *x, int64_t ldx, const void *w, const int8_
 int omni_qmoe(const float *x, const int64_t *w13, const int64_t *s13, const int32_t *kind13, const int64_t *w2,
               const int64_t *s2, const int32_t *kind2, const int64_t *ids, const float *weights, int n, int E,
               float *out, int H, int I, int nthreads);
+int omni_qmoe_tokens(const float *x, int T, const int64_t *w13, int kind13, const int64_t *w2, int kind2,
+                     const int64_t *ids, const float *weights, int n, int E, float *out, int H, int I, int nthreads);
 int omni_moe(const void *x, int64_t ldx, const void *w13, const void *w2, const int64_t *topk_ids,
              const float *topk_weights, void *out, int64_t ldo, int T, int K, int E, int H, int I,
              int dt, int nthreads);
