@@ -354,6 +354,12 @@ def test_moe_decode_reports_bytes_read_against_active_bytes():
     assert out.count("= 1.000x the active bytes") == 2  # batch 1: top-k distinct experts a layer
 
 
+def test_quant_moe_times_the_loop_and_the_one_call():
+    out = run("quant_moe.py", "--experts", "8", "--hidden", "256", "--intermediate", "256", "--top-k", "2",
+              "--tokens", "1", "5", "--repeats", "1")
+    assert "8 experts, 256 wide" in out and out.count(" ms, one call ") == 2
+
+
 def test_sliding_kv(tmp_path):
     out = tmp_path / "skv.json"
     text = run("sliding_kv.py", "--tokens", "640", "--window", "64", "--layers", "6", "--chunk", "64",
