@@ -49,11 +49,18 @@ def quantized(tmp_path_factory):
         f16 = export(ckpt, str(root / f"{shape}-f16.gguf"), "f16")
         with open(os.path.join(ckpt, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
-        for file_type, name in FILE_TYPES.items():
-            out = str(root / f"{shape}-{file_type}.gguf")
-            subprocess.run([QUANTIZE, f16, out, name], check=True, capture_output=True, timeout=600)
+        for file_type, out in quantize(f16, str(root / shape), FILE_TYPES).items():
             files[shape, file_type] = out, cfg
     return files
+
+
+def quantize(f16: str, prefix: str, types: dict[str, str]) -> dict[str, str]:
+    """llama-quantize's file of each type (ours -> llama.cpp's name) from `f16`, at `prefix`-TYPE.gguf."""
+    out = {}
+    for file_type, name in types.items():
+        out[file_type] = f"{prefix}-{file_type}.gguf"
+        subprocess.run([QUANTIZE, f16, out[file_type], name], check=True, capture_output=True, timeout=600)
+    return out
 
 
 @pytest.mark.parametrize("file_type", sorted(FILE_TYPES))
@@ -108,9 +115,7 @@ def moe_quantized(tmp_path_factory):
     for arch in ("qwen3_moe", "mixtral"):
         ckpt = build_tiny_checkpoint(str(root / arch), arch, **COMMON, **FAMILIES[arch])
         f16 = export(ckpt, str(root / f"{arch}-f16.gguf"), "f16")
-        for file_type, name in MOE_TYPES.items():
-            out = str(root / f"{arch}-{file_type}.gguf")
-            subprocess.run([QUANTIZE, f16, out, name], check=True, capture_output=True, timeout=600)
+        for file_type, out in quantize(f16, str(root / arch), MOE_TYPES).items():
             files[arch, file_type] = out, ckpt
     return files
 

@@ -59,6 +59,13 @@ def hf_run(path: str):
     return got
 
 
+def assert_transformers_run(got, ref: str, label: str) -> None:
+    """`got` (run's) has transformers' tokens on `ref`, and its log-probs within 1e-4."""
+    for (tokens, logprobs), (want, want_lp) in zip(got, hf_run(ref)):
+        assert tokens == want, label
+        assert max(abs(a - b) for a, b in zip(logprobs, want_lp)) < 1e-4, label
+
+
 def choices(llm) -> set[tuple[str, str]]:
     model = llm.llm_engine.executor.worker.model_runner.model
     return {(kind, kernel.split(" ")[0]) for m in model.modules()
@@ -98,9 +105,7 @@ def test_quantized_checkpoint_equals_transformers_on_its_values(float_model, sch
         got = run(llm)
     finally:
         llm.shutdown()
-    for (tokens, logprobs), (want, want_lp) in zip(got, hf_run(ref)):
-        assert tokens == want, scheme.label
-        assert max(abs(a - b) for a, b in zip(logprobs, want_lp)) < 1e-4, scheme.label
+    assert_transformers_run(got, ref, scheme.label)
 
 
 # The CPU kernels round each block of 32 activations to int8 (decode rows; Q4_0/Q8_0-shaped
@@ -276,6 +281,4 @@ def test_a_quantized_moe_checkpoint_keeps_its_experts_quantized(moe_model, schem
         got = run(llm)
     finally:
         llm.shutdown()
-    for (tokens, logprobs), (want, want_lp) in zip(got, hf_run(ref)):
-        assert tokens == want, scheme.label
-        assert max(abs(a - b) for a, b in zip(logprobs, want_lp)) < 1e-4, scheme.label
+    assert_transformers_run(got, ref, scheme.label)
