@@ -30,9 +30,9 @@ typedef struct {  /* x rounded to int8 blocks: M rows of K (omni_quantize_x's ar
 
 static int rounded_alloc(rounded *r, int M, int K) {
     size_t nb = (size_t)M * (K / 32);
-    r->q = malloc((size_t)M * K + sizeof(float) * 5 * nb);
+    r->q = malloc((size_t)M * K + sizeof(float) * 5 * nb + 64);
     if (!r->q) return -1;
-    r->d = (float *)(r->q + (size_t)M * K);  /* (M * K is whole blocks of 32: aligned for floats) */
+    r->d = (float *)(((uintptr_t)(r->q + (size_t)M * K) + 63) & ~(uintptr_t)63);  /* (as omni_qlinear_q8's) */
     r->s = r->d + nb, r->s32 = r->s + 2 * nb, r->isum = (int32_t *)(r->s32 + nb);
     return 0;
 }

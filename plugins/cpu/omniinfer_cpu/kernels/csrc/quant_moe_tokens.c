@@ -53,7 +53,7 @@ static int chunk(const float *x, int T, const int64_t *w13, int kind13, const in
     int64_t *hit = malloc(sizeof(int64_t) * (size_t)E);
     /* per pair: x gathered (H) then gate_up (2I), act (I), y (H) */
     float *xg = malloc(sizeof(float) * (size_t)P * (2 * (size_t)H + 3 * (size_t)I));
-    size_t qb = (size_t)P * (H + I) + sizeof(float) * 5 * (size_t)P * (H / 32 + I / 32);
+    size_t qb = (size_t)P * (H + I) + sizeof(float) * 5 * (size_t)P * (H / 32 + I / 32) + 128;
     int8_t *qbuf = malloc(qb);
     if (!start || !pair || !hit || !xg || !qbuf) goto done;
     for (int p = 0; p < P; p++) start[ids[p] + 1]++;  /* (ids checked by the caller) */
@@ -72,10 +72,12 @@ static int chunk(const float *x, int T, const int64_t *w13, int kind13, const in
     float *gate_up = xg + (size_t)P * H, *act = gate_up + (size_t)P * 2 * I, *y = act + (size_t)P * I;
     for (int i = 0; i < P; i++) memcpy(xg + (size_t)i * H, x + (size_t)(pair[i] / n) * H, sizeof(float) * H);
     int8_t *qx = qbuf, *qa = qx + (size_t)P * H;
-    float *f = (float *)(qa + (size_t)P * I);  /* (P * (H + I) is whole blocks of 32: aligned) */
-    float *dx = f, *sx = dx + (size_t)P * (H / 32), *s32x = sx + (size_t)P * (H / 16);
+    /* the scales 64-byte aligned, as omni_qlinear_q8's */
+    float *dx = (float *)(((uintptr_t)(qa + (size_t)P * I) + 63) & ~(uintptr_t)63);
+    float *sx = dx + (size_t)P * (H / 32), *s32x = sx + (size_t)P * (H / 16);
     int32_t *ix = (int32_t *)(s32x + (size_t)P * (H / 32));
-    float *da = (float *)(ix + (size_t)P * (H / 32)), *sa = da + (size_t)P * (I / 32), *s32a = sa + (size_t)P * (I / 16);
+    float *da = (float *)(((uintptr_t)(ix + (size_t)P * (H / 32)) + 63) & ~(uintptr_t)63);
+    float *sa = da + (size_t)P * (I / 32), *s32a = sa + (size_t)P * (I / 16);
     int32_t *ia = (int32_t *)(s32a + (size_t)P * (I / 32));
     omni_quantize_x(xg, H, F32, P, H, qx, dx, sx, s32x, ix);
     xq X = {qx, dx, sx, s32x, ix, H}, A = {qa, da, sa, s32a, ia, I};
