@@ -84,7 +84,7 @@ class CpuExpertsStep:
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor | None:
         tokens = x.shape[0]
-        if (x.dtype != torch.float32 or topk_weights.dtype != torch.float32 or x.dim() != 2
+        if (x.dtype != torch.float32 or topk_weights.dtype != torch.float32 or x.dim() != 2 or tokens < 1
                 or x.shape[1] != self.hidden or (tokens > 1 and self.tokens_kinds is None)):
             return None
         if self.table is None:
@@ -105,5 +105,6 @@ class CpuExpertsStep:
                                     torch.get_num_threads())
         if rc != 0:
             name = "omni_qmoe" if tokens == 1 else "omni_qmoe_tokens"
-            raise RuntimeError(f"{name} failed ({rc}) for experts {ids.tolist()} of {len(self.w13)}")
+            routed = ids.tolist() if ids.numel() <= 64 else f"ids of shape {tuple(ids.shape)}"
+            raise RuntimeError(f"{name} failed ({rc}) for experts {routed} of {len(self.w13)}")
         return out
