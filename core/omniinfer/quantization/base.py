@@ -174,9 +174,10 @@ class QuantSlot:
             value = float_piece(torch.as_tensor(value))
         self._segments.append(Segment(self.row0, value))
 
-    def finish(self, rows: int | None = None) -> QuantizedWeight:
-        """The loaded weight; raises when the pieces do not cover its first `rows` (default: all)
-        exactly once (an embedding's padding rows past the vocabulary are never loaded)."""
+    def finish(self, rows: int | None = None, device: torch.device | None = None) -> QuantizedWeight:
+        """The loaded weight, its pieces on `device` (where given); raises when the pieces do not
+        cover its first `rows` (default: all) exactly once (an embedding's padding rows past the
+        vocabulary are never loaded)."""
         segments = sorted(self._segments, key=lambda s: s.row0)
         at = 0
         for s in segments:
@@ -188,7 +189,11 @@ class QuantSlot:
             raise WeightShapeError(f"{self.name}: the checkpoint's pieces cover rows "
                                    f"{[(s.row0, s.row0 + s.rows) for s in segments]}, not 0..{self.shape[0]}")
         self._segments.clear()  # (the slot may outlive loading: a fused layer's parts, joined, go now)
-        return QuantizedWeight(self.shape, _merge(segments))
+        merged = _merge(segments)
+        if device is not None:
+            for s in merged:
+                s.piece = piece_to(s.piece, device)
+        return QuantizedWeight(self.shape, merged)
 
 
 def _merge(segments: list[Segment]) -> list[Segment]:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from omniinfer.models.layers.moe import MoEMethod, routed_sum
-from omniinfer.quantization.base import QuantizedWeight, QuantLinearMethod, QuantSlot, piece_to
+from omniinfer.quantization.base import QuantizedWeight, QuantLinearMethod, QuantSlot
 
 
 class ExpertSlots:
@@ -38,13 +38,7 @@ class ExpertSlots:
         return self.slots[expert]
 
     def finish(self, device: torch.device) -> list[ExpertLinear]:
-        out = []
-        for slot in self.slots:
-            weight = slot.finish()
-            for segment in weight.segments:
-                segment.piece = piece_to(segment.piece, device)
-            out.append(ExpertLinear(weight))
-        return out
+        return [ExpertLinear(slot.finish(device=device)) for slot in self.slots]
 
 
 class ExpertLinear:
@@ -84,10 +78,10 @@ class QuantMoEMethod(MoEMethod):
         for expert in experts:
             self.linear.process_weights_after_loading(expert)
             layer.quant_choices.extend(expert.quant_choices)
-        kernels = [[k for _, k in e.quant_kernels] for e in experts]
-        if all(len(k) == 1 for k in kernels) and len({type(k[0]) for k in kernels}) == 1:
-            first = [e.quant_kernels[0][1] for e in layer.qexperts.w13]
-            self.step = type(first[0]).experts_step(first, [e.quant_kernels[0][1] for e in layer.qexperts.w2])
+        single = [e.quant_kernels[0][1] for e in experts if len(e.quant_kernels) == 1]  # (one kernel a weight)
+        if len(single) == len(experts) and len({type(k) for k in single}) == 1:
+            n = len(layer.qexperts.w13)
+            self.step = type(single[0]).experts_step(single[:n], single[n:])
 
     def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if self.step is not None:  # (one call on the platform, where it takes the step)

@@ -11,7 +11,7 @@ from torch import nn
 
 from omniinfer.logger import init_logger
 from omniinfer.models.layers.moe import FusedMoE
-from omniinfer.quantization.base import QuantLinearMethod, QuantSlot, piece_to
+from omniinfer.quantization.base import QuantLinearMethod, QuantSlot
 from omniinfer.quantization.experts import ExpertSlots, QuantExperts, QuantMoEMethod
 
 logger = init_logger(__name__)
@@ -85,35 +85,33 @@ def finish(model: nn.Module, device: torch.device, kernels: list) -> Counter:
     weights: dict[int, object] = {}
     served: Counter = Counter()
     reasons: dict[tuple[str, str], str] = {}
+
+    def count(module) -> None:
+        for kind, kernel, why in module.quant_choices:
+            served[(kind, kernel)] += 1
+            if why:
+                reasons[(kind, kernel)] = why
+
     for module in model.modules():
         if getattr(module, "qslots", None) is not None:  # a FusedMoE's quantised experts
-            w13, w2 = (slots.finish(device) for slots in module.qslots)
-            module.qexperts = QuantExperts(w13, w2)
+            module.qexperts = QuantExperts(*(slots.finish(device) for slots in module.qslots))
             module.moe_method = QuantMoEMethod(method)
             module.moe_method.process_weights_after_loading(module)
             del module.qslots
-            for kind, kernel, why in module.quant_choices:
-                served[(kind, kernel)] += 1
-                if why:
-                    reasons[(kind, kernel)] = why
+            count(module)
             continue
         slot = getattr(module, "qslot", None)
         if slot is None:
             continue
         if id(slot) not in weights:
             rows = getattr(module, "num_real", None)  # an embedding's padding rows stay empty
-            weights[id(slot)] = slot.finish(rows)
-            for segment in weights[id(slot)].segments:
-                segment.piece = piece_to(segment.piece, device)
+            weights[id(slot)] = slot.finish(rows, device)
         module.qweight = weights[id(slot)]
         del module.qslot
         if hasattr(module, "linear_method"):  # a linear layer or the LM head (an embedding looks up)
             module.linear_method = method
             method.process_weights_after_loading(module)
-            for kind, kernel, why in module.quant_choices:
-                served[(kind, kernel)] += 1
-                if why:
-                    reasons[(kind, kernel)] = why
+            count(module)
     for (kind, kernel), count in sorted(served.items()):
         why = reasons.get((kind, kernel))
         logger.info("quantised weights: %d x %s -> %s%s", count, kind, kernel, f" ({why})" if why else "")
