@@ -232,3 +232,45 @@ def test_loading_holds_no_file_bytes_twice(files, monkeypatch, activations):
     finally:
         llm.shutdown()
         os.unlink(path + ".copy.gguf")
+
+
+def _set_u32(key: str, value: int):
+    def edit(data):
+        at = _offset_of(data, key)
+        assert struct.unpack("<I", data[at:at + 4]) == (4,)  # (a uint32)
+        data[at + 4:at + 8] = struct.pack("<I", value)
+    return edit
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("qwen2.embedding_length", 1, r"hidden_size=1 in \S+ is not a multiple of num_attention_heads=4"),
+    ("qwen2.attention.head_count_kv", 3, r"num_key_value_heads=3 in \S+ is not allowed; it must divide "
+                                         r"num_attention_heads=4"),
+    ("qwen2.embedding_length", 4 * 33, r"the head size 33 \(\S+\) is not allowed; rotary embeddings need an even"),
+])
+def test_metadata_whose_sizes_do_not_fit_together_is_named(files, tmp_path, key, value, message):
+    """(Found by mutating a file's metadata at random: an embedding length of 1 was a
+    ZeroDivisionError deep in the model's construction.)"""
+    from omniinfer import LLM
+
+    path = _corrupt(files["qwen2"], tmp_path / "sizes.gguf", _set_u32(key, value))
+    with pytest.raises(ValueError, match=message):
+        LLM(path, num_kv_blocks=8, max_model_len=64)
+
+
+def test_the_rope_table_holds_max_model_len_positions_not_the_files_context(files, tmp_path):
+    """A file that allows 2^32 - 1 positions, served at max_model_len=64: the cos/sin table has
+    64 rows (it had the file's 4 billion: a 549 GB allocation, found by mutating the file's
+    metadata; a real 1M-context model's was 0.5 GiB whatever max_model_len said)."""
+    from omniinfer import LLM, SamplingParams
+
+    path = _corrupt(files["qwen2"], tmp_path / "context.gguf", _set_u32("qwen2.context_length", 2 ** 32 - 1))
+    llm = LLM(path, num_kv_blocks=8, max_model_len=64)
+    try:
+        model = llm.llm_engine.executor.worker.model_runner.model
+        assert {m.cos.shape[0] for m in model.modules() if hasattr(m, "cos")} == {64}
+        out = llm.generate({"prompt_token_ids": list(range(1, 40))},
+                           SamplingParams(max_tokens=64 - 39, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+        assert len(out.outputs[0].token_ids) == 64 - 39  # (to the last position the table holds)
+    finally:
+        llm.shutdown()

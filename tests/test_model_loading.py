@@ -96,6 +96,21 @@ def test_unsupported_rope_scaling(scaling, message, checkpoint_dir, tmp_path):
         LLM(path, num_kv_blocks=8)
 
 
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.pop("num_attention_heads"), r"config.json has no 'num_attention_heads'"),
+    (lambda c: c.update(num_attention_heads=0), r"num_attention_heads=0 in \S+config.json is not allowed; it "
+                                                r"must be a positive integer"),
+    (lambda c: c.update(hidden_size="64"), r"hidden_size='64' in \S+ is not allowed; it must be a positive"),
+    (lambda c: c.update(vocab_size=True), r"vocab_size=True in \S+ is not allowed"),
+    (lambda c: c.update(max_position_embeddings=-1), r"max_position_embeddings=-1 in \S+ is not allowed"),
+])
+def test_a_config_with_impossible_sizes_is_named(change, message, checkpoint_dir, tmp_path):
+    path = copy_checkpoint(checkpoint_dir("llama"), tmp_path / "m")
+    edit_config(path, change)
+    with pytest.raises(ValueError, match=message):
+        LLM(path, num_kv_blocks=8)
+
+
 def test_transformers4_style_config(checkpoint_dir, tmp_path, hf_greedy):
     """config.json written by transformers 4 (rope_theta/rope_scaling, torch_dtype) loads too."""
     path = copy_checkpoint(checkpoint_dir("llama3_rope"), tmp_path / "m")

@@ -23,6 +23,38 @@ def _eos_ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
+def _dimensions(cfg: dict, config_path: str) -> dict[str, int]:
+    """The model's sizes from its config, each a positive integer, the heads' consistent: a
+    config (or a GGUF file's metadata) that says otherwise is named here, not met later as a
+    division by zero or a tensor of a nonsensical shape."""
+    dims = {}
+    for key, default in (("vocab_size", None), ("hidden_size", None), ("num_hidden_layers", None),
+                         ("num_attention_heads", None), ("max_position_embeddings", 2048),
+                         ("num_key_value_heads", 0), ("head_dim", 0)):
+        value = cfg.get(key)
+        if value is None:
+            if default is None:
+                raise ValueError(f"{config_path} has no {key!r}; the model's sizes need it")
+            value = default
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key}={value!r} in {config_path} is not allowed; it must be a positive integer")
+        dims[key] = value
+    heads, hidden = dims["num_attention_heads"], dims["hidden_size"]
+    dims["num_key_value_heads"] = dims["num_key_value_heads"] or heads
+    if heads % dims["num_key_value_heads"]:
+        raise ValueError(f"num_key_value_heads={dims['num_key_value_heads']} in {config_path} is not allowed; "
+                         f"it must divide num_attention_heads={heads}")
+    if not dims["head_dim"]:
+        if hidden % heads:
+            raise ValueError(f"hidden_size={hidden} in {config_path} is not a multiple of num_attention_heads="
+                             f"{heads} (and no head_dim is given)")
+        dims["head_dim"] = hidden // heads
+    if dims["head_dim"] % 2:
+        raise ValueError(f"the head size {dims['head_dim']} ({config_path}) is not allowed; rotary embeddings "
+                         "need an even head size")
+    return dims
+
+
 def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.dtype,
                       max_model_len: int | None, seed: int, quantization: str | None = None) -> ModelConfig:
     from omniinfer.quantization.choice import resolve_quantization
@@ -59,7 +91,8 @@ def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.d
         raise ValueError(f"dtype={dtype!r} is not supported; allowed: 'auto', 'float32', "
                          "'bfloat16', 'float16'")
 
-    derived_len = int(cfg.get("max_position_embeddings", 2048))
+    dims = _dimensions(cfg, config_path)
+    derived_len = dims["max_position_embeddings"]
     if max_model_len is None:
         max_model_len = derived_len
     _check_int("max_model_len", max_model_len, minimum=1)
@@ -67,8 +100,6 @@ def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.d
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's "
                          f"max_position_embeddings={derived_len} ({config_path})")
 
-    num_heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
     return ModelConfig(
         model=model,
         tokenizer=os.fspath(tokenizer) if tokenizer else model,
@@ -77,12 +108,12 @@ def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.d
         seed=seed,
         architecture=archs[0],
         hf_config=cfg,
-        vocab_size=int(cfg["vocab_size"]),
-        hidden_size=hidden,
-        num_layers=int(cfg["num_hidden_layers"]),
-        num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_size=int(cfg.get("head_dim") or hidden // num_heads),
+        vocab_size=dims["vocab_size"],
+        hidden_size=dims["hidden_size"],
+        num_layers=dims["num_hidden_layers"],
+        num_heads=dims["num_attention_heads"],
+        num_kv_heads=dims["num_key_value_heads"],
+        head_size=dims["head_dim"],
         eos_token_ids=_eos_ids(gen.get("eos_token_id", cfg.get("eos_token_id"))),
         generation_config=gen,
         quantization=quantization,

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from omniinfer.attention.layer import Attention
-from omniinfer.checkpoint_config import rope_scaling, rope_theta
 from omniinfer.config import ModelConfig
 from omniinfer.distributed import parallel_state as ps
 from omniinfer.models.layers.layer_ops import SiluAndMul
@@ -26,8 +25,7 @@ from omniinfer.models.layers.linear import (
 )
 from omniinfer.models.layers.moe import FusedMoE, PartialRowParallelLinear
 from omniinfer.models.layers.norm import RMSNorm
-from omniinfer.models.layers.rotary import RotaryEmbedding
-from omniinfer.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+from omniinfer.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, make_rotary
 
 # model.layers.{i}.mlp.experts.{e}.{name}.weight, after the family's renames
 EXPERT_NAME = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
@@ -85,8 +83,7 @@ class MoEAttention(nn.Module):
             eps = float(cfg.get("rms_norm_eps", 1e-6))
             self.q_norm, self.k_norm = RMSNorm(head, eps), RMSNorm(head, eps)
         self.qk_norm = family.qk_norm
-        self.rotary_emb = RotaryEmbedding(head, int(cfg.get("max_position_embeddings", 2048)),
-                                          rope_theta(cfg), rope_scaling(cfg))
+        self.rotary_emb = make_rotary(config)
         self.attn = Attention(attn_backend, self.qkv_proj.num_heads, head, head ** -0.5,
                               self.qkv_proj.num_kv_heads, sliding_window=config.sliding_window)
 

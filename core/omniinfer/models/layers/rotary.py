@@ -4,7 +4,7 @@ and `longrope` (Phi-3's, also spelled `su`). Each is transformers' `modeling_rop
 `freq_factors` (omniinfer's: a GGUF file's `rope_freqs` tensor, as llama.cpp's converter writes
 `llama3`) divides each frequency by its own factor, as llama.cpp's rope does.
 
-A scaling only changes the cos/sin table, [max_position, head_size / 2] float32: row p is what the
+A scaling only changes the cos/sin table, [positions, head_size / 2] float32: row p is what the
 token at position p is rotated by. Where transformers recomputes the frequencies from the batch's
 longest sequence (`dynamic`, `longrope`), row p uses what it computes for a sequence of p + 1
 tokens, which is what it uses for that token while decoding one token at a time.
@@ -171,12 +171,14 @@ def shared_rope_tables(head_size: int, num_positions: int, theta: float, scaling
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, max_position: int, theta: float, scaling: dict | None,
                  num_positions: int | None = None):
-        """`max_position`: the config's max_position_embeddings; `num_positions`: rows of the
-        table (default max_position; more where a scaling extends the context)."""
+        """`max_position`: the config's max_position_embeddings (what the scalings are computed
+        from); `num_positions`: rows of the table, the positions a token can have — the engine's
+        max_model_len (default max_position). Row p does not depend on how many rows there are,
+        so a model served at 2,048 tokens holds 2,048 rows, not the 32,768 (8 MiB at head size
+        64) or 1,010,000 (0.5 GiB at 128) its config allows."""
         super().__init__()
         self.head_size = head_size
-        self._tables = shared_rope_tables(head_size, max(num_positions or 0, max_position), theta, scaling,
-                                          max_position)
+        self._tables = shared_rope_tables(head_size, num_positions or max_position, theta, scaling, max_position)
         # [positions, head_size / 2] each; kept in float32, cast per call to the model dtype
         self.register_buffer("cos", self._tables.cos, persistent=False)
         self.register_buffer("sin", self._tables.sin, persistent=False)
