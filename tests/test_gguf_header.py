@@ -159,6 +159,14 @@ def test_a_damaged_header_is_a_clear_error_before_any_large_allocation(files, tm
 
     with pytest.raises(GGUFError, match=r"tensor 'blk.1.ffn_up.weight' appears twice"):
         GGUFHeader(_corrupt(path, tmp_path / "tensor_twice.gguf", duplicate_tensor))
+
+    def empty_tensor(data):  # (found by mutating files at random: a dimension of 0 met a torch view error)
+        at = data.index(b"blk.0.attn_norm.weight") + len("blk.0.attn_norm.weight")
+        assert struct.unpack("<I", data[at:at + 4]) == (1,)
+        data[at + 4:at + 12] = struct.pack("<Q", 0)
+
+    with pytest.raises(GGUFError, match=r"tensor 'blk.0.attn_norm.weight' has a dimension of 0 \(shape \[0\]\)"):
+        GGUFHeader(_corrupt(path, tmp_path / "empty.gguf", empty_tensor))
     def no_heads(data):  # a count of 0 (hidden / heads would divide by it)
         at = _offset_of(data, "qwen2.attention.head_count")
         assert struct.unpack("<I", data[at:at + 4]) == (4,)  # (uint32)
@@ -247,10 +255,13 @@ def _set_u32(key: str, value: int):
     ("qwen2.attention.head_count_kv", 3, r"num_key_value_heads=3 in \S+ is not allowed; it must divide "
                                          r"num_attention_heads=4"),
     ("qwen2.embedding_length", 4 * 33, r"the head size 33 \(\S+\) is not allowed; rotary embeddings need an even"),
+    ("qwen2.block_count", 65535, r"metadata key 'qwen2.block_count' is 65535, but the file's tensors are of "
+                                 r"blocks 0-1$"),  # (it built 65535 layers before finding tensors missing)
 ])
 def test_metadata_whose_sizes_do_not_fit_together_is_named(files, tmp_path, key, value, message):
     """(Found by mutating a file's metadata at random: an embedding length of 1 was a
-    ZeroDivisionError deep in the model's construction.)"""
+    ZeroDivisionError deep in the model's construction, a block count of 65535 minutes of
+    building layers.)"""
     from omniinfer import LLM
 
     path = _corrupt(files["qwen2"], tmp_path / "sizes.gguf", _set_u32(key, value))

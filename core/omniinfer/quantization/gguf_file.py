@@ -50,6 +50,17 @@ _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
+def _ranges(values: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out: list[str] = []
+    for v in values:
+        if out and int(out[-1].rsplit("-", 1)[-1]) == v - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        else:
+            out.append(str(v))
+    return ", ".join(out)
+
+
 def is_gguf(path) -> bool:
     return isinstance(path, (str, os.PathLike)) and os.fspath(path).endswith(".gguf") and os.path.isfile(path)
 
@@ -111,6 +122,11 @@ class GGUFFile:
             del need["intermediate_size"]  # (all layers sparse: gguf_moe.moe_config)
         cfg = {"architectures": [ARCHITECTURES[a]], "model_type": _MODEL_TYPES.get(a, a)}
         cfg.update({name: self.count(key) for name, key in need.items()})
+        blocks = {int(n.split(".")[1]) for n in self.tensors if n.startswith("blk.") and n.split(".")[1].isdigit()}
+        if blocks != set(range(cfg["num_hidden_layers"])):  # (before a model of that many layers is built)
+            raise GGUFError(f"{self.path}: metadata key {need['num_hidden_layers']!r} is "
+                            f"{cfg['num_hidden_layers']}, but the file's tensors are of blocks "
+                            f"{_ranges(sorted(blocks)) or 'none'}")
         cfg["num_key_value_heads"] = self.count(f"{a}.attention.head_count_kv", cfg["num_attention_heads"])
         if self.field(f"{a}.attention.key_length") is not None:  # (else hidden / heads)
             cfg["head_dim"] = self.count(f"{a}.attention.key_length")

@@ -98,6 +98,8 @@ class GGUFHeader:
                 self._corrupt(pos, f"tensor {name!r} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
             self._need(pos + 4, 8 * n_dims + 12, f"tensor {name!r}'s shape, type and offset")
             dims = struct.unpack_from(f"<{n_dims}Q", self._buf, pos + 4)
+            if 0 in dims:
+                self._corrupt(pos, f"tensor {name!r} has a dimension of 0 (shape {list(dims)})")
             type_code, offset = struct.unpack_from("<IQ", self._buf, pos + 4 + 8 * n_dims)
             pos += 4 + 8 * n_dims + 12
             raw.append((name, tuple(int(d) for d in dims), int(type_code), int(offset)))
