@@ -171,3 +171,27 @@ def test_a_qwen_files_tokenizer_encodes_as_llama_cpp(arch, tmp_path):
                          capture_output=True, text=True, check=True, timeout=120,
                          env=dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(tokenize)))
     assert load_tokenizer(path).encode(text) == json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("first_has_tensors", [True, False])
+def test_a_model_llama_gguf_split_splits_loads_as_the_whole_file(quantized, tmp_path, first_has_tensors):
+    """llama.cpp's `llama-gguf-split` on its own q4_k_m file (a first file of metadata alone with
+    --no-tensor-first-split, as large models are published): the same tokens as the whole file."""
+    try:
+        split = tool("llama-gguf-split")
+    except SkippedRun as e:
+        pytest.skip(f"llama.cpp's llama-gguf-split is absent: {e}")
+    path, _ = quantized["narrow", "q4_k_m"]
+    options = [] if first_has_tensors else ["--no-tensor-first-split"]
+    subprocess.run([split, "--split", "--split-max-tensors", "12", *options, path, str(tmp_path / "narrow")],
+                   check=True, capture_output=True, timeout=600)
+    parts = sorted(os.listdir(tmp_path))
+    assert len(parts) > 2 and parts[0].startswith("narrow-00001-of-"), parts
+    got = []
+    for model in (path, str(tmp_path / parts[-1])):
+        llm = LLM(model, num_kv_blocks=64)
+        try:
+            got.append(run(llm))
+        finally:
+            llm.shutdown()
+    assert got[0] == got[1]

@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+from pathlib import Path
 
 import numpy as np
 
@@ -148,8 +149,11 @@ def _permute_rotary(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
-    """Write `model_dir` (config.json, safetensors, tokenizer) to `out_path` as GGUF."""
+def export(model_dir: str, out_path: str, file_type: str = "f32", split_max_tensors: int = 0) -> str:
+    """Write `model_dir` (config.json, safetensors, tokenizer) to `out_path` as GGUF; returns the
+    path. `split_max_tensors`: split it as gguf-split does, at most that many tensors a file, in
+    files the `gguf` package names (`out_path` x.gguf -> x-00001-of-0000N.gguf ...); returns the
+    first's path."""
     import gguf
     from safetensors.torch import load_file  # (numpy has no bfloat16)
 
@@ -162,7 +166,7 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
         raise ValueError(f"architecture {architecture!r}: this exporter writes {', '.join(_ARCHS)}")
     arch = _ARCHS[architecture]
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    writer = gguf.GGUFWriter(out_path, arch)
+    writer = gguf.GGUFWriter(out_path, arch, split_max_tensors=split_max_tensors)
     writer.add_name(os.path.basename(os.path.normpath(model_dir)))
     writer.add_context_length(cfg.get("max_position_embeddings", 2048))
     writer.add_embedding_length(cfg["hidden_size"])
@@ -223,7 +227,7 @@ def export(model_dir: str, out_path: str, file_type: str = "f32") -> str:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return out_path
+    return str(writer.format_shard_names(Path(out_path))[0])
 
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")

@@ -7,13 +7,15 @@ the `gguf` package does (gguf_blocks.py).
 Families: llama (Llama 1-3, Mistral; Mixtral: a llama file with experts), qwen2, qwen3, phi3
 (Phi-3, Phi-3.5: fused q/k/v and gate/up tensors, as Hugging Face's), gemma2 and gemma3 (text;
 their norm weights stored as 1 + w, as llama.cpp's converter writes them), qwen2moe and qwen3moe
-(the mixtures of experts: gguf_moe.py). The file is checked before anything large
-is allocated: every tensor's bytes must lie inside the file and match its type and shape.
+(the mixtures of experts: gguf_moe.py). A model split across files (gguf-split) is read as
+one (gguf_header.open_shards). The file is checked before anything large is allocated: every
+tensor's bytes must lie inside its file and match its type and shape.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import numpy as np
@@ -22,7 +24,7 @@ import torch
 from omniinfer.models.layers.weights import WeightShapeError
 from omniinfer.quantization import gguf_blocks, gguf_moe
 from omniinfer.quantization.base import QuantPiece, register_format
-from omniinfer.quantization.gguf_header import GGUFError, GGUFHeader
+from omniinfer.quantization.gguf_header import GGUFError, open_shards
 
 __all__ = ["GGUFError", "GGUFFile", "GGUFTensor", "is_gguf", "load_tokenizer"]
 
@@ -83,24 +85,30 @@ class GGUFFile:
     """An open GGUF file (memory-mapped): metadata, tensors, checked."""
 
     def __init__(self, path: str):
-        self.path = os.fspath(path)
-        self.header = GGUFHeader(self.path)
-        size = self.header.size
-        self.tensors: dict[str, tuple[int, gguf_blocks.BlockType, tuple[int, ...], int]] = {}
-        for t in self.header.tensors:  # name -> (offset, kind, shape (slowest first), bytes)
-            kind = gguf_blocks.type_of(t.type_code, t.name)
-            shape = tuple(reversed(t.dims))  # GGUF lists the fastest dim first
-            cols = shape[-1]
-            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
-            if cols % kind.block:
-                raise GGUFError(f"{self.path}: tensor {t.name!r} ({kind.name}) has {cols} columns, not a "
-                                f"multiple of its block of {kind.block}")
-            expected = rows * kind.row_bytes(cols)
-            if t.offset + expected > size:
-                raise GGUFError(f"{self.path}: tensor {t.name!r} ({kind.name}, shape {shape}) needs "
-                                f"{expected} bytes at offset {t.offset}, but the file has "
-                                f"{size} bytes: truncated or corrupt")
-            self.tensors[t.name] = (t.offset, kind, shape, expected)
+        # a split model's files (gguf-split): the metadata is the first's, the tensors all of theirs
+        self.shards = open_shards(os.fspath(path))
+        self.header = self.shards[0]
+        self.path = self.header.path
+        # name -> (offset, kind, shape (slowest first), bytes, shard)
+        self.tensors: dict[str, tuple[int, gguf_blocks.BlockType, tuple[int, ...], int, int]] = {}
+        for index, shard in enumerate(self.shards):
+            for t in shard.tensors:
+                if t.name in self.tensors:
+                    raise GGUFError(f"{shard.path}: tensor {t.name!r} is in "
+                                    f"{self.shards[self.tensors[t.name][4]].path} too")
+                kind = gguf_blocks.type_of(t.type_code, t.name)
+                shape = tuple(reversed(t.dims))  # GGUF lists the fastest dim first
+                cols = shape[-1]
+                rows = math.prod(shape[:-1])  # (Python's integers: numpy's would wrap a corrupt shape)
+                if cols % kind.block:
+                    raise GGUFError(f"{shard.path}: tensor {t.name!r} ({kind.name}) has {cols} columns, not a "
+                                    f"multiple of its block of {kind.block}")
+                expected = rows * kind.row_bytes(cols)
+                if t.offset + expected > shard.size:
+                    raise GGUFError(f"{shard.path}: tensor {t.name!r} ({kind.name}, shape {shape}) needs "
+                                    f"{expected} bytes at offset {t.offset}, but the file has "
+                                    f"{shard.size} bytes: truncated or corrupt")
+                self.tensors[t.name] = (t.offset, kind, shape, expected, index)
         self.arch = self.field("general.architecture")
         if self.arch not in ARCHITECTURES:
             raise GGUFError(f"{self.path}: architecture {self.arch!r} is not supported; supported: "
@@ -219,12 +227,12 @@ class GGUFFile:
         or Phi-3's 'rope_factors_long.weight' / 'rope_factors_short.weight' (longrope's)."""
         if name not in self.tensors:
             raise GGUFError(f"{self.path}: tensor {name!r} is missing")
-        offset, kind, shape, n_bytes = self.tensors[name]
+        offset, kind, shape, n_bytes, shard = self.tensors[name]
         pairs = (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) // 2
         if kind.name != "F32" or shape != (pairs,):
             raise GGUFError(f"{self.path}: tensor {name!r} is {kind.name} of shape {shape}; expected F32 "
                             f"of shape ({pairs},), a factor for each rotary frequency")
-        factors = self.header.map[offset:offset + n_bytes].view("<f4").astype(np.float64)
+        factors = self.shards[shard].map[offset:offset + n_bytes].view("<f4").astype(np.float64)
         if not np.all(np.isfinite(factors) & (factors > 0)):
             raise GGUFError(f"{self.path}: tensor {name!r} holds {factors.tolist()}; its factors "
                             "must be finite and positive")
@@ -234,23 +242,23 @@ class GGUFFile:
         """(Hugging Face name, GGUFTensor) for every weight, in the file's order (the rotary
         factor tensors go into the config: hf_config)."""
         heads = self.hf_config()
-        for name, (offset, kind, shape, n_bytes) in self.tensors.items():
+        for name, (offset, kind, shape, n_bytes, shard) in self.tensors.items():
             if name in _ROPE_TENSORS:
                 continue
             perm_heads = None
             if self.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
                 perm_heads = heads["num_attention_heads"] if "attn_q" in name else heads["num_key_value_heads"]
-            data = self.header.map[offset:offset + n_bytes]
+            path, data = self.shards[shard].path, self.shards[shard].map[offset:offset + n_bytes]
             if gguf_moe.is_stack(name):  # (one expert at a time: each to its own slot)
                 for ours, at, part in gguf_moe.expert_views(self.arch, name, shape, n_bytes):
                     expert = f"{name}[{ours.split('.experts.')[1].split('.')[0]}]"
-                    yield ours, GGUFTensor(self.path, expert, data[at:at + n_bytes // shape[0]], kind, part)
+                    yield ours, GGUFTensor(path, expert, data[at:at + n_bytes // shape[0]], kind, part)
                 continue
             if name.endswith("ffn_gate_inp_shexp.weight") and len(shape) == 1:
                 shape = (1, shape[0])  # (Qwen2-MoE's shared expert gate: a vector; Hugging Face's a 1-row layer)
             # (Gemma's norms: llama.cpp's converter adds the 1 its RMSNorm adds, Hugging Face's does not)
             offset_added = 1.0 if self.arch in _GEMMA and name.endswith("norm.weight") else 0.0
-            yield hf_name(name, self.arch), GGUFTensor(self.path, name, data, kind, shape, perm_heads, offset_added)
+            yield hf_name(name, self.arch), GGUFTensor(path, name, data, kind, shape, perm_heads, offset_added)
 
 
 def _rope_order(rows: int, heads: int) -> torch.Tensor:
@@ -361,8 +369,8 @@ def load_tokenizer(path: str):
     if cls is None:  # (llama: transformers 5 maps no class; AutoTokenizer ends at TokenizersBackend)
         with contextlib.suppress(ImportError):
             from transformers import TokenizersBackend as cls
-    tokenizer = (cls or AutoTokenizer).from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                                       gguf_file=os.path.basename(path))
+    tokenizer = (cls or AutoTokenizer).from_pretrained(os.path.dirname(os.path.abspath(file.path)),
+                                                       gguf_file=os.path.basename(file.path))  # (a split's first)
     template = file.field("tokenizer.chat_template")
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template

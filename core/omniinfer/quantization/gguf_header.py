@@ -21,6 +21,7 @@ allocation.
 from __future__ import annotations
 
 import os
+import re
 import struct
 from dataclasses import dataclass
 
@@ -180,3 +181,45 @@ class GGUFHeader:
             pos += 8 + n
         self._need(start, pos - start, f"the {count} strings of {key!r}")
         return StringArray(count, start), pos
+
+
+SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")  # gguf-split's names
+
+
+def open_shards(path: str) -> list[GGUFHeader]:
+    """The headers of a model's files, the one holding the metadata first: [the file's] for a
+    whole model; for a split one all of its files, found by name from any of them. llama.cpp's
+    `gguf-split` and the `gguf` package's writer split a model into NAME-00001-of-0000N.gguf ..
+    NAME-0000N-of-0000N.gguf, the metadata in the first, each file's tensors its own, every file
+    saying `split.no` (0-based) and `split.count`, the first `split.tensors.count` too. A file
+    missing, or one of another split, is a GGUFError naming it."""
+    first = GGUFHeader(path)
+    count, no = first.get("split.count", 1), first.get("split.no", 0)
+    if count == 1 and no == 0:
+        return [first]
+    if not (isinstance(count, int) and isinstance(no, int) and 0 <= no < count):
+        raise GGUFError(f"{first.path}: split.no={no!r} and split.count={count!r} do not describe a part of a split model")
+    match = SPLIT_NAME.match(os.path.basename(first.path))
+    if match is None or int(match["count"]) != count or int(match["no"]) != no + 1:
+        raise GGUFError(f"{first.path} is file {no + 1} of a model split into {count}, but it is not named "
+                        f"NAME-{no + 1:05d}-of-{count:05d}.gguf, so the others cannot be found (restore the "
+                        "names gguf-split gave them, or merge them: llama-gguf-split --merge)")
+    stem = os.path.join(os.path.dirname(first.path), match["stem"])
+    shards = []
+    for i in range(count):
+        part = f"{stem}-{i + 1:05d}-of-{count:05d}.gguf"
+        if i == no:
+            shards.append(first)
+            continue
+        if not os.path.isfile(part):
+            raise GGUFError(f"{first.path} is file {no + 1} of a model split into {count}; file {i + 1}, "
+                            f"{part}, is missing")
+        shard = GGUFHeader(part)
+        if (shard.get("split.no"), shard.get("split.count")) != (i, count):
+            raise GGUFError(f"{part}: split.no={shard.get('split.no')!r}, split.count={shard.get('split.count')!r}; "
+                            f"as file {i + 1} of {count} it should say {i} and {count} (a file of another split?)")
+        shards.append(shard)
+    total, held = shards[0].get("split.tensors.count"), sum(len(s.tensors) for s in shards)
+    if total is not None and total != held:
+        raise GGUFError(f"{shards[0].path}: split.tensors.count={total!r}, but the {count} files hold {held} tensors")
+    return shards
