@@ -372,7 +372,7 @@ def test_unsupported_types_and_configs_are_named(models, tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"tensor 'token_embd.weight' has GGUF tensor type 16 \(IQ2_XXS\), "
+    with pytest.raises(ValueError, match=r"iq2.gguf: tensor 'token_embd.weight' has GGUF tensor type 16 \(IQ2_XXS\), "
                                          r"which omniinfer does not load; supported: F32, F16, BF16, Q4_0"):
         LLM(str(tmp_path / "iq2.gguf"))
     with pytest.raises(ValueError, match=r"quantization='int4' is not supported; allowed: None, 'int8', 'gguf'"):

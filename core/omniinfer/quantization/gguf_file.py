@@ -96,7 +96,10 @@ class GGUFFile:
                 if t.name in self.tensors:
                     raise GGUFError(f"{shard.path}: tensor {t.name!r} is in "
                                     f"{self.shards[self.tensors[t.name][4]].path} too")
-                kind = gguf_blocks.type_of(t.type_code, t.name)
+                try:
+                    kind = gguf_blocks.type_of(t.type_code, t.name)
+                except ValueError as e:
+                    raise GGUFError(f"{shard.path}: {e}") from None
                 shape = tuple(reversed(t.dims))  # GGUF lists the fastest dim first
                 cols = shape[-1]
                 rows = math.prod(shape[:-1])  # (Python's integers: numpy's would wrap a corrupt shape)
@@ -277,7 +280,8 @@ class GGUFTensor:
                  shape: tuple[int, ...], perm_heads: int | None = None, offset_added: float = 0.0):
         """`offset_added`: what the file added to every value of a float vector (taken off as read)."""
         if offset_added and (len(shape) != 1 or kind.block > 1):
-            raise GGUFError(f"tensor {name!r} ({kind.name}, shape {shape}): an offset is taken off float vectors only")
+            raise GGUFError(f"{path}: tensor {name!r} ({kind.name}, shape {shape}): an offset is taken off float "
+                            "vectors only")
         self.path, self.name, self.kind, self.shape = path, name, kind, shape
         self.offset_added = offset_added
         self._data = data  # numpy memmap: the tensor's bytes
