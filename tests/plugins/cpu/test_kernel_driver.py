@@ -240,6 +240,48 @@ def quant_cases(gen):
     return out
 
 
+def qmoe_cases(gen):
+    """omni_qmoe (one token: int8 activations on groups of 8, float ones on rows as stored) and
+    omni_qmoe_tokens (a chunk) against torch on the `gguf` package's dequantisation: the routed
+    experts' weighted sum, x and the SiLU-and-multiply rounded as the int8 path rounds them."""
+    import numpy as np
+
+    gguf = pytest.importorskip("gguf")
+    from omniinfer.testing import kquant
+    from omniinfer_cpu.quant import KIND_CODES, QACT_INT8, X8_CODES
+    from omniinfer_cpu.quant_x8 import repack
+
+    E, H, inter = 5, 256, 256
+
+    def expert(kind, rows, cols, grouped):
+        w = (torch.randn(rows, cols, generator=gen) * 0.1).numpy()
+        q = kquant.QUANTIZERS[kind](w) if kind in kquant.QUANTIZERS else gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
+        blocks = torch.from_numpy(np.ascontiguousarray(q.view(np.uint8).reshape(rows, -1)))
+        ref = torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType[kind]).reshape(rows, cols))
+        return (repack(f"gguf:{kind}", blocks, (rows, cols)).tensors["blocks8"] if grouped else blocks), ref.double()
+
+    out = []
+    for kinds, tokens, int8 in ((("Q4_K", "Q6_K"), 1, True), (("Q8_0", "Q4_0"), 1, False),
+                                (("Q4_0", "Q8_0"), 7, True)):
+        codes = [(X8_CODES[f"gguf:{k}"] | QACT_INT8) if int8 else KIND_CODES[f"gguf:{k}"] for k in kinds]
+        w13 = [expert(kinds[0], 2 * inter, H, int8) for _ in range(E)]
+        w2 = [expert(kinds[1], H, inter, int8) for _ in range(E)]
+        x = torch.randn(tokens, H, generator=gen)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:3] for _ in range(tokens)])
+        weights = torch.rand(tokens, 3, generator=gen)
+        act = int8_blocks if int8 else (lambda v: v)
+        want = torch.zeros(tokens, H, dtype=torch.float64)
+        for t in range(tokens):
+            for e, w in zip(ids[t].tolist(), weights[t].tolist()):
+                gate, up = F.linear(act(x[t:t + 1]).double(), w13[e][1]).chunk(2, dim=-1)
+                want[t] += w * F.linear(act((F.silu(gate) * up).float()).double(), w2[e][1])[0]
+        ints = [tokens, 3, E, H, inter, *codes, w13[0][0].numel(), w2[0][0].numel(), 2]
+        arrays = [x, torch.cat([b for b, _ in w13]), torch.cat([b for b, _ in w2]), ids, weights, torch.zeros(tokens, H)]
+        out.append((("qmoe", ints, [], arrays), lambda a, want=want: torch.testing.assert_close(
+            a[5].double(), want, **TOL[F32])))
+    return out
+
+
 def layer_op_cases(gen):
     from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS as ops
 
@@ -321,7 +363,7 @@ def test_kernels_without_python(target, drivers, tmp_path):
     cmd = drivers(target)
     assert subprocess.run([*cmd, "--isa"], capture_output=True, text=True, timeout=60).stdout.strip() == target
     gen = torch.Generator().manual_seed(7)
-    checks = product_cases(gen) + layer_op_cases(gen) + quant_cases(gen)
+    checks = product_cases(gen) + layer_op_cases(gen) + quant_cases(gen) + qmoe_cases(gen)
     outs = run_driver(cmd, tmp_path, [c for c, _ in checks])
     for (case, check), arrays in zip(checks, outs):
         try:

@@ -46,6 +46,12 @@ int omni_moe(const void *x, int64_t ldx, const void *w13, const void *w2, const 
              const float *topk_weights, void *out, int64_t ldo, int T, int K, int E, int H, int I,
              int dt, int nthreads);
 
+int omni_qmoe(const float *x, const int64_t *w13, const int64_t *s13, const int32_t *kind13, const int64_t *w2,
+              const int64_t *s2, const int32_t *kind2, const int64_t *ids, const float *weights, int n, int E,
+              float *out, int H, int I, int nthreads);
+int omni_qmoe_tokens(const float *x, int T, const int64_t *w13, int kind13, const int64_t *w2, int kind2,
+                     const int64_t *ids, const float *weights, int n, int E, float *out, int H, int I, int nthreads);
+
 #define MAX_ARGS 32
 
 typedef struct {
@@ -155,6 +161,23 @@ static int run(Case *c) {
     if (!strcmp(k, "moe")) {  /* T K E H I dt threads; x w13 w2 topk_ids topk_weights out */
         return omni_moe(A(0), I(3), A(1), A(2), A(3), A(4), A(5), I(3), I(0), I(1), I(2), I(3), I(4),
                         I(5), I(6));
+    }
+    if (!strcmp(k, "qmoe")) {  /* T n E H I kind13 kind2 bytes13 bytes2 threads; x w13 w2 ids weights out */
+        int T = I(0), n = I(1), E = I(2), nt = I(9);  /* (each expert's blocks one after another) */
+        int64_t *table = calloc((size_t)6 * E, sizeof(int64_t));
+        int32_t *kinds = malloc(sizeof(int32_t) * 2 * E);
+        need(table && kinds, "out of memory");
+        for (int e = 0; e < E; e++) {
+            table[e] = (int64_t)(uintptr_t)((uint8_t *)A(1) + (size_t)e * c->ints[7]);
+            table[3 * E + e] = (int64_t)(uintptr_t)((uint8_t *)A(2) + (size_t)e * c->ints[8]);
+            kinds[e] = I(5), kinds[E + e] = I(6);  /* (table[E..2E), [4E..5E): no scales) */
+        }
+        int rc = T > 1 ? omni_qmoe_tokens(A(0), T, table, I(5), table + 3 * E, I(6), A(3), A(4), n, E, A(5), I(3),
+                                          I(4), nt)
+                       : omni_qmoe(A(0), table, table + E, kinds, table + 3 * E, table + 4 * E, kinds + E, A(3),
+                                   A(4), n, E, A(5), I(3), I(4), nt);
+        free(table), free(kinds);
+        return rc;
     }
     fprintf(stderr, "driver: no kernel %.32s\n", k);
     return -100;
