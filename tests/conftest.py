@@ -31,6 +31,7 @@ CHECKPOINTS = {
     "mistral_window": dict(arch="mistral", sliding_window=24),
     "llama_bf16": dict(arch="llama", dtype="bfloat16"),
     "qwen3": dict(arch="qwen3"),
+    "qwen3_norms": dict(arch="qwen3", norm_jitter=0.2),  # (each norm its own weight: q_norm is not k_norm)
     "gemma2": dict(arch="gemma2"),
     "gemma3": dict(arch="gemma3"),
     "phi3": dict(arch="phi3"),

@@ -33,6 +33,10 @@ SHAPES = {
     "a3b-8l": dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=4,
                    head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=16,
                    num_experts_per_tok=8, norm_topk_prob=True, vocab_size=32000, arch="qwen3_moe"),
+    # Qwen3-0.6B whole (head_dim 128 over 16 heads, its per-head q/k norms): the dense Qwen3
+    "qwen3-0.6b": dict(hidden_size=1024, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, intermediate_size=3072, vocab_size=151936, arch="qwen3",
+                       tie_word_embeddings=True),
     # for the CI smoke test of the scripts: every code path, seconds to run
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=512, arch="llama"),

@@ -79,6 +79,7 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     attention_cls = LlamaAttention
+    stackable = True  # DecoderLayerSpec's formula is this layer's (a subclass says so for itself)
 
     def __init__(self, config: ModelConfig, attn_backend, layer_index: int = 0):
         super().__init__()
@@ -178,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
         """Why a platform's one-call decoder stack can never run this family's layers (None: it
         can, without tensor parallelism and when its layers' windows agree); `omniinfer env`
         shows it per architecture."""
-        if cls.layer_cls is not LlamaDecoderLayer:
+        if not cls.layer_cls.__dict__.get("stackable", False):  # (each layer class says so itself)
             return (f"its layers ({cls.layer_cls.__name__}) are not Llama's pre-norm attention and "
                     "gated-SiLU MLP")
         return None
@@ -187,14 +188,15 @@ class LlamaForCausalLM(nn.Module):
         """This stage's layers, described for `ModelRunner.decoder_stack`; None under tensor
         parallelism (o_proj and down_proj reduce across ranks) and for layers other than Llama's
         (the spec's formula is this layer's)."""
-        if ps.get_tp_size() > 1 or self.layer_cls is not LlamaDecoderLayer:
+        if ps.get_tp_size() > 1 or self.decoder_stack_refusal() is not None:
             return None
         if len(set(self.config.layer_windows)) > 1:  # sliding and full layers read different tables
             return None
         return [DecoderLayerSpec(layer.input_layernorm, layer.self_attn.qkv_proj,
                                  layer.self_attn.rotary_emb, layer.self_attn.attn, layer.self_attn.o_proj,
                                  layer.post_attention_layernorm, layer.mlp.gate_up_proj,
-                                 layer.mlp.down_proj)
+                                 layer.mlp.down_proj, getattr(layer.self_attn, "q_norm", None),
+                                 getattr(layer.self_attn, "k_norm", None))
                 for layer in self.model.layers.values()]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ class Qwen3Attention(LlamaAttention):
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     attention_cls = Qwen3Attention
+    stackable = True  # (DecoderLayerSpec's "head_norms")
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -30,6 +30,10 @@ from omniinfer.models.layers.moe import MoEMethod
 
 
 class ModelTransform:
+    # the optional parts of a DecoderLayerSpec (decoder_stack.OPTIONAL_PARTS) decoder_stack computes:
+    # a model whose layers have others runs them one by one
+    decoder_stack_parts: frozenset[str] = frozenset()
+
     def before_load(self) -> None:
         """Called before the model is built and its weights read."""
 

@@ -63,8 +63,11 @@ def build_tokenizer(vocab_size: int = 384):
 
 
 def build_tiny_checkpoint(path: str, arch: str = "llama", *, dtype: str = "float32",
-                          max_shard_size: str | None = None, seed: int = 0, **overrides) -> str:
-    """Write a tiny model of `arch` (a key of ARCHITECTURES) and its tokenizer to `path`."""
+                          max_shard_size: str | None = None, seed: int = 0, norm_jitter: float = 0.0,
+                          **overrides) -> str:
+    """Write a tiny model of `arch` (a key of ARCHITECTURES) and its tokenizer to `path`.
+    `norm_jitter`: the norms' weights 1 + norm_jitter * N(0, 1), not transformers' ones (every
+    norm alike cannot tell one norm's weight from another's)."""
     import torch
     import transformers
 
@@ -84,6 +87,11 @@ def build_tiny_checkpoint(path: str, arch: str = "llama", *, dtype: str = "float
     config = config_cls(**settings)
     torch.manual_seed(seed)
     model = model_cls(config).to(getattr(torch, dtype)).eval()
+    if norm_jitter:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(1.0 + norm_jitter * torch.randn(p.shape))
     os.makedirs(path, exist_ok=True)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)

@@ -73,12 +73,15 @@ class ModelRunner:
         if ops is not None:
             install_layer_ops(self.model, ops)
         specs = self.model.decoder_layer_specs() if hasattr(self.model, "decoder_layer_specs") else None
-        if specs:
+        parts = frozenset().union(*(s.parts() for s in specs or ()))
+        unknown = parts - getattr(transform, "decoder_stack_parts", frozenset())
+        if specs and not unknown:
             self.model.decoder_stack = transform.decoder_stack(specs)
         elif type(transform).decoder_stack is not ModelTransform.decoder_stack:
-            logger.info("decoder stack: not used for %s (tensor parallelism, layers other than "
-                        "Llama's, or sliding and full layers mixed): the layers run one by one",
-                        self.model_config.architecture)
+            why = (f"its layers have {', '.join(sorted(unknown))}, which the platform's stack does not compute"
+                   if specs else "tensor parallelism, layers other than Llama's, or sliding and full layers mixed")
+            logger.info("decoder stack: not used for %s (%s): the layers run one by one",
+                        self.model_config.architecture, why)
         transform.after_install(self.model)
         generator = torch.Generator(device=self.device)
         generator.manual_seed(self.model_config.seed)

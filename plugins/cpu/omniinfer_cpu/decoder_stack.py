@@ -49,7 +49,9 @@ class Layer(ctypes.Structure):
                 + [("qseg", (ctypes.c_void_p * QSEGS) * len(PRODUCTS)),
                    ("qseg_scale", (ctypes.c_void_p * QSEGS) * len(PRODUCTS)),
                    ("qseg_kind", (ctypes.c_int * QSEGS) * len(PRODUCTS)),
-                   ("qseg_rows", (ctypes.c_int * QSEGS) * len(PRODUCTS))])
+                   ("qseg_rows", (ctypes.c_int * QSEGS) * len(PRODUCTS)),
+                   ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
+                   ("q_eps", ctypes.c_float), ("k_eps", ctypes.c_float)])
 
 
 def quant_kernels(layer):
@@ -98,8 +100,15 @@ def unsupported(kernels, specs: list[DecoderLayerSpec], attention: str) -> str |
                 return "a linear layer does not run the compiled kernel"
             if any(t is not None and t.dtype != dtype for t in (layer.weight, layer.bias)):
                 return "the layers' tensors differ in dtype"
-        if any(t.dtype != dtype for t in (spec.input_norm.weight, spec.post_norm.weight)):
+        norms = [spec.input_norm, spec.post_norm] + ([spec.q_norm, spec.k_norm] if spec.q_norm is not None else [])
+        if any(not isinstance(n.ops, CpuLayerOps) for n in norms):
+            return "a layer op is not the compiled one"
+        if any(n.weight.dtype != dtype for n in norms):
             return "the layers' tensors differ in dtype"
+        if spec.q_norm is not None and (spec.k_norm is None or any(
+                n.weight.shape != (spec.attn.impl.head_size,) or not n.weight.is_contiguous()
+                for n in (spec.q_norm, spec.k_norm))):
+            return "its head norms are not one weight of the head size each for q and k"
         if spec.rotary.cos.dtype != torch.float32:
             return "the rotary table is not float32"
     if len({layer.linear_method.layer_kernel_rows for spec in specs for layer in _products(spec).values()
@@ -124,7 +133,8 @@ class CpuDecoderStack:
         inter = s.down_proj.weight.shape[1]
         q_size = s.attn.num_heads * s.attn.head_size
         qkv_size = s.qkv_proj.weight.shape[0]
-        self.work_per_row = self.hidden + qkv_size + q_size + 3 * inter  # omni_decoder_layers' work
+        # omni_decoder_layers' work (the last part: q and k normed per head, where there are head norms)
+        self.work_per_row = self.hidden + qkv_size + q_size + 3 * inter + (q_size + qkv_size) // 2
         self.max_position = s.rotary.cos.shape[0]
         self.layers = None  # the structs, made at the first step: weights may move after loading
         self.cache_ptrs: list[int] = []
@@ -155,6 +165,9 @@ class CpuDecoderStack:
             for name, t in ptr.items():
                 assert t is None or t.is_contiguous(), name
                 setattr(struct, name, None if t is None else t.data_ptr())
+            if spec.q_norm is not None:  # (contiguous: checked by unsupported())
+                struct.q_norm, struct.k_norm = spec.q_norm.weight.data_ptr(), spec.k_norm.weight.data_ptr()
+                struct.q_eps, struct.k_eps = spec.q_norm.eps, spec.k_norm.eps
             impl = spec.attn.impl
             struct.input_eps, struct.post_eps = spec.input_norm.eps, spec.post_norm.eps
             struct.scale = impl.scale

@@ -54,7 +54,8 @@ def restore_threads():
 
 
 @pytest.mark.parametrize("name,threads", [("llama", 1), ("qwen2", 1), ("llama_bf16", 1),
-                                          ("mistral_window", 1), ("llama_bf16", 2)])
+                                          ("mistral_window", 1), ("llama_bf16", 2), ("qwen3_norms", 1),
+                                          ("qwen3_norms", 2)])
 def test_stack_is_the_layers_bit_for_bit(isa_level, monkeypatch, restore_threads, checkpoint_dir, hf_greedy,
                                          name, threads):
     """Prefills, one and two decoding rows (omni_linear) and four (omni_gemm, where the weights
@@ -133,15 +134,15 @@ def test_what_the_stack_leaves_to_the_model(monkeypatch, checkpoint_dir, hf_gree
     assert out[0].outputs[0].token_ids == hf_greedy(path, PROMPTS[0], 5)
 
 
-@pytest.mark.parametrize("file_type", ["q4_0", "q8_0"])
-def test_quantized_layers_run_in_the_stack_bit_for_bit(isa_level, checkpoint_dir, tmp_path, file_type):
-    """A GGUF file whose products are all one CPU format (Q4_0, Q8_0; qwen2: q/k/v biases) runs
-    through the stack (omni_qlinear at every row count, prefills too), to the last bit the
-    quantised layers one by one."""
+@pytest.mark.parametrize("arch,file_type", [("qwen2", "q4_0"), ("qwen2", "q8_0"), ("qwen3_norms", "q4_k_m")])
+def test_quantized_layers_run_in_the_stack_bit_for_bit(isa_level, checkpoint_dir, tmp_path, arch, file_type):
+    """A GGUF file whose products run on CPU formats (Q4_0, Q8_0; qwen2: q/k/v biases; qwen3:
+    its head norms, and Q4_K beside Q6_K) runs through the stack (omni_qlinear at every row
+    count, prefills too), to the last bit the quantised layers one by one."""
     pytest.importorskip("gguf")
     from omniinfer.benchmarks.gguf_export import export
 
-    path = export(checkpoint_dir("qwen2"), str(tmp_path / f"m-{file_type}.gguf"), file_type)
+    path = export(checkpoint_dir(arch), str(tmp_path / f"m-{file_type}.gguf"), file_type)
     llm = LLM(path, num_kv_blocks=64)
     try:
         stack = model_of(llm).decoder_stack

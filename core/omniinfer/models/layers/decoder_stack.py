@@ -34,7 +34,12 @@ class DecoderLayerSpec:
 
     where each norm with a residual adds it first (`RMSNorm(x, residual)`), and the first layer of
     the first stage has no residual yet (its input is it). A stack returns (the last down_proj's
-    product, the residual), as the model's layers hand them to its final norm."""
+    product, the residual), as the model's layers hand them to its final norm.
+
+    Optional parts (`OPTIONAL_PARTS`), given only to a platform whose transform lists them in
+    `decoder_stack_parts` (a stack that does not know a part would compute another formula):
+    "head_norms": `q_norm` and `k_norm` set (Qwen3): q and k normalised head by head,
+    `q_norm(q[:, h * head:(h + 1) * head])` for each head h (k likewise), before the rotary."""
 
     input_norm: RMSNorm
     qkv_proj: QKVParallelLinear
@@ -44,6 +49,15 @@ class DecoderLayerSpec:
     post_norm: RMSNorm
     gate_up_proj: MergedColumnParallelLinear  # built with silu_and_mul: its product is silu(gate) * up
     down_proj: RowParallelLinear
+    q_norm: RMSNorm | None = None  # "head_norms": over each head of q
+    k_norm: RMSNorm | None = None  # and of k
+
+    def parts(self) -> frozenset[str]:
+        """The optional parts this layer has."""
+        return frozenset({"head_norms"} if self.q_norm is not None else ())
+
+
+OPTIONAL_PARTS = frozenset({"head_norms"})
 
 
 class DecoderStack(Protocol):

@@ -27,6 +27,10 @@ typedef struct {
     const void *qseg[4][QSEGS];
     const float *qseg_scale[4][QSEGS];
     int qseg_kind[4][QSEGS], qseg_rows[4][QSEGS];
+    /* DecoderLayerSpec's "head_norms" (Qwen3): q and k normalised head by head before the rotary,
+     * into their own rows (as torch's reshape copies them); NULL: none */
+    const void *q_norm, *k_norm;
+    float q_eps, k_eps;
 } omni_layer;
 
 /* y [M, N] (row stride N) += bias [N] */
@@ -81,7 +85,8 @@ static int stack_linear(const void *x, const void *w, const void *packed, const 
  * hidden [T, H] (in: the layers' input; out: the last down product) and residual [T, H] (in: the
  * running residual when has_residual, else nothing; out: the residual the model's final norm
  * adds). The attention arguments are omni_paged_attention's, the same for every layer. work:
- * T * (H + QKV + heads * head + 3 * intermediate) elements (QKV = (heads + 2 kv_heads) * head).
+ * T * (H + QKV + heads * head + 3 * intermediate + QKV - kv_heads * head) elements (QKV = (heads +
+ * 2 kv_heads) * head; the last part: normed q and k, where a layer has head norms).
  * Returns 0; -1 attention refused the shapes, -2 out of memory, -3 a position outside the rotary
  * table (before anything is written), -4 more than kernel_rows rows without a packed weight. */
 int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, void *residual,
@@ -101,6 +106,8 @@ int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, 
         int q_size = L->num_heads * D, kv_size = L->num_kv_heads * D, QKV = q_size + 2 * kv_size;
         char *normed = work, *qkv = normed + (size_t)T * H * es, *att = qkv + (size_t)T * QKV * es;
         char *gate_up = att + (size_t)T * q_size * es, *act = gate_up + (size_t)T * 2 * I * es;
+        char *q = qkv, *k = qkv + (size_t)q_size * es;  /* rows QKV apart, or their normed copies */
+        int64_t q_ld = QKV, k_ld = QKV;
         int rc;
         if (i == 0 && !has_residual)
             omni_rms_norm(hidden, NULL, NULL, L->input_norm, normed, T, H, L->input_eps, dt, nthreads);
@@ -112,10 +119,17 @@ int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, 
                            : stack_linear(normed, L->qkv, L->qkv_packed, L->qkv_ec, L->qkv_bias, qkv, T, QKV,
                                           H, 0, kernel_rows, dt, nthreads)))
             return rc;
-        if (omni_rotary(qkv, QKV, qkv + (size_t)q_size * es, QKV, positions, L->cos, L->sin,
-                        L->max_position, T, L->num_heads, L->num_kv_heads, D, dt, nthreads))
+        if (L->q_norm) {
+            q = act + (size_t)T * I * es, k = q + (size_t)T * q_size * es;
+            omni_rms_norm_heads(qkv, QKV, L->q_norm, q, T, L->num_heads, D, L->q_eps, dt, nthreads);
+            omni_rms_norm_heads(qkv + (size_t)q_size * es, QKV, L->k_norm, k, T, L->num_kv_heads, D, L->k_eps, dt,
+                                nthreads);
+            q_ld = q_size, k_ld = kv_size;
+        }
+        if (omni_rotary(q, q_ld, k, k_ld, positions, L->cos, L->sin, L->max_position, T, L->num_heads,
+                        L->num_kv_heads, D, dt, nthreads))
             return -3;
-        if ((rc = omni_paged_attention(qkv, QKV, qkv + (size_t)q_size * es, QKV,
+        if ((rc = omni_paged_attention(q, q_ld, k, k_ld,
                                        qkv + (size_t)(q_size + kv_size) * es, QKV, slot_mapping, T,
                                        L->k_cache, L->v_cache, block_tables, table_stride,
                                        query_start_loc, seq_lens, num_seqs, att, q_size,

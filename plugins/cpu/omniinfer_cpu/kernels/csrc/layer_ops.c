@@ -65,6 +65,22 @@ void omni_rms_norm(const void *x, const void *residual, void *residual_out, cons
             residual_out ? (char *)residual_out + t * n : NULL, weight, (char *)out + t * n, H, eps);
 }
 
+/* omni_rms_norm without a residual over each head of D values (Qwen3's q_norm / k_norm): x's T
+ * rows `stride` elements apart, `heads` heads each, into out [T, heads * D]: the rows torch's
+ * RMSNorm meets in x.reshape(-1, D), through the same row function */
+void omni_rms_norm_heads(const void *x, int64_t stride, const void *weight, void *out, int T, int heads, int D,
+                         float eps, int dt, int nthreads) {
+    void (*row)(const void *, const void *, void *, const void *, void *, int, float) =
+        dt == F32 ? rms_norm_f32 : rms_norm_bf16;
+    size_t es = dt == F32 ? 4 : 2;
+    int rows = T * heads;
+    (void)nthreads;
+#pragma omp parallel for schedule(static) PARALLEL_ROWS(rows)
+    for (int r = 0; r < rows; r++)
+        row((const char *)x + ((size_t)(r / heads) * stride + (size_t)(r % heads) * D) * es, NULL, NULL, weight,
+            (char *)out + (size_t)r * D * es, D, eps);
+}
+
 /* GPT-NeoX rotary ("rotate half"), in place: each head's first and second halves (x1, x2) become
  * (x1 cos - x2 sin, x2 cos + x1 sin). cos/sin: float32 [max_position, head_size / 2]; in bfloat16
  * they and each product are rounded as the torch path does. Query/key rows: `stride` elements

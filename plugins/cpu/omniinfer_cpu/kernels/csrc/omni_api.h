@@ -22,6 +22,8 @@ int omni_paged_attention(const void *q, int64_t q_stride, const void *key, int64
                          int nthreads);
 void omni_rms_norm(const void *x, const void *residual, void *residual_out, const void *weight,
                    void *out, int T, int H, float eps, int dt, int nthreads);
+void omni_rms_norm_heads(const void *x, int64_t stride, const void *weight, void *out, int T, int heads, int D,
+                         float eps, int dt, int nthreads);
 int omni_rotary(void *q, int64_t q_stride, void *k, int64_t k_stride, const int64_t *positions,
                 const float *cos, const float *sin, int max_position, int T, int num_heads,
                 int num_kv_heads, int D, int dt, int nthreads);
