@@ -16,6 +16,7 @@ from torch import nn
 from omniinfer.attention.layer import Attention
 from omniinfer.config import ModelConfig
 from omniinfer.distributed import parallel_state as ps
+from omniinfer.models.layers.decoder_stack import DecoderLayerSpec
 from omniinfer.models.layers.layer_ops import SiluAndMul
 from omniinfer.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -158,10 +159,25 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def decoder_stack_refusal(cls) -> str | None:
-        return "mixture-of-experts layers (the platforms' one-call decoder stacks are for dense ones)"
+        return None  # (its sparse layers: DecoderLayerSpec's "experts"; Qwen2-MoE's shared expert is not)
 
     def decoder_layer_specs(self):
-        return None  # the platforms' one-call decoder stacks are for dense layers
+        """Each layer as a DecoderLayerSpec, a sparse one's MLP as its "experts" part (and Qwen3's
+        q/k norms as "head_norms"); None under tensor parallelism, with a shared expert (no part
+        describes it) or sliding and full layers mixed."""
+        if (ps.get_tp_size() > 1 or self.family.shared_expert_intermediate_size
+                or len(set(self.config.layer_windows)) > 1):
+            return None
+        specs = []
+        for layer in self.model.layers.values():
+            attn, mlp = layer.self_attn, layer.mlp
+            sparse = isinstance(mlp, SparseMoeBlock)
+            specs.append(DecoderLayerSpec(
+                layer.input_layernorm, attn.qkv_proj, attn.rotary_emb, attn.attn, attn.o_proj,
+                layer.post_attention_layernorm, None if sparse else mlp.gate_up_proj,
+                None if sparse else mlp.down_proj, getattr(attn, "q_norm", None), getattr(attn, "k_norm", None),
+                mlp.gate if sparse else None, mlp.experts if sparse else None))
+        return specs
 
     def checkpoint_target(self, name: str) -> tuple[str, object] | None:
         for ckpt, ours in self.family.renames:

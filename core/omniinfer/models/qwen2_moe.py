@@ -21,6 +21,10 @@ def check_layer_types(cfg: dict) -> None:
 
 
 class Qwen2MoeForCausalLM(MoEForCausalLM):
+    @classmethod
+    def decoder_stack_refusal(cls) -> str | None:
+        return "its sparse layers' shared expert (a one-call stack's MLP is the routed experts alone)"
+
     @staticmethod
     def read_family(config: ModelConfig) -> MoEFamily:
         cfg = config.hf_config

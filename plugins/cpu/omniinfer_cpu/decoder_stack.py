@@ -35,6 +35,9 @@ SIZES = ("hidden", "num_heads", "num_kv_heads", "head_size", "intermediate", "bl
 
 
 PRODUCTS = ("qkv", "o", "gate_up", "down")
+EXPERT_POINTERS = ("router", "router_packed", "router_ec", "e_w13", "e_s13", "e_w2", "e_s2", "e_kind13", "e_kind2")
+MAX_TOP_K = 64  # quant_moe.c's QMOE_MAX_K
+EXPERT_SIZES = ("num_experts", "top_k", "renormalize", "expert_intermediate", "tokens_kind13", "tokens_kind2")
 QSEGS = 3  # decoder_stack.c's: row ranges of several formats a quantised product may have
 
 
@@ -51,7 +54,9 @@ class Layer(ctypes.Structure):
                    ("qseg_kind", (ctypes.c_int * QSEGS) * len(PRODUCTS)),
                    ("qseg_rows", (ctypes.c_int * QSEGS) * len(PRODUCTS)),
                    ("q_norm", ctypes.c_void_p), ("k_norm", ctypes.c_void_p),
-                   ("q_eps", ctypes.c_float), ("k_eps", ctypes.c_float)])
+                   ("q_eps", ctypes.c_float), ("k_eps", ctypes.c_float)]
+                + [(name, ctypes.c_void_p) for name in EXPERT_POINTERS]
+                + [(name, ctypes.c_int) for name in EXPERT_SIZES])
 
 
 def quant_kernels(layer):
@@ -72,7 +77,27 @@ def quant_kernels(layer):
 
 
 def _products(spec: DecoderLayerSpec):
-    return {"qkv": spec.qkv_proj, "o": spec.o_proj, "gate_up": spec.gate_up_proj, "down": spec.down_proj}
+    """The layer's products by decoder_stack.c's names (a sparse layer's MLP: its router and experts)."""
+    products = {"qkv": spec.qkv_proj, "o": spec.o_proj, "gate_up": spec.gate_up_proj, "down": spec.down_proj}
+    return {name: layer for name, layer in products.items() if layer is not None}
+
+
+def _experts_unsupported(spec: DecoderLayerSpec, dtype: torch.dtype) -> str | None:
+    """Why a sparse layer's router and experts are not ones decoder_stack.c runs, or None."""
+    from omniinfer.quantization.experts import QuantMoEMethod
+    from omniinfer_cpu.moe import CpuExpertsStep
+
+    router, method = spec.router, spec.experts.moe_method
+    if dtype != torch.float32:
+        return f"a sparse layer in {dtype} (its experts' one-call step is float32)"
+    if (getattr(router, "qweight", None) is not None or router.bias is not None
+            or not isinstance(router.linear_method, CpuLinearMethod) or router.linear_method.linear is None):
+        return "a router that is not a float product on the compiled kernel"
+    if not isinstance(method, QuantMoEMethod) or not isinstance(method.step, CpuExpertsStep):
+        return "experts that do not run on the CPU's quantised one-call step (float or reference experts)"
+    if spec.experts.top_k > MAX_TOP_K:
+        return f"{spec.experts.top_k} experts a token (omni_qmoe takes up to {MAX_TOP_K})"
+    return None
 
 
 def unsupported(kernels, specs: list[DecoderLayerSpec], attention: str) -> str | None:
@@ -87,9 +112,12 @@ def unsupported(kernels, specs: list[DecoderLayerSpec], attention: str) -> str |
     if attention != "CPU_PAGED":  # the stack calls CPU_PAGED's kernel on its cache layout
         return f"attention is {attention}, not CPU_PAGED"
     for spec in specs:
-        ops = (spec.input_norm.ops, spec.post_norm.ops, spec.rotary.ops, spec.gate_up_proj.silu_and_mul.ops)
+        ops = (spec.input_norm.ops, spec.post_norm.ops, spec.rotary.ops,
+               *([spec.gate_up_proj.silu_and_mul.ops] if spec.experts is None else []))
         if not all(isinstance(op, CpuLayerOps) for op in ops):
             return "a layer op is not the compiled one"
+        if spec.experts is not None and (why := _experts_unsupported(spec, dtype)):
+            return why
         for layer in _products(spec).values():
             method = layer.linear_method
             if getattr(layer, "qweight", None) is not None:
@@ -111,10 +139,14 @@ def unsupported(kernels, specs: list[DecoderLayerSpec], attention: str) -> str |
             return "its head norms are not one weight of the head size each for q and k"
         if spec.rotary.cos.dtype != torch.float32:
             return "the rotary table is not float32"
-    if len({layer.linear_method.layer_kernel_rows for spec in specs for layer in _products(spec).values()
+    if len({layer.linear_method.layer_kernel_rows for spec in specs for layer in _linears(spec)
             if isinstance(layer.linear_method, CpuLinearMethod)}) > 1:
         return "the linear layers differ in how many rows go to the kernel"
     return None
+
+
+def _linears(spec: DecoderLayerSpec) -> list:
+    return [*_products(spec).values(), *([spec.router] if spec.router is not None else [])]
 
 
 class CpuDecoderStack:
@@ -122,7 +154,7 @@ class CpuDecoderStack:
         self.kernels = kernels
         self.specs = specs
         self.dtype = specs[0].qkv_proj.weight.dtype
-        methods = [layer.linear_method for spec in specs for layer in _products(spec).values()
+        methods = [layer.linear_method for spec in specs for layer in _linears(spec)
                    if isinstance(layer.linear_method, CpuLinearMethod)]
         # quantised products run omni_qlinear at any row count
         self.kernel_rows = methods[0].layer_kernel_rows if methods else 1 << 30
@@ -130,7 +162,12 @@ class CpuDecoderStack:
         self.has_gemm = all(m.gemm_weight is not None for m in methods)
         s = specs[0]
         self.hidden = s.qkv_proj.weight.shape[1]
-        inter = s.down_proj.weight.shape[1]
+        inter = max((t.down_proj.weight.shape[1] for t in specs if t.down_proj is not None), default=0)
+        self.inter = inter  # (the widest dense MLP: the work buffers are sized by it)
+        # a chunk of tokens (a prefill) goes through the experts in one call where each sparse layer
+        # is in groups of 8 with int8 activations (omni_qmoe_tokens), else one token at a time
+        self.chunks = all(t.experts.moe_method.step.tokens_kinds for t in specs if t.experts is not None)
+        self.tables: list = []  # (the experts' address tables the structs point into: kept alive)
         q_size = s.attn.num_heads * s.attn.head_size
         qkv_size = s.qkv_proj.weight.shape[0]
         # omni_decoder_layers' work (the last part: q and k normed per head, where there are head norms)
@@ -172,9 +209,25 @@ class CpuDecoderStack:
             struct.input_eps, struct.post_eps = spec.input_norm.eps, spec.post_norm.eps
             struct.scale = impl.scale
             struct.hidden, struct.num_heads, struct.num_kv_heads = self.hidden, impl.num_heads, impl.num_kv_heads
-            struct.head_size, struct.intermediate = impl.head_size, spec.down_proj.weight.shape[1]
+            struct.head_size = impl.head_size
+            struct.intermediate = self.inter if spec.down_proj is None else spec.down_proj.weight.shape[1]
+            if spec.experts is not None:
+                self._point_at_experts(struct, spec)
             struct.window, struct.max_position = impl.sliding_window or 0, spec.rotary.cos.shape[0]
         return layers
+
+    def _point_at_experts(self, struct, spec: DecoderLayerSpec) -> None:
+        step, method = spec.experts.moe_method.step, spec.router.linear_method
+        w13, s13, k13, w2, s2, k2 = step._addresses()
+        self.tables.append((w13, s13, k13, w2, s2, k2))
+        for name, t in (("router", spec.router.weight), ("router_packed", method.gemm_weight),
+                        ("router_ec", method.ec_weight), ("e_w13", w13), ("e_s13", s13), ("e_w2", w2),
+                        ("e_s2", s2), ("e_kind13", k13), ("e_kind2", k2)):
+            assert t is None or t.is_contiguous(), name
+            setattr(struct, name, None if t is None else t.data_ptr())
+        struct.num_experts, struct.top_k = len(step.w13), spec.experts.top_k
+        struct.renormalize, struct.expert_intermediate = int(spec.experts.renormalize), step.intermediate
+        struct.tokens_kind13, struct.tokens_kind2 = step.tokens_kinds or (0, 0)
 
     def _point_at(self, kv_caches: list[torch.Tensor]) -> bool:
         """Point the structs at these caches; False when one is not as CPU_PAGED allocates it."""
@@ -192,6 +245,7 @@ class CpuDecoderStack:
     def __call__(self, positions, hidden_states, residual, kv_caches, attn_metadata):
         num_tokens = hidden_states.shape[0]
         if (num_tokens == 0 or (num_tokens > self.kernel_rows and not self.has_gemm)
+                or (num_tokens > 1 and not self.chunks)
                 or len(kv_caches) != len(self.specs) or hidden_states.dtype != self.dtype):
             return None
         if self.layers is None:

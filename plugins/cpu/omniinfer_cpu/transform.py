@@ -23,7 +23,8 @@ ENV_THREADS = "OMNIINFER_CPU_THREADS"
 
 
 class CpuModelTransform(ModelTransform):
-    decoder_stack_parts = frozenset({"head_norms"})  # (decoder_stack.c: Qwen3's q_norm / k_norm)
+    # decoder_stack.c: Qwen3's q_norm / k_norm; sparse layers on the experts' one-call step
+    decoder_stack_parts = frozenset({"head_norms", "experts"})
 
     def __init__(self, config, attn_backend):
         self.config = config

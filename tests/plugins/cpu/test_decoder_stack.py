@@ -155,3 +155,61 @@ def test_quantized_layers_run_in_the_stack_bit_for_bit(isa_level, checkpoint_dir
         assert run(llm, batches) == got
     finally:
         llm.shutdown()
+
+
+MOE = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True),
+       "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=256)}
+
+
+def near(got, want, atol=1e-5):
+    """The same tokens, and log-probabilities within atol (the router's softmax is computed in C:
+    its probabilities a few ulps from torch's; measured: 1.2e-6 at most)."""
+    assert [g[0] for g in got] == [w[0] for w in want]
+    for g, w in zip(got, want):
+        for lg, lw in zip(g[1], w[1]):
+            assert [t for t, _ in lg] == [t for t, _ in lw]
+            assert max(abs(a - b) for (_, a), (_, b) in zip(lg, lw)) <= atol, (lg, lw)
+
+
+@pytest.mark.parametrize("arch,file_type,activations", [("qwen3_moe", "q4_k_m", "int8"), ("mixtral", "q4_0", "int8"),
+                                                        ("qwen3_moe", "q8_0", "float")])
+def test_sparse_layers_run_in_the_stack(isa_level, monkeypatch, tmp_path, arch, file_type, activations):
+    """A mixture of experts' GGUF file (Qwen3-MoE: head norms too; Mixtral): its sparse layers'
+    router, softmax top-k and quantised experts (omni_qmoe, omni_qmoe_tokens) inside the stack, as
+    the layers one by one compute them up to the router's softmax; with int8 activations prefills
+    and batched decodes too (one call for a chunk), with float ones single-token steps only."""
+    pytest.importorskip("gguf")
+    from omniinfer.benchmarks.gguf_export import export
+    from omniinfer.testing.tiny_models import build_tiny_checkpoint
+
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", activations)
+    model = build_tiny_checkpoint(str(tmp_path / arch), arch, hidden_size=256, vocab_size=1000, seed=2,
+                                  norm_jitter=0.2, **MOE[arch])
+    llm = LLM(export(model, str(tmp_path / f"{arch}.gguf"), file_type), num_kv_blocks=64)
+    try:
+        stack = model_of(llm).decoder_stack
+        assert isinstance(stack, CpuDecoderStack) and stack.chunks == (activations == "int8")
+        rows = record_rows(stack)
+        batches = [PROMPTS[:1], PROMPTS]
+        got = run(llm, batches)
+        assert 1 in rows and (max(rows) >= 20) == (activations == "int8")
+        model_of(llm).decoder_stack = None
+        near(got, run(llm, batches))
+    finally:
+        llm.shutdown()
+
+
+def test_what_the_stack_leaves_of_a_mixture_of_experts(checkpoint_dir):
+    """Qwen2-MoE's shared expert is no part of the spec: its layers run one by one; a float
+    checkpoint's experts (omni_moe, the torch reference) are not the quantised step."""
+    from omniinfer.models.qwen2_moe import Qwen2MoeForCausalLM
+
+    llm = LLM(checkpoint_dir("qwen2_moe"), num_kv_blocks=64)
+    model = model_of(llm)
+    assert model.decoder_stack is None and model.decoder_layer_specs() is None
+    assert "shared expert" in Qwen2MoeForCausalLM.decoder_stack_refusal()
+    llm = LLM(checkpoint_dir("qwen3_moe"), num_kv_blocks=64)
+    specs = model_of(llm).decoder_layer_specs()
+    assert model_of(llm).decoder_stack is None and any(s.experts is not None for s in specs)
+    assert unsupported(build.load(), specs, "CPU_PAGED") == ("experts that do not run on the CPU's quantised "
+                                                            "one-call step (float or reference experts)")

@@ -19,8 +19,10 @@ from omniinfer.attention.layer import Attention
 from omniinfer.models.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
+from omniinfer.models.layers.moe import FusedMoE
 from omniinfer.models.layers.norm import RMSNorm
 from omniinfer.models.layers.rotary import RotaryEmbedding
 
@@ -39,7 +41,12 @@ class DecoderLayerSpec:
     Optional parts (`OPTIONAL_PARTS`), given only to a platform whose transform lists them in
     `decoder_stack_parts` (a stack that does not know a part would compute another formula):
     "head_norms": `q_norm` and `k_norm` set (Qwen3): q and k normalised head by head,
-    `q_norm(q[:, h * head:(h + 1) * head])` for each head h (k likewise), before the rotary."""
+    `q_norm(q[:, h * head:(h + 1) * head])` for each head h (k likewise), before the rotary.
+    "experts": `router` and `experts` set, gate_up_proj and down_proj None (a sparse layer of
+    Mixtral or Qwen3-MoE, without a shared expert): the MLP is `experts.routed(m,
+    router(m))`, m = post_norm(h): the top-k of the router's softmax (`select_experts`, the
+    experts' `top_k` and `renormalize`), each routed expert's SwiGLU weighted by its
+    probability, summed."""
 
     input_norm: RMSNorm
     qkv_proj: QKVParallelLinear
@@ -47,17 +54,20 @@ class DecoderLayerSpec:
     attn: Attention
     o_proj: RowParallelLinear
     post_norm: RMSNorm
-    gate_up_proj: MergedColumnParallelLinear  # built with silu_and_mul: its product is silu(gate) * up
-    down_proj: RowParallelLinear
+    gate_up_proj: MergedColumnParallelLinear | None  # built with silu_and_mul: its product is silu(gate) * up
+    down_proj: RowParallelLinear | None
     q_norm: RMSNorm | None = None  # "head_norms": over each head of q
     k_norm: RMSNorm | None = None  # and of k
+    router: ReplicatedLinear | None = None  # "experts": the router's logits
+    experts: FusedMoE | None = None  # and the routed experts
 
     def parts(self) -> frozenset[str]:
         """The optional parts this layer has."""
-        return frozenset({"head_norms"} if self.q_norm is not None else ())
+        return frozenset(part for part, there in (("head_norms", self.q_norm is not None),
+                                                  ("experts", self.experts is not None)) if there)
 
 
-OPTIONAL_PARTS = frozenset({"head_norms"})
+OPTIONAL_PARTS = frozenset({"head_norms", "experts"})
 
 
 class DecoderStack(Protocol):

@@ -31,6 +31,15 @@ typedef struct {
      * into their own rows (as torch's reshape copies them); NULL: none */
     const void *q_norm, *k_norm;
     float q_eps, k_eps;
+    /* DecoderLayerSpec's "experts" (float32 only): the router [E, H], a float product as qkv's (with
+     * its *_packed / *_ec copies), its softmax's top k (renormalised when set), then the routed
+     * experts on their quantised tables as CpuExpertsStep passes them: omni_qmoe for one token,
+     * omni_qmoe_tokens for more (tokens_kind13 / 2: their one format each; 0: one token only).
+     * router NULL: the dense MLP above. */
+    const void *router, *router_packed, *router_ec;
+    const int64_t *e_w13, *e_s13, *e_w2, *e_s2;
+    const int32_t *e_kind13, *e_kind2;
+    int num_experts, top_k, renormalize, expert_intermediate, tokens_kind13, tokens_kind2;
 } omni_layer;
 
 /* y [M, N] (row stride N) += bias [N] */
@@ -80,6 +89,52 @@ static int stack_linear(const void *x, const void *w, const void *packed, const 
     return omni_gemm(x, K, packed, bias, y, gated ? N / 2 : N, M, N, K, gated, dt, nthreads) ? -4 : 0;
 }
 
+/* the top k of each token's softmax over E logits (in place: probabilities), as select_experts:
+ * softmax in float32, the k largest (ties: the lower expert), divided by their sum when renormalize */
+static void route(float *logits, int T, int E, int k, int renormalize, int64_t *ids, float *weights) {
+    for (int t = 0; t < T; t++) {
+        float *p = logits + (size_t)t * E, top = p[0], sum = 0.f;
+        for (int e = 1; e < E; e++) top = p[e] > top ? p[e] : top;
+        for (int e = 0; e < E; e++) sum += p[e] = expf(p[e] - top);
+        for (int e = 0; e < E; e++) p[e] /= sum;
+        float picked = 0.f;
+        for (int j = 0; j < k; j++) {  /* (k is small: selection, not a sort) */
+            int best = -1;
+            for (int e = 0; e < E; e++) {
+                int taken = 0;
+                for (int i = 0; i < j && !taken; i++) taken = ids[(size_t)t * k + i] == e;
+                if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            }
+            ids[(size_t)t * k + j] = best, weights[(size_t)t * k + j] = p[best], picked += p[best];
+        }
+        if (renormalize)
+            for (int j = 0; j < k; j++) weights[(size_t)t * k + j] /= picked;
+    }
+}
+
+/* layer L's experts on normed [T, H] -> out [T, H] (float32) */
+static int experts(const omni_layer *L, const void *normed, void *out, int T, int kernel_rows, int nthreads) {
+    int E = L->num_experts, k = L->top_k, H = L->hidden;
+    if (T > 1 && !L->tokens_kind13) return -4;
+    float *logits = malloc(sizeof(float) * (size_t)T * (E + k) + sizeof(int64_t) * (size_t)T * k);
+    if (!logits) return -2;
+    float *weights = logits + (size_t)T * E;
+    int64_t *ids = (int64_t *)(weights + (size_t)T * k);
+    int rc = stack_linear(normed, L->router, L->router_packed, L->router_ec, NULL, logits, T, E, H, 0, kernel_rows,
+                          F32, nthreads);
+    if (!rc) {
+        route(logits, T, E, k, L->renormalize, ids, weights);
+        const float *x = normed;
+        rc = T == 1 ? omni_qmoe(x, L->e_w13, L->e_s13, L->e_kind13, L->e_w2, L->e_s2, L->e_kind2, ids, weights,
+                                k, E, out, H, L->expert_intermediate, nthreads)
+                    : omni_qmoe_tokens(x, T, L->e_w13, L->tokens_kind13, L->e_w2, L->tokens_kind2, ids,
+                                       weights, k, E, out, H, L->expert_intermediate, nthreads);
+        rc = rc ? -5 : 0;
+    }
+    free(logits);
+    return rc;
+}
+
 /* Runs `num_layers` layers over T tokens, as the model's layers one by one would, call for call
  * (the same kernels, in the same order, on the same rows: bit for bit the same result).
  * hidden [T, H] (in: the layers' input; out: the last down product) and residual [T, H] (in: the
@@ -88,7 +143,8 @@ static int stack_linear(const void *x, const void *w, const void *packed, const 
  * T * (H + QKV + heads * head + 3 * intermediate + QKV - kv_heads * head) elements (QKV = (heads +
  * 2 kv_heads) * head; the last part: normed q and k, where a layer has head norms).
  * Returns 0; -1 attention refused the shapes, -2 out of memory, -3 a position outside the rotary
- * table (before anything is written), -4 more than kernel_rows rows without a packed weight. */
+ * table (before anything is written), -4 more than kernel_rows rows without a packed weight (or a
+ * chunk of tokens for experts that take one token), -5 the experts' step failed. */
 int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, void *residual,
                         int has_residual, const int64_t *positions, const int64_t *slot_mapping,
                         int T, const int32_t *block_tables, int64_t table_stride,
@@ -142,6 +198,10 @@ int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, 
                                         0, kernel_rows, dt, nthreads)))
             return rc;
         omni_rms_norm(hidden, residual, residual, L->post_norm, normed, T, H, L->post_eps, dt, nthreads);
+        if (L->router) {
+            if ((rc = experts(L, normed, hidden, T, kernel_rows, nthreads))) return rc;
+            continue;
+        }
         if (L->gate_up_q) {
             if ((rc = quant_linear(L, 2, normed, L->gate_up_q, L->gate_up_qscale, L->gate_up_qkind, L->gate_up_bias,
                                    gate_up, T, 2 * I, H, dt, nthreads)))
