@@ -140,7 +140,8 @@ def test_env_lists_architectures_and_providers(zoo):
         "class": "omniinfer_zoo.model:ZooLlamaForCausalLM", "provider": "omniinfer-zoo",
         "overrides": [], "ignored": []}
     assert report["models"]["Gemma2ForCausalLM"]["decoder_stack"].startswith("no: its layers (Gemma2DecoderLayer)")
-    assert report["models"]["MixtralForCausalLM"]["decoder_stack"].startswith("no: mixture-of-experts")
+    assert report["models"]["MixtralForCausalLM"]["decoder_stack"].startswith("yes")  # (its "experts" part)
+    assert report["models"]["Qwen2MoeForCausalLM"]["decoder_stack"].startswith("no: its sparse layers' shared expert")
     assert report["models"]["MistralForCausalLM"]["overrides"] == ["omniinfer"]
     assert report["models"]["Qwen2ForCausalLM"]["provider"] == "omniinfer"
     assert report["models"]["Qwen2ForCausalLM"]["ignored"] == ["omniinfer-zoo"]

@@ -77,7 +77,8 @@ def quant_kernels(layer):
 
 
 def _products(spec: DecoderLayerSpec):
-    """The layer's products by decoder_stack.c's names (a sparse layer's MLP: its router and experts)."""
+    """The layer's products by decoder_stack.c's names (a sparse layer has no gate_up or down: its
+    router is among `_linears`, its experts are the step's)."""
     products = {"qkv": spec.qkv_proj, "o": spec.o_proj, "gate_up": spec.gate_up_proj, "down": spec.down_proj}
     return {name: layer for name, layer in products.items() if layer is not None}
 
@@ -218,7 +219,7 @@ class CpuDecoderStack:
 
     def _point_at_experts(self, struct, spec: DecoderLayerSpec) -> None:
         step, method = spec.experts.moe_method.step, spec.router.linear_method
-        w13, s13, k13, w2, s2, k2 = step._addresses()
+        w13, s13, k13, w2, s2, k2 = step.addresses()
         self.tables.append((w13, s13, k13, w2, s2, k2))
         for name, t in (("router", spec.router.weight), ("router_packed", method.gemm_weight),
                         ("router_ec", method.ec_weight), ("e_w13", w13), ("e_s13", s13), ("e_w2", w2),

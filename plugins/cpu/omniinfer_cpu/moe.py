@@ -74,7 +74,9 @@ class CpuExpertsStep:
             return None
         return CpuExpertsStep(w13, w2)
 
-    def _addresses(self):
+    def addresses(self):
+        """(w13, s13, kind13, w2, s2, kind2): the experts' blocks, scales (0: none) and formats, as
+        omni_qmoe takes them (int64 addresses, int32 codes); read after every repack."""
         def table(kernels):
             return (torch.tensor([k.w.data_ptr() for k in kernels], dtype=torch.int64),
                     torch.tensor([0 if k.scale is None else k.scale.data_ptr() for k in kernels], dtype=torch.int64),
@@ -88,7 +90,7 @@ class CpuExpertsStep:
                 or x.shape[1] != self.hidden or (tokens > 1 and self.tokens_kinds is None)):
             return None
         if self.table is None:
-            self.table = self._addresses()
+            self.table = self.addresses()
         x = x.contiguous()
         ids = topk_ids.to(torch.int64).contiguous()
         weights = topk_weights.contiguous()
