@@ -116,10 +116,9 @@ static void route(float *logits, int T, int E, int k, int renormalize, int64_t *
 static int experts(const omni_layer *L, const void *normed, void *out, int T, int kernel_rows, int nthreads) {
     int E = L->num_experts, k = L->top_k, H = L->hidden;
     if (T > 1 && !L->tokens_kind13) return -4;
-    float *logits = malloc(sizeof(float) * (size_t)T * (E + k) + sizeof(int64_t) * (size_t)T * k);
-    if (!logits) return -2;
-    float *weights = logits + (size_t)T * E;
-    int64_t *ids = (int64_t *)(weights + (size_t)T * k);
+    int64_t *ids = malloc(sizeof(int64_t) * (size_t)T * k + sizeof(float) * (size_t)T * (E + k));
+    if (!ids) return -2;
+    float *logits = (float *)(ids + (size_t)T * k), *weights = logits + (size_t)T * E;  /* (ids first: aligned) */
     int rc = stack_linear(normed, L->router, L->router_packed, L->router_ec, NULL, logits, T, E, H, 0, kernel_rows,
                           F32, nthreads);
     if (!rc) {
@@ -131,7 +130,7 @@ static int experts(const omni_layer *L, const void *normed, void *out, int T, in
                                        weights, k, E, out, H, L->expert_intermediate, nthreads);
         rc = rc ? -5 : 0;
     }
-    free(logits);
+    free(ids);
     return rc;
 }
 
