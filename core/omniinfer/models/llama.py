@@ -192,12 +192,18 @@ class LlamaForCausalLM(nn.Module):
             return None
         if len(set(self.config.layer_windows)) > 1:  # sliding and full layers read different tables
             return None
-        return [DecoderLayerSpec(layer.input_layernorm, layer.self_attn.qkv_proj,
-                                 layer.self_attn.rotary_emb, layer.self_attn.attn, layer.self_attn.o_proj,
-                                 layer.post_attention_layernorm, layer.mlp.gate_up_proj,
-                                 layer.mlp.down_proj, getattr(layer.self_attn, "q_norm", None),
-                                 getattr(layer.self_attn, "k_norm", None))
-                for layer in self.model.layers.values()]
+        out = []
+        for layer in self.model.layers.values():
+            attn = layer.self_attn
+            out.append(DecoderLayerSpec(layer.input_layernorm, attn.qkv_proj, attn.rotary_emb, attn.attn,
+                                        attn.o_proj, layer.post_attention_layernorm,
+                                        q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
+                                        **self.mlp_spec(layer.mlp)))
+        return out
+
+    def mlp_spec(self, mlp: nn.Module) -> dict:
+        """A layer's MLP as DecoderLayerSpec's fields (a family with another MLP says its own)."""
+        return {"gate_up_proj": mlp.gate_up_proj, "down_proj": mlp.down_proj}
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden_states)

@@ -16,7 +16,6 @@ from torch import nn
 from omniinfer.attention.layer import Attention
 from omniinfer.config import ModelConfig
 from omniinfer.distributed import parallel_state as ps
-from omniinfer.models.layers.decoder_stack import DecoderLayerSpec
 from omniinfer.models.layers.layer_ops import SiluAndMul
 from omniinfer.models.layers.linear import (
     MergedColumnParallelLinear,
@@ -162,22 +161,14 @@ class MoEForCausalLM(LlamaForCausalLM):
         return None  # (its sparse layers: DecoderLayerSpec's "experts"; Qwen2-MoE's shared expert is not)
 
     def decoder_layer_specs(self):
-        """Each layer as a DecoderLayerSpec, a sparse one's MLP as its "experts" part (and Qwen3's
-        q/k norms as "head_norms"); None under tensor parallelism, with a shared expert (no part
-        describes it) or sliding and full layers mixed."""
-        if (ps.get_tp_size() > 1 or self.family.shared_expert_intermediate_size
-                or len(set(self.config.layer_windows)) > 1):
-            return None
-        specs = []
-        for layer in self.model.layers.values():
-            attn, mlp = layer.self_attn, layer.mlp
-            sparse = isinstance(mlp, SparseMoeBlock)
-            specs.append(DecoderLayerSpec(
-                layer.input_layernorm, attn.qkv_proj, attn.rotary_emb, attn.attn, attn.o_proj,
-                layer.post_attention_layernorm, None if sparse else mlp.gate_up_proj,
-                None if sparse else mlp.down_proj, getattr(attn, "q_norm", None), getattr(attn, "k_norm", None),
-                mlp.gate if sparse else None, mlp.experts if sparse else None))
-        return specs
+        """Llama's, a sparse layer's MLP as the spec's "experts" part; None with a shared expert
+        (no part describes it)."""
+        return None if self.family.shared_expert_intermediate_size else super().decoder_layer_specs()
+
+    def mlp_spec(self, mlp: nn.Module) -> dict:
+        if isinstance(mlp, SparseMoeBlock):
+            return {"gate_up_proj": None, "down_proj": None, "router": mlp.gate, "experts": mlp.experts}
+        return super().mlp_spec(mlp)
 
     def checkpoint_target(self, name: str) -> tuple[str, object] | None:
         for ckpt, ours in self.family.renames:
