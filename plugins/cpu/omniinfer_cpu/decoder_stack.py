@@ -168,7 +168,6 @@ class CpuDecoderStack:
         # a chunk of tokens (a prefill) goes through the experts in one call where each sparse layer
         # is in groups of 8 with int8 activations (omni_qmoe_tokens), else one token at a time
         self.chunks = all(t.experts.moe_method.step.tokens_kinds for t in specs if t.experts is not None)
-        self.tables: list = []  # (the experts' address tables the structs point into: kept alive)
         q_size = s.attn.num_heads * s.attn.head_size
         qkv_size = s.qkv_proj.weight.shape[0]
         # omni_decoder_layers' work (the last part: q and k normed per head, where there are head norms)
@@ -219,8 +218,9 @@ class CpuDecoderStack:
 
     def _point_at_experts(self, struct, spec: DecoderLayerSpec) -> None:
         step, method = spec.experts.moe_method.step, spec.router.linear_method
-        w13, s13, k13, w2, s2, k2 = step.addresses()
-        self.tables.append((w13, s13, k13, w2, s2, k2))
+        if step.table is None:  # (the step's own tables, as its calls read them)
+            step.table = step.addresses()
+        w13, s13, k13, w2, s2, k2 = step.table
         for name, t in (("router", spec.router.weight), ("router_packed", method.gemm_weight),
                         ("router_ec", method.ec_weight), ("e_w13", w13), ("e_s13", s13), ("e_w2", w2),
                         ("e_s2", s2), ("e_kind13", k13), ("e_kind2", k2)):

@@ -99,13 +99,10 @@ static void route(float *logits, int T, int E, int k, int renormalize, int64_t *
         for (int e = 0; e < E; e++) p[e] /= sum;
         float picked = 0.f;
         for (int j = 0; j < k; j++) {  /* (k is small: selection, not a sort) */
-            int best = -1;
-            for (int e = 0; e < E; e++) {
-                int taken = 0;
-                for (int i = 0; i < j && !taken; i++) taken = ids[(size_t)t * k + i] == e;
-                if (!taken && (best < 0 || p[e] > p[best])) best = e;
-            }
+            int best = 0;
+            for (int e = 1; e < E; e++) best = p[e] > p[best] ? e : best;
             ids[(size_t)t * k + j] = best, weights[(size_t)t * k + j] = p[best], picked += p[best];
+            p[best] = -1.f;  /* taken (a probability is >= 0) */
         }
         if (renormalize)
             for (int j = 0; j < k; j++) weights[(size_t)t * k + j] /= picked;
