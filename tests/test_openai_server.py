@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import shutil
+import threading
 import time
 
 import httpx
@@ -16,8 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from omniinfer.config import EngineArgs
 from omniinfer.engine.llm_engine import LLMEngine
+from omniinfer.entrypoints.openai import async_engine
 from omniinfer.entrypoints.openai.api_server import ServerState, build_app
 from omniinfer.entrypoints.openai.metrics import ServerMetrics
+from omniinfer.executor.base import WorkerFailedError
 from omniinfer.sampling.params import SamplingParams
 
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n"
@@ -429,6 +432,53 @@ def test_engine_failure_is_reported_not_hung(checkpoint_dir):
     assert values[("omniinfer:engine_dead", ())] == 1
     assert values[("omniinfer:num_requests_running", ())] == 0
 
+
+
+def test_a_worker_failure_ends_requests_even_if_the_step_never_returns(checkpoint_dir, monkeypatch):
+    """A worker dies while the driver waits in a collective that does not notice: the executor
+    reports the failure, and the requests end with it (not at the process group's timeout)."""
+    monkeypatch.setattr(async_engine, "STUCK_STEP_GRACE_S", 0.3)
+    state = ServerState("tiny")
+    state.attach(make_engine(checkpoint_dir("llama")))
+    engine = state.ctx.engine.engine
+    inside, release = threading.Event(), threading.Event()
+
+    def stuck():
+        inside.set()
+        release.wait(30)
+        raise RuntimeError("the collective gave up at last")
+
+    def died():
+        raise WorkerFailedError(1, "died: killed by signal 9 (SIGKILL)", 4242)
+
+    engine.step = stuck
+
+    async def run(_client, http):
+        in_flight = asyncio.create_task(http.post("/v1/completions", json={
+            "model": "tiny", "prompt": "hi", "max_tokens": 4}))
+        while not inside.is_set():
+            await asyncio.sleep(0.01)
+        engine.executor.check_health = died
+        engine.executor.on_failure()  # (the executor's watcher thread, in life)
+        started = time.monotonic()
+        response = await in_flight
+        waited = time.monotonic() - started
+        later = await http.post("/v1/completions", json={"model": "tiny", "prompt": "hi"})
+        return response, waited, later, await http.get("/health"), await http.get("/metrics")
+
+    try:
+        response, waited, later, health, metrics = call(state, run, timeout_s=20)
+        assert not release.is_set() and inside.is_set()  # the step was still stuck throughout
+    finally:
+        release.set()
+        state.shutdown()
+    for r in (response, later):
+        assert "worker rank 1 (pid 4242) died" in assert_openai_error(r, 500)["message"]
+    assert waited < 5
+    assert health.status_code == 503
+    values = metric_values(metrics.text)
+    assert values[("omniinfer:engine_dead", ())] == 1
+    assert values[("omniinfer:num_requests_running", ())] == 0
 
 # ---- health, models, tokenize, auth, metrics ----------------------------------------------------
 def test_health_and_routes_while_loading():

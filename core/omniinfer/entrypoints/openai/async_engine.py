@@ -11,6 +11,13 @@ the running batch. A request whose consumer goes away (client disconnect, cancel
 queues an abort, which frees its blocks at the next step boundary. If a step raises, or a
 worker dies (noticed at once, idle or busy, through the executor's `on_failure`), every
 waiting caller gets `EngineDeadError` instead of hanging, and so does every later call.
+
+A dead worker normally makes the step in flight raise within a second (gloo fails an
+operation whose peer's socket closed). Should the engine thread still be inside that step
+`STUCK_STEP_GRACE_S` after the executor reported the failure (a collective that never
+noticed: it would wait for the process group's timeout, minutes), a watchdog ends every
+request itself. The engine thread then only leaves: the request table it shares with the
+watchdog is guarded by a lock, taken between steps, never during one.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ from omniinfer.logger import init_logger
 from omniinfer.sampling.params import SamplingParams
 
 logger = init_logger(__name__)
+
+STUCK_STEP_GRACE_S = 5.0  # a worker failed: how long the step in flight has to raise by itself
 
 
 class EngineDeadError(RuntimeError):
@@ -84,7 +93,8 @@ class AsyncLLMEngine:
         self.metrics = metrics
         self.stats_interval_s = stats_interval_s
         self.on_dead = on_dead
-        engine.executor.on_failure = self._wake
+        engine.executor.on_failure = self._on_worker_failure
+        self._lock = threading.Lock()  # self._requests and the dying: the engine thread vs the watchdog
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._requests: dict[str, _Request] = {}
@@ -158,6 +168,31 @@ class AsyncLLMEngine:
     def _wake(self) -> None:
         self._wakeup.set()
 
+    def _on_worker_failure(self) -> None:
+        """The executor's report (from its watcher thread): wake the loop, and start the
+        watchdog in case the step in flight never returns."""
+        self._wake()
+        watchdog = threading.Timer(STUCK_STEP_GRACE_S, self._end_if_stuck)
+        watchdog.daemon = True
+        watchdog.start()
+
+    def _end_if_stuck(self) -> None:
+        with self._lock:
+            if self.dead_error is not None or self._stop:
+                return  # the loop noticed by itself
+            try:
+                self.engine.executor.check_health()
+                return  # (a failure the executor no longer reports: nothing to do)
+            except Exception as e:  # noqa: BLE001 - the failure is the point
+                error = e
+            self.dead_error = f"{type(error).__name__}: {error}"
+            logger.error("the engine thread is still inside a step %.0f s after a worker failed; "
+                         "ending every request now: %s", STUCK_STEP_GRACE_S, self.dead_error)
+            self._fail_all(EngineDeadError(f"the engine stopped after an error: {self.dead_error}"))
+            self.last_stats = dict(self.last_stats, **_IDLE)
+        if self.on_dead is not None:
+            self.on_dead()
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the loop thread (waiting callers get EngineDeadError); the engine stays usable."""
         self._stop = True
@@ -185,7 +220,10 @@ class AsyncLLMEngine:
         last_log = time.monotonic()
         while not self._stop:
             self._wakeup.clear()
-            self._drain_commands()
+            with self._lock:
+                if self.dead_error is not None:  # the watchdog ended everything meanwhile
+                    return
+                self._drain_commands()
             try:
                 engine.executor.check_health()  # a dead worker fails the engine even when idle
                 outputs = engine.step() if engine.has_unfinished_requests() else None
@@ -193,7 +231,8 @@ class AsyncLLMEngine:
                 self._fail(e)
                 return
             if outputs is not None:
-                self._dispatch(outputs)
+                with self._lock:
+                    self._dispatch(outputs)
             else:
                 self.last_stats = engine.stats()
                 self._wakeup.wait(timeout=1.0)
@@ -202,7 +241,8 @@ class AsyncLLMEngine:
                 if self.metrics is not None:
                     self.metrics.log_stats(self.last_stats, now - last_log)
                 last_log = now
-        self._fail_all(EngineDeadError("the engine is shut down"))
+        with self._lock:
+            self._fail_all(EngineDeadError("the engine is shut down"))
 
     def _drain_commands(self) -> None:
         while True:
@@ -256,10 +296,14 @@ class AsyncLLMEngine:
         self.last_stats = self.engine.stats()
 
     def _fail(self, error: BaseException) -> None:
-        self.dead_error = f"{type(error).__name__}: {error}"
-        logger.error("engine step failed; the engine loop stops: %s", self.dead_error,
-                     exc_info=error)
-        self._fail_all(EngineDeadError(f"the engine stopped after an error: {self.dead_error}"))
+        with self._lock:
+            if self.dead_error is not None:  # the watchdog reported it; the step raised at last
+                logger.debug("the stuck step ended: %s: %s", type(error).__name__, error)
+                return
+            self.dead_error = f"{type(error).__name__}: {error}"
+            logger.error("engine step failed; the engine loop stops: %s", self.dead_error,
+                         exc_info=error)
+            self._fail_all(EngineDeadError(f"the engine stopped after an error: {self.dead_error}"))
         try:  # nothing runs any more: say so in the stats (and /metrics)
             self.engine.abort_request(list(self.engine.groups))
             self.last_stats = dict(self.engine.stats(), **_IDLE)
