@@ -35,6 +35,10 @@ CHECKPOINTS = {
     "gemma2": dict(arch="gemma2"),
     "gemma3": dict(arch="gemma3"),
     "phi3": dict(arch="phi3"),
+    # Phi-4-mini's partial rotary: 12 of each 16-wide head's features turn (longrope: 6 factors)
+    "phi3_partial": dict(arch="phi3", rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.1 * i for i in range(6)], "long_factor": [2.0 + 0.3 * i for i in range(6)]}),
     # tensor parallelism: 1 KV head (replicated across ranks), vocabulary not divisible by 2 or 4
     "llama_kv1": dict(arch="llama", num_key_value_heads=1, vocab_size=389),
     # mixtures of experts (tests/test_moe_models.py): 8 experts, 2 or 3 routed per token

@@ -10,6 +10,7 @@ import os
 
 import gguf
 import pytest
+from transformers import AutoConfig
 
 from omniinfer import LLM, SamplingParams
 from omniinfer.benchmarks.gguf_export import export
@@ -76,10 +77,41 @@ def test_a_longrope_phi3_file_runs_as_its_checkpoint(phi3, monkeypatch):
     assert got[0] == tokens
 
 
-def test_partial_rotary_is_refused_by_name(phi3, monkeypatch, tmp_path):
+@pytest.fixture(scope="module")
+def partial(tmp_path_factory):
+    """Phi-4-mini's partial rotary (0.75 of each 16-wide head: 12 features turn), with longrope
+    factors of its 6 frequencies."""
+    root = tmp_path_factory.mktemp("phi3_partial")
+    return build_tiny_checkpoint(str(root / "ckpt"), "phi3", seed=5, **SHAPE, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+        "short_factor": [1.0 + 0.1 * i for i in range(6)], "long_factor": [2.0 + 0.3 * i for i in range(6)]})
+
+
+def test_a_partial_rotary_phi3_file_follows_transformers(partial, monkeypatch):
+    """The file says the rotary dims as llama.cpp's converter writes them (n_rot 12, 6 factors
+    each). transformers' own GGUF reader drops them (its phi3 config turns whole heads), so the
+    reference is transformers on the checkpoint for the f32 file, and on the q8_0 file's
+    dequantised weights with the checkpoint's config for that one."""
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", "float")
+    f32 = export(partial, os.path.join(partial, "f32.gguf"), "f32")
+    file = GGUFFile(f32)
+    assert file.field("phi3.rope.dimension_count") == 12
+    cfg = file.hf_config()
+    assert cfg["partial_rotary_factor"] == 0.75 and len(cfg["rope_scaling"]["long_factor"]) == 6
+    want = hf_greedy(partial, [SHORT, LONG[:50]], PARAMS.max_tokens)  # (within longrope's original 64)
+    assert generate(f32, partial, [SHORT, LONG[:50]]) == [tokens for tokens, _ in want]
+    q8 = export(partial, os.path.join(partial, "q8_0.gguf"), "q8_0")
+    want = hf_greedy(partial, [SHORT, LONG[:50]], PARAMS.max_tokens, "q8_0.gguf",
+                     config=AutoConfig.from_pretrained(partial))
+    assert generate(q8, partial, [SHORT, LONG[:50]]) == [tokens for tokens, _ in want]
+
+
+@pytest.mark.parametrize("dims", [7, 18, 0])
+def test_a_bad_rotary_dimension_count_is_refused_by_name(phi3, monkeypatch, tmp_path, dims):
     plain, _ = phi3
     original = gguf.GGUFWriter.add_rope_dimension_count
-    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_count", lambda self, n: original(self, n // 2))
-    path = export(plain, str(tmp_path / "partial.gguf"), "q8_0")
-    with pytest.raises(GGUFError, match=r"phi3.rope.dimension_count=8 rotates part of each 16-wide head"):
+    monkeypatch.setattr(gguf.GGUFWriter, "add_rope_dimension_count", lambda self, n: original(self, dims))
+    path = export(plain, str(tmp_path / "bad.gguf"), "q8_0")
+    with pytest.raises(GGUFError, match=rf"phi3.rope.dimension_count={dims}: expected an even count of the "
+                                        r"16 features of a head, at least 2"):
         LLM(path, tokenizer=plain)

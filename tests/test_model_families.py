@@ -4,7 +4,7 @@ through chunked prefill, prefix caching, preemption, tensor and pipeline paralle
 runs. The tiny configs (omniinfer.testing.tiny_models.FAMILY_SETTINGS) make each family's
 peculiarity matter: Gemma's windows of 8 tokens, soft caps of 2 and 3, a query_pre_attn_scalar
 unlike head_dim; Gemma 3's linear rope scaling on its global layer; Phi-3's longrope with an
-original context of 64 tokens."""
+original context of 64 tokens; Phi-4-mini's partial rotary (12 of 16 features)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,14 @@ from test_parity import check_parity, make_prompts
 from omniinfer import LLM, SamplingParams
 from omniinfer.testing.processes import assert_no_child_processes
 
-FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3"]
+FAMILIES = ["qwen3", "gemma2", "gemma3", "phi3", "phi3_partial"]
 # Phi-3 switches to its long factors past 64 tokens, where transformers' generate() disagrees
 # with its own forward pass over a cache (test_phi3_longrope_past_the_original_context)
 SHORT = [1, 7, 8, 9, 15, 17, 31, 33]
 
 
 def prompts_for(name: str) -> list[list[int]]:
-    return make_prompts(300, SHORT if name == "phi3" else [1, 7, 8, 9, 15, 16, 17, 31, 33, 40])
+    return make_prompts(300, SHORT if name.startswith("phi3") else [1, 7, 8, 9, 15, 16, 17, 31, 33, 40])
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -92,6 +92,7 @@ def test_phi3_longrope_past_the_original_context(checkpoint_dir):
     ("gemma3", dict(pipeline_parallel_size=2)),
     ("phi3", dict(tensor_parallel_size=2)),
     ("phi3", dict(pipeline_parallel_size=2)),
+    ("phi3_partial", dict(tensor_parallel_size=2)),
 ])
 def test_parallel_matches_transformers(name, layout, checkpoint_dir, hf_greedy):
     llm = check_parity(checkpoint_dir(name), hf_greedy, make_prompts(300, [9, 17, 20, 12]),

@@ -72,3 +72,38 @@ def test_layers_share_one_table_and_different_scalings_do_not():
     assert len({t.cos.data_ptr() for t in [layers[0], *others]}) == 4
     cos, _ = rope_tables(HEAD, 128, 10000.0, dict(SCALINGS["linear"]), 64)
     torch.testing.assert_close(layers[0].cos, cos, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("head,factor", [(16, 0.75), (96, 0.75), (128, 0.5), (64, 1.0)])
+def test_a_partial_rotary_turns_what_transformers_turns(head, factor):
+    """The torch op against transformers' Phi-3 rotary (which turns the first head * factor
+    features of each head and passes the rest), on a table of rotary_dim() features."""
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb
+
+    from omniinfer.models.layers.layer_ops import TORCH_LAYER_OPS
+    from omniinfer.models.layers.rotary import RotaryEmbedding, rotary_dim
+
+    dim = rotary_dim({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": factor}}, head)
+    assert dim == int(head * factor)
+    rope = RotaryEmbedding(head, 64, 10000.0, None, 64, rotary_dim=dim)
+    assert rope.cos.shape == (64, dim // 2)
+    gen = torch.Generator().manual_seed(head)
+    positions = torch.tensor([0, 3, 17, 63, 40])
+    q, k = torch.randn(5, 4 * head, generator=gen), torch.randn(5, 2 * head, generator=gen)
+    got_q, got_k = TORCH_LAYER_OPS.rotary(positions, q.clone(), k.clone(), rope.cos, rope.sin, head)
+    cos = torch.cat([rope.cos[positions]] * 2, -1)[None]  # transformers' [batch, T, rotary_dim]
+    sin = torch.cat([rope.sin[positions]] * 2, -1)[None]
+    want_q, want_k = apply_rotary_pos_emb(q.view(1, 5, 4, head).transpose(1, 2),
+                                          k.view(1, 5, 2, head).transpose(1, 2), cos, sin)
+    torch.testing.assert_close(got_q, want_q.transpose(1, 2).reshape(5, -1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_k, want_k.transpose(1, 2).reshape(5, -1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(got_q.view(5, 4, head)[..., dim:], q.view(5, 4, head)[..., dim:])
+
+
+@pytest.mark.parametrize("factor", [0.0, 1.5, 0.7, "half", None])
+def test_a_bad_partial_rotary_factor_is_refused_by_name(factor):
+    from omniinfer.models.layers.rotary import rotary_dim
+
+    with pytest.raises(ValueError, match=rf"partial_rotary_factor={factor!r} turns -?\d+ of each 16-wide head; "
+                                         r"expected a factor in \(0, 1\] that makes an even number"):
+        rotary_dim({"partial_rotary_factor": factor}, 16)

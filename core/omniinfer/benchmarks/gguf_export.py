@@ -299,7 +299,9 @@ def _phi3_metadata(writer, cfg: dict, heads: int) -> dict[str, np.ndarray]:
     max_len = cfg.get("max_position_embeddings", 2048)
     original = s.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings") or max_len
     writer.add_rope_scaling_orig_ctx_len(int(original))
-    writer.add_rope_dimension_count(cfg["hidden_size"] // heads)
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    partial = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    writer.add_rope_dimension_count(int(partial * cfg["hidden_size"]) // heads)  # (llama.cpp's converter's)
     writer.add_sliding_window(int(cfg.get("sliding_window") or 0))
     if not s.get("long_factor"):
         return {}

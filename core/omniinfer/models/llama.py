@@ -25,7 +25,7 @@ from omniinfer.models.layers.linear import (
     RowParallelLinear,
 )
 from omniinfer.models.layers.norm import RMSNorm
-from omniinfer.models.layers.rotary import RotaryEmbedding
+from omniinfer.models.layers.rotary import RotaryEmbedding, rotary_dim
 from omniinfer.models.layers.weights import default_weight_loader
 
 
@@ -50,9 +50,11 @@ def make_rotary(config: ModelConfig, theta: float | None = None, scaling: dict |
     if scaling is not None and "original_max_position_embeddings" not in scaling \
             and cfg.get("original_max_position_embeddings"):
         scaling = {**scaling, "original_max_position_embeddings": cfg["original_max_position_embeddings"]}
+    if scaling is not None and "partial_rotary_factor" in scaling:  # (transformers 5 keeps it there)
+        scaling = {k: v for k, v in scaling.items() if k != "partial_rotary_factor"}
     return RotaryEmbedding(config.head_size, int(cfg.get("max_position_embeddings", 2048)),
                            rope_theta(cfg) if theta is None else theta, scaling,
-                           num_positions=config.max_model_len)
+                           num_positions=config.max_model_len, rotary_dim=rotary_dim(cfg, config.head_size))
 
 
 class LlamaAttention(nn.Module):

@@ -21,6 +21,7 @@ import os
 import numpy as np
 import torch
 
+from omniinfer.models.layers.rotary import rotary_dim
 from omniinfer.models.layers.weights import WeightShapeError
 from omniinfer.quantization import gguf_blocks, gguf_moe
 from omniinfer.quantization.base import QuantPiece, register_format
@@ -184,14 +185,17 @@ class GGUFFile:
         return int(value)
 
     def _phi3(self, cfg: dict) -> None:
-        """Phi-3's metadata beyond Llama's: its rotary dimensions (the whole head: Phi-4-mini's
-        partial rotary is not supported), sliding window (0: none), original context and the
-        longrope factors of its 128k models (tensors, as llama.cpp's converter writes them)."""
+        """Phi-3's metadata beyond Llama's: its rotary dimensions (part of each head for
+        Phi-4-mini: llama.cpp's n_rot, Hugging Face's partial_rotary_factor), sliding window (0:
+        none), original context and the longrope factors of its 128k models (tensors, as
+        llama.cpp's converter writes them)."""
         head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         dims = self.field("phi3.rope.dimension_count")
         if dims is not None and int(dims) != head:
-            raise GGUFError(f"{self.path}: phi3.rope.dimension_count={dims} rotates part of each {head}-wide "
-                            "head (partial rotary); only whole heads are supported")
+            if not isinstance(dims, (int, np.integer)) or not 0 < int(dims) <= head or dims % 2:
+                raise GGUFError(f"{self.path}: phi3.rope.dimension_count={dims!r}: expected an even count of "
+                                f"the {head} features of a head, at least 2")
+            cfg["partial_rotary_factor"] = int(dims) / head  # (rotary_dim() turns it back into dims)
         window = int(self.field("phi3.attention.sliding_window", 0) or 0)
         cfg["sliding_window"] = window or None
         original = self.field("phi3.rope.scaling.original_context_length")
@@ -231,7 +235,7 @@ class GGUFFile:
         if name not in self.tensors:
             raise GGUFError(f"{self.path}: tensor {name!r} is missing")
         offset, kind, shape, n_bytes, shard = self.tensors[name]
-        pairs = (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) // 2
+        pairs = rotary_dim(cfg, cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) // 2
         if kind.name != "F32" or shape != (pairs,):
             raise GGUFError(f"{self.path}: tensor {name!r} is {kind.name} of shape {shape}; expected F32 "
                             f"of shape ({pairs},), a factor for each rotary frequency")

@@ -15,13 +15,16 @@ def kernel_names(llm) -> set[str]:
     return {k for m in model.modules() for _, k, _ in getattr(m, "quant_choices", [])}
 
 
-def hf_greedy(path: str, prompts: list[list[int]], n: int, gguf_file: str | None = None
+def hf_greedy(path: str, prompts: list[list[int]], n: int, gguf_file: str | None = None, config=None
               ) -> list[tuple[list[int], list[torch.Tensor]]]:
     """transformers' greedy run of `n` tokens per prompt in float32 (the checkpoint in `path`, or
-    its `gguf_file`, which transformers dequantises): (tokens, each step's log-probs)."""
+    its `gguf_file`, which transformers dequantises; `config`: that instead of the one
+    transformers makes of the file): (tokens, each step's log-probs)."""
     from transformers import AutoModelForCausalLM
 
     extra = {"gguf_file": gguf_file} if gguf_file else {}
+    if config is not None:
+        extra["config"] = config
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **extra)
     runs = []
     with torch.no_grad():

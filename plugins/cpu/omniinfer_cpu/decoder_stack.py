@@ -31,7 +31,7 @@ POINTERS = ("input_norm", "qkv", "qkv_packed", "qkv_ec", "qkv_bias", "o", "o_pac
             "post_norm", "gate_up", "gate_up_packed", "gate_up_ec", "gate_up_bias", "down", "down_packed",
             "down_ec", "down_bias", "k_cache", "v_cache", "cos", "sin")
 SIZES = ("hidden", "num_heads", "num_kv_heads", "head_size", "intermediate", "block_size", "window",
-         "max_position")
+         "max_position", "rotary_dim")
 
 
 PRODUCTS = ("qkv", "o", "gate_up", "down")
@@ -214,6 +214,7 @@ class CpuDecoderStack:
             if spec.experts is not None:
                 self._point_at_experts(struct, spec)
             struct.window, struct.max_position = impl.sliding_window or 0, spec.rotary.cos.shape[0]
+            struct.rotary_dim = 2 * spec.rotary.cos.shape[1]
         return layers
 
     def _point_at_experts(self, struct, spec: DecoderLayerSpec) -> None:

@@ -33,12 +33,13 @@ class CpuLayerOps(LayerOps):
         dt = DTYPE_CODES.get(query.dtype)
         if (dt is None or key.dtype != query.dtype or query.stride(-1) != 1 or key.stride(-1) != 1
                 or cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous()
-                or positions.dtype != torch.int64 or not positions.is_contiguous() or head_size % 2):
+                or positions.dtype != torch.int64 or not positions.is_contiguous()
+                or not 0 < 2 * cos.shape[1] <= head_size):
             return super().rotary(positions, query, key, cos, sin, head_size)
         result = self.k.rotary(query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0),
                                positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
                                query.shape[0], query.shape[1] // head_size, key.shape[1] // head_size,
-                               head_size, dt, torch.get_num_threads())
+                               head_size, 2 * cos.shape[1], dt, torch.get_num_threads())
         if result != 0:
             raise IndexError(f"a position is outside the rotary table ({cos.shape[0]} positions)")
         return query, key

@@ -294,17 +294,18 @@ def layer_op_cases(gen):
                     lambda a, want=want, want_res=want_res, dt=dt: (
                         torch.testing.assert_close(a[4].float(), want.float(), **TOL[dt]),
                         torch.testing.assert_close(a[2].float(), want_res.float(), **TOL[dt]))))
-        heads, kv_heads, d, t, max_pos = 4, 2, 32, 6, 64
-        q, k = rand(gen, t, heads * d, dt=dt), rand(gen, t, kv_heads * d, dt=dt)
-        pos = torch.tensor([0, 3, 7, 63, 1, 20], dtype=torch.int64)
-        inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-        freqs = torch.arange(max_pos).float()[:, None] * inv[None]
-        cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
-        want_q, want_k = ops.rotary(pos, q.clone(), k.clone(), cos, sin, d)
-        out.append((("rotary", [t, heads, kv_heads, d, dt, 2, max_pos], [], [q, k, pos, cos, sin]),
-                    lambda a, wq=want_q, wk=want_k, dt=dt: (
-                        torch.testing.assert_close(a[0].float(), wq.float(), **TOL[dt]),
-                        torch.testing.assert_close(a[1].float(), wk.float(), **TOL[dt]))))
+        heads, kv_heads, d, t, max_pos = 4, 2, 64, 6, 64
+        for rot in (d, 40):  # (the whole head; a partial rotary: a vector and a scalar tail on NEON)
+            q, k = rand(gen, t, heads * d, dt=dt), rand(gen, t, kv_heads * d, dt=dt)
+            pos = torch.tensor([0, 3, 7, 63, 1, 20], dtype=torch.int64)
+            inv = 1.0 / (10000 ** (torch.arange(0, rot, 2).float() / rot))
+            freqs = torch.arange(max_pos).float()[:, None] * inv[None]
+            cos, sin = freqs.cos().contiguous(), freqs.sin().contiguous()
+            want_q, want_k = ops.rotary(pos, q.clone(), k.clone(), cos, sin, d)
+            out.append((("rotary", [t, heads, kv_heads, d, dt, 2, max_pos, rot], [], [q, k, pos, cos, sin]),
+                        lambda a, wq=want_q, wk=want_k, dt=dt: (
+                            torch.testing.assert_close(a[0].float(), wq.float(), **TOL[dt]),
+                            torch.testing.assert_close(a[1].float(), wk.float(), **TOL[dt]))))
         x = rand(gen, 3, 2 * 37, dt=dt)
         want = ops.silu_and_mul(x)
         out.append((("silu_and_mul", [3, 37, dt, 2], [], [x, torch.zeros(3, 37, dtype=TORCH_DTYPE[dt])]),

@@ -33,8 +33,10 @@ class LayerOps:
     def rotary(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, head_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """GPT-NeoX ("rotate half") rotary embedding. query [T, heads * head], key
-        [T, kv_heads * head]; cos/sin [max_position, head / 2] float32. Returns the rotated
-        query and key (an override may rotate them in place and return its inputs)."""
+        [T, kv_heads * head]; cos/sin [max_position, rotary_dim / 2] float32: the first
+        rotary_dim features of each head rotate (rotary_dim < head: a partial rotary), the rest
+        pass. Returns the rotated query and key (an override may rotate them in place and return
+        its inputs)."""
         cos = cos[positions].to(query.dtype).unsqueeze(1)
         sin = sin[positions].to(query.dtype).unsqueeze(1)
         return _rotate(query, cos, sin, head_size), _rotate(key, cos, sin, head_size)
@@ -53,9 +55,10 @@ class LayerOps:
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, head_size: int) -> torch.Tensor:
     shape = x.shape
-    x = x.view(shape[0], -1, head_size)
-    x1, x2 = x.chunk(2, dim=-1)
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    x = x.reshape(shape[0], -1, head_size)
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
     return out.view(shape)
 
 

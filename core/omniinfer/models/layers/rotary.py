@@ -4,8 +4,11 @@ and `longrope` (Phi-3's, also spelled `su`). Each is transformers' `modeling_rop
 `freq_factors` (omniinfer's: a GGUF file's `rope_freqs` tensor, as llama.cpp's converter writes
 `llama3`) divides each frequency by its own factor, as llama.cpp's rope does.
 
-A scaling only changes the cos/sin table, [positions, head_size / 2] float32: row p is what the
-token at position p is rotated by. Where transformers recomputes the frequencies from the batch's
+A scaling only changes the cos/sin table, [positions, rotary_dim / 2] float32: row p is what the
+token at position p is rotated by. `rotary_dim` is the head size, or less where a config has a
+`partial_rotary_factor` (Phi-4-mini's 0.75): the first rotary_dim features of each head rotate
+(in rotate-half pairs of their own), the rest pass through, and every frequency formula takes
+rotary_dim as its dimension (transformers' and llama.cpp's `n_rot` alike). Where transformers recomputes the frequencies from the batch's
 longest sequence (`dynamic`, `longrope`), row p uses what it computes for a sequence of p + 1
 tokens, which is what it uses for that token while decoding one token at a time.
 """
@@ -105,9 +108,26 @@ def _dynamic(dim: int, theta: float, s: dict, max_position: int, num_positions: 
     return (1.0 / base[:, None] ** exponent[None, :]).float()
 
 
+def rotary_dim(cfg: dict, head_size: int) -> int:
+    """The features of each head the rotary embedding turns: head_size * partial_rotary_factor
+    (truncated, as transformers does, but not by a rounding error: a GGUF file's 72 of 96 stored
+    as 72 / 96), from the config or its rope parameters."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    factor = cfg.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0))
+    try:
+        dim = int(head_size * float(factor) + 1e-6)
+    except (TypeError, ValueError):
+        dim = 0
+    if not 0 < dim <= head_size or dim % 2:
+        raise ValueError(f"partial_rotary_factor={factor!r} turns {dim} of each {head_size}-wide head; "
+                         "expected a factor in (0, 1] that makes an even number of features")
+    return dim
+
+
 def rope_tables(head_size: int, num_positions: int, theta: float, scaling: dict | None,
                 max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each [num_positions, head_size / 2] float32, for one scaling (None: plain).
+    `head_size`: the rotary dimension (rotary_dim(); the head size unless the rotary is partial).
     `max_position` is the config's `max_position_embeddings` (default: num_positions)."""
     max_position = max_position or num_positions
     kind = (scaling or {}).get("rope_type", "default")
@@ -116,8 +136,8 @@ def rope_tables(head_size: int, num_positions: int, theta: float, scaling: dict 
         raise ValueError(f"rope scaling type {kind!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     if scaling and float(scaling.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise ValueError(f"partial_rotary_factor={scaling['partial_rotary_factor']} is not supported "
-                         "(rotary embeddings cover the whole head)")
+        raise ValueError(f"partial_rotary_factor={scaling['partial_rotary_factor']} in a scaling: pass "
+                         "the rotary dimension instead (rotary_dim())")
     t = torch.arange(num_positions, dtype=torch.float32)
     attention = 1.0
     inv_freq = _base_inv_freq(head_size, theta)
@@ -170,16 +190,19 @@ def shared_rope_tables(head_size: int, num_positions: int, theta: float, scaling
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_size: int, max_position: int, theta: float, scaling: dict | None,
-                 num_positions: int | None = None):
+                 num_positions: int | None = None, rotary_dim: int | None = None):
         """`max_position`: the config's max_position_embeddings (what the scalings are computed
         from); `num_positions`: rows of the table, the positions a token can have — the engine's
         max_model_len (default max_position). Row p does not depend on how many rows there are,
         so a model served at 2,048 tokens holds 2,048 rows, not the 32,768 (8 MiB at head size
-        64) or 1,010,000 (0.5 GiB at 128) its config allows."""
+        64) or 1,010,000 (0.5 GiB at 128) its config allows. `rotary_dim`: the features of each
+        head that turn (default: all)."""
         super().__init__()
         self.head_size = head_size
-        self._tables = shared_rope_tables(head_size, num_positions or max_position, theta, scaling, max_position)
-        # [positions, head_size / 2] each; kept in float32, cast per call to the model dtype
+        self.rotary_dim = rotary_dim or head_size
+        self._tables = shared_rope_tables(self.rotary_dim, num_positions or max_position, theta, scaling,
+                                          max_position)
+        # [positions, rotary_dim / 2] each; kept in float32, cast per call to the model dtype
         self.register_buffer("cos", self._tables.cos, persistent=False)
         self.register_buffer("sin", self._tables.sin, persistent=False)
         self.ops = TORCH_LAYER_OPS

@@ -59,8 +59,8 @@ SIGNATURES = {
     # x, residual, residual_out, weight, out, T, H, eps, dtype, nthreads
     "omni_rms_norm": ([_P, _P, _P, _P, _P, _I32, _I32, _F, _I32, _I32], None),
     # q, q_stride, k, k_stride, positions, cos, sin, max_position, T, heads, kv_heads, head,
-    # dtype, nthreads
-    "omni_rotary": ([_P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
+    # rotary_dim, dtype, nthreads
+    "omni_rotary": ([_P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
     # x, out, T, I, dtype, nthreads
     "omni_silu_and_mul": ([_P, _P, _I32, _I32, _I32, _I32], None),
     # x, ld, rows, cols, dtype, out (int64), nthreads

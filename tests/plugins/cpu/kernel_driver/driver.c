@@ -25,7 +25,7 @@ void omni_rms_norm(const void *x, const void *residual, void *residual_out, cons
                    void *out, int T, int H, float eps, int dt, int nthreads);
 int omni_rotary(void *q, int64_t q_stride, void *k, int64_t k_stride, const int64_t *positions,
                 const float *cos, const float *sin, int max_position, int T, int num_heads,
-                int num_kv_heads, int D, int dt, int nthreads);
+                int num_kv_heads, int D, int R, int dt, int nthreads);
 void omni_silu_and_mul(const void *x, void *out, int T, int I, int dt, int nthreads);
 void omni_argmax(const void *x, int64_t ld, int rows, int cols, int dt, int64_t *out, int nthreads);
 int omni_paged_attention(const void *q, int64_t q_stride, const void *key, int64_t key_stride,
@@ -124,10 +124,10 @@ static int run(Case *c) {
         omni_rms_norm(A(0), OPT(1), OPT(2), A(3), A(4), I(0), I(1), c->floats[0], I(2), I(3));
         return 0;
     }
-    if (!strcmp(k, "rotary")) {  /* T heads kv_heads D dt threads max_position; q k positions cos sin */
+    if (!strcmp(k, "rotary")) {  /* T heads kv_heads D dt threads max_position R; q k positions cos sin */
         int D = I(3);
         return omni_rotary(A(0), (int64_t)I(1) * D, A(1), (int64_t)I(2) * D, A(2), A(3), A(4), I(6),
-                           I(0), I(1), I(2), D, I(4), I(5));
+                           I(0), I(1), I(2), D, I(7), I(4), I(5));
     }
     if (!strcmp(k, "silu_and_mul")) {  /* T I dt threads; x out */
         omni_silu_and_mul(A(0), A(1), I(0), I(1), I(2), I(3));

@@ -15,9 +15,10 @@ typedef struct {
         *post_norm, *gate_up, *gate_up_packed, *gate_up_ec, *gate_up_bias, *down, *down_packed,
         *down_ec, *down_bias;
     void *k_cache, *v_cache;
-    const float *cos, *sin;  /* float32 [max_position, head_size / 2] */
+    const float *cos, *sin;  /* float32 [max_position, rotary_dim / 2] */
     float input_eps, post_eps, scale;
-    int hidden, num_heads, num_kv_heads, head_size, intermediate, block_size, window, max_position;
+    int hidden, num_heads, num_kv_heads, head_size, intermediate, block_size, window, max_position,
+        rotary_dim;
     const void *qkv_q, *o_q, *gate_up_q, *down_q;
     const float *qkv_qscale, *o_qscale, *gate_up_qscale, *down_qscale;
     int qkv_qkind, o_qkind, gate_up_qkind, down_qkind;
@@ -179,7 +180,7 @@ int omni_decoder_layers(const omni_layer *layers, int num_layers, void *hidden, 
             q_ld = q_size, k_ld = kv_size;
         }
         if (omni_rotary(q, q_ld, k, k_ld, positions, L->cos, L->sin, L->max_position, T, L->num_heads,
-                        L->num_kv_heads, D, dt, nthreads))
+                        L->num_kv_heads, D, L->rotary_dim, dt, nthreads))
             return -3;
         if ((rc = omni_paged_attention(q, q_ld, k, k_ld,
                                        qkv + (size_t)(q_size + kv_size) * es, QKV, slot_mapping, T,

@@ -81,13 +81,13 @@ void omni_rms_norm_heads(const void *x, int64_t stride, const void *weight, void
             (char *)out + (size_t)r * D * es, D, eps);
 }
 
-/* GPT-NeoX rotary ("rotate half"), in place: each head's first and second halves (x1, x2) become
- * (x1 cos - x2 sin, x2 cos + x1 sin). cos/sin: float32 [max_position, head_size / 2]; in bfloat16
- * they and each product are rounded as the torch path does. Query/key rows: `stride` elements
- * apart. */
-INLINE void rotate_heads(void *x, size_t base, int heads, int D, const float *c, const float *s,
+/* GPT-NeoX rotary ("rotate half"), in place: the halves (x1, x2) of each head's first R features
+ * become (x1 cos - x2 sin, x2 cos + x1 sin); features R..D pass (R < D: a partial rotary).
+ * cos/sin: float32 [max_position, R / 2]; in bfloat16 they and each product are rounded as the
+ * torch path does. Query/key rows: `stride` elements apart. */
+INLINE void rotate_heads(void *x, size_t base, int heads, int D, int R, const float *c, const float *s,
                          int dt) {
-    int half = D / 2;
+    int half = R / 2;
     for (int h = 0; h < heads; h++) {
         size_t o = base + (size_t)h * D;
         int i = 0;
@@ -115,8 +115,8 @@ INLINE void rotate_heads(void *x, size_t base, int heads, int D, const float *c,
 /* Returns 0, or -1 (nothing done) when a position is outside the table's max_position rows. */
 int omni_rotary(void *q, int64_t q_stride, void *k, int64_t k_stride, const int64_t *positions,
                 const float *cos, const float *sin, int max_position, int T, int num_heads,
-                int num_kv_heads, int D, int dt, int nthreads) {
-    int half = D / 2;
+                int num_kv_heads, int D, int R, int dt, int nthreads) {
+    int half = R / 2;
     for (int t = 0; t < T; t++)
         if (positions[t] < 0 || positions[t] >= max_position) return -1;
     (void)nthreads;
@@ -124,11 +124,11 @@ int omni_rotary(void *q, int64_t q_stride, void *k, int64_t k_stride, const int6
     for (int t = 0; t < T; t++) {
         const float *c = cos + (size_t)positions[t] * half, *s = sin + (size_t)positions[t] * half;
         if (dt == F32) {
-            rotate_heads(q, (size_t)t * q_stride, num_heads, D, c, s, F32);
-            rotate_heads(k, (size_t)t * k_stride, num_kv_heads, D, c, s, F32);
+            rotate_heads(q, (size_t)t * q_stride, num_heads, D, R, c, s, F32);
+            rotate_heads(k, (size_t)t * k_stride, num_kv_heads, D, R, c, s, F32);
         } else {
-            rotate_heads(q, (size_t)t * q_stride, num_heads, D, c, s, BF16);
-            rotate_heads(k, (size_t)t * k_stride, num_kv_heads, D, c, s, BF16);
+            rotate_heads(q, (size_t)t * q_stride, num_heads, D, R, c, s, BF16);
+            rotate_heads(k, (size_t)t * k_stride, num_kv_heads, D, R, c, s, BF16);
         }
     }
     return 0;

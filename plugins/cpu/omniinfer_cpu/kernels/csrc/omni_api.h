@@ -26,7 +26,7 @@ void omni_rms_norm_heads(const void *x, int64_t stride, const void *weight, void
                          float eps, int dt, int nthreads);
 int omni_rotary(void *q, int64_t q_stride, void *k, int64_t k_stride, const int64_t *positions,
                 const float *cos, const float *sin, int max_position, int T, int num_heads,
-                int num_kv_heads, int D, int dt, int nthreads);
+                int num_kv_heads, int D, int R, int dt, int nthreads);
 void omni_silu_and_mul(const void *x, void *out, int T, int I, int dt, int nthreads);
 void omni_argmax(const void *x, int64_t ld, int rows, int cols, int dt, int64_t *out, int nthreads);
 int omni_gemm_supported(int dt);
