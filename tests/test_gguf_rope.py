@@ -77,3 +77,30 @@ def test_a_bad_rope_freqs_tensor_is_a_clear_error(llama3, tmp_path, monkeypatch)
     with pytest.raises(GGUFError, match="its factors must be finite and positive"):
         LLM(path)
     assert os.path.getsize(path) > 0
+
+
+def _with_rotary_dims(monkeypatch, dims: int) -> None:
+    """The exporter writes `rope.dimension_count` for phi3 only (as llama.cpp's converter for
+    these tiny models): add it, `dims`, to any file."""
+    import gguf
+
+    original = gguf.GGUFWriter.add_context_length
+
+    def add(self, n):
+        original(self, n)
+        self.add_rope_dimension_count(dims)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_context_length", add)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_rotary_dims_below_the_head_are_refused_where_llama_cpp_refuses_them(tmp_path, monkeypatch, arch):
+    """llama.cpp turns the first n_rot features of each head in Phi-3 and Gemma files
+    (tests/test_gguf_phi3.py); its llama and qwen2 graphs assert n_rot is the head size."""
+    model = build_tiny_checkpoint(str(tmp_path / arch), arch, hidden_size=128, vocab_size=400, seed=2)
+    _with_rotary_dims(monkeypatch, 24)  # (of 32)
+    path = gguf_export.export(model, str(tmp_path / f"{arch}.gguf"), "f32")
+    with pytest.raises(GGUFError, match=rf"{arch}.rope.dimension_count=24 turns part of each 32-wide head; a "
+                                        rf"{arch} file turns whole heads \(llama.cpp's too; part of them: phi3, "
+                                        r"gemma2, gemma3\)"):
+        GGUFFile(path).hf_config()

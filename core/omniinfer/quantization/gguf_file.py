@@ -51,6 +51,7 @@ _GEMMA = {"gemma2": dict(pattern=2, layers_27b=46), "gemma3": dict(pattern=6, la
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 # rotary factors, read into the config (hf_config), not weights
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+_PARTIAL_ROTARY = ("phi3", "gemma2", "gemma3")  # (llama.cpp's other graphs here assert n_rot == the head size)
 
 
 def _ranges(values: list[int]) -> str:
@@ -145,6 +146,7 @@ class GGUFFile:
         cfg["rms_norm_eps"] = float(self.field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6))
         cfg["rope_theta"] = float(self.field(f"{a}.rope.freq_base", 10000.0))
         cfg["max_position_embeddings"] = int(self.field(f"{a}.context_length", 2048))
+        self._rotary_dims(cfg)
         scaling = self.field(f"{a}.rope.scaling.type")
         linear = None
         if scaling not in (None, "none"):
@@ -184,18 +186,29 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: metadata key {key!r} is {value!r}; expected a positive count")
         return int(value)
 
-    def _phi3(self, cfg: dict) -> None:
-        """Phi-3's metadata beyond Llama's: its rotary dimensions (part of each head for
-        Phi-4-mini: llama.cpp's n_rot, Hugging Face's partial_rotary_factor), sliding window (0:
-        none), original context and the longrope factors of its 128k models (tensors, as
-        llama.cpp's converter writes them)."""
+    def _rotary_dims(self, cfg: dict) -> None:
+        """`rope.dimension_count`, llama.cpp's n_rot: the features of each head that turn. Fewer
+        than the head (Phi-4-mini's 96 of 128) is Hugging Face's partial_rotary_factor, in the
+        architectures whose llama.cpp graphs take it (_PARTIAL_ROTARY); the others' graphs assert
+        whole heads, and so does this."""
+        a = self.arch
         head = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        dims = self.field("phi3.rope.dimension_count")
-        if dims is not None and int(dims) != head:
-            if not isinstance(dims, (int, np.integer)) or not 0 < int(dims) <= head or dims % 2:
-                raise GGUFError(f"{self.path}: phi3.rope.dimension_count={dims!r}: expected an even count of "
-                                f"the {head} features of a head, at least 2")
-            cfg["partial_rotary_factor"] = int(dims) / head  # (rotary_dim() turns it back into dims)
+        dims = self.field(f"{a}.rope.dimension_count")
+        if dims is None or dims == head:
+            return
+        if not isinstance(dims, (int, np.integer)) or not 0 < int(dims) <= head or dims % 2:
+            raise GGUFError(f"{self.path}: {a}.rope.dimension_count={dims!r}: expected an even count of "
+                            f"the {head} features of a head, at least 2")
+        if a not in _PARTIAL_ROTARY:
+            raise GGUFError(f"{self.path}: {a}.rope.dimension_count={dims} turns part of each {head}-wide "
+                            f"head; a {a} file turns whole heads (llama.cpp's too; part of them: "
+                            f"{', '.join(_PARTIAL_ROTARY)})")
+        cfg["partial_rotary_factor"] = int(dims) / head  # (rotary_dim() turns it back into dims)
+
+    def _phi3(self, cfg: dict) -> None:
+        """Phi-3's metadata beyond Llama's: its sliding window (0: none), original context and
+        the longrope factors of its 128k models (tensors, as llama.cpp's converter writes them,
+        one for each rotary frequency)."""
         window = int(self.field("phi3.attention.sliding_window", 0) or 0)
         cfg["sliding_window"] = window or None
         original = self.field("phi3.rope.scaling.original_context_length")
