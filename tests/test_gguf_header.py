@@ -1,7 +1,7 @@
 """The lean GGUF header reader (quantization/gguf_header.py) against the `gguf` package's own
 reader on the same files; a damaged header is a clear error, never a huge allocation; the
 tokenizer built from a GGUF file is the one transformers' AutoTokenizer builds, chat template
-included; loading holds no file bytes twice."""
+included, with BOS and the special tokens as the file says; loading holds no file bytes twice."""
 
 from __future__ import annotations
 
@@ -195,6 +195,60 @@ def test_the_tokenizer_is_the_one_autotokenizer_builds(files):
             assert ours.decode(ids) == theirs.decode(ids)
         assert ours.chat_template == theirs.chat_template
     assert gguf_file.load_tokenizer(files["llama"]).chat_template == TEMPLATE
+
+
+def tokenizer_file(root, arch: str, add_bos: bool | None, pre: str | None = None, monkeypatch=None,
+                   beside: bool = False) -> str:
+    """A q8_0 file of a tiny `arch` model, alone in its directory (as downloaded; `beside`: in its
+    checkpoint's, beside a tokenizer_config.json), whose tokenizer_config says `add_bos_token`
+    (None: nothing) and whose pre-tokenizer is `pre` (None: the exporter's)."""
+    model = build_tiny_checkpoint(str(root / "ckpt"), arch, vocab_size=1000, seed=1)
+    if add_bos is not None:
+        config = os.path.join(model, "tokenizer_config.json")
+        with open(config, encoding="utf-8") as f:
+            data = json.load(f)
+        with open(config, "w", encoding="utf-8") as f:
+            json.dump({**data, "add_bos_token": add_bos}, f)
+    if pre is not None:
+        monkeypatch.setattr(gguf.GGUFWriter, "add_tokenizer_pre", lambda self, _, w=gguf.GGUFWriter.add_tokenizer_pre:
+                            w(self, pre))
+    if beside:
+        return export(model, os.path.join(model, "q8_0.gguf"), "q8_0")
+    os.makedirs(root / "file")
+    return export(model, str(root / "file" / "q8_0.gguf"), "q8_0")
+
+
+@pytest.mark.parametrize("arch, add_bos, pre, bos, beside", [
+    ("llama", True, None, True, False), ("llama", False, None, False, False), ("llama", None, None, False, False),
+    ("llama", None, "llama-bpe", True, False),  # (Llama 3's pre-tokenizer: llama.cpp adds BOS unless told not to)
+    ("llama", False, "llama-bpe", False, False), ("qwen2", True, None, True, False), ("qwen2", None, None, False, False),
+    ("phi3", True, None, True, False), ("phi3", None, None, False, False), ("gemma2", True, None, True, False),
+    # beside a tokenizer_config.json, transformers' class for llama and phi3 files lost every special token
+    ("llama", True, None, True, True), ("phi3", None, None, False, True),
+])
+def test_bos_and_the_special_tokens_follow_the_file(tmp_path, monkeypatch, arch, add_bos, pre, bos, beside):
+    """A prompt starts with BOS as llama.cpp starts it (tests/test_gguf_llama_cpp.py holds the ids
+    to `llama-tokenize`'s): the file's add_bos_token, else llama.cpp's default for its vocabulary;
+    the file's BOS / EOS / padding tokens are the tokenizer's, so a chat template's `bos_token`
+    renders. (transformers' class for llama and phi3 files did not always: beside a
+    tokenizer_config.json it had no special tokens at all, so a chat template's bos_token rendered
+    as nothing; and a Llama 3 file that relies on llama.cpp's default had no BOS.)"""
+    from omniinfer import LLM, SamplingParams
+
+    path = tokenizer_file(tmp_path, arch, add_bos, pre, monkeypatch, beside)
+    tokenizer = gguf_file.load_tokenizer(path)
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<s>", "</s>", "<pad>")
+    plain = tokenizer("Hello world", add_special_tokens=False).input_ids
+    assert tokenizer("Hello world").input_ids == [0] * bos + plain
+    assert tokenizer("Hello world", "again").input_ids[:bos + len(plain)] == [0] * bos + plain
+    tokenizer.chat_template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<s>hi</s>"
+    llm = LLM(path, num_kv_blocks=16, max_model_len=64)
+    try:
+        out = llm.generate("Hello world", SamplingParams(max_tokens=1), use_tqdm=False)[0]
+        assert out.prompt_token_ids == [0] * bos + plain
+    finally:
+        llm.shutdown()
 
 
 def test_the_chat_template_of_a_gguf_file_serves_chat(files):

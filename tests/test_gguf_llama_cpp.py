@@ -173,6 +173,29 @@ def test_a_qwen_files_tokenizer_encodes_as_llama_cpp(arch, tmp_path):
     assert load_tokenizer(path).encode(text) == json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("arch, add_bos, pre", [
+    ("llama", True, None), ("llama", False, None), ("llama", None, None), ("llama", None, "llama-bpe"),
+    ("qwen2", True, None), ("qwen2", None, None), ("gemma2", True, None), ("gemma2", None, None),
+])
+def test_a_prompt_starts_with_bos_as_llama_cpp_starts_it(tmp_path, monkeypatch, arch, add_bos, pre):
+    """`llama-tokenize` with its BOS rules (the file's add_bos_token, else its default for the
+    vocabulary) gives the ids of the tokenizer built from the same file, BOS and all."""
+    from test_gguf_header import tokenizer_file
+
+    from omniinfer.quantization.gguf_file import load_tokenizer
+
+    try:
+        tokenize = tool("llama-tokenize")
+    except SkippedRun as e:
+        pytest.skip(f"llama.cpp's tokenizer tool is absent: {e}")
+    path = tokenizer_file(tmp_path, arch, add_bos, pre, monkeypatch)
+    text = "Hello there world"  # (the exporter's "default" pre-tokenizer is llama.cpp's own regex: no digits)
+    out = subprocess.run([tokenize, "-m", path, "-p", text, "--ids", "--log-disable"],
+                         capture_output=True, text=True, check=True, timeout=120,
+                         env=dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(tokenize)))
+    assert load_tokenizer(path).encode(text) == json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("first_has_tensors", [True, False])
 def test_a_model_llama_gguf_split_splits_loads_as_the_whole_file(quantized, tmp_path, first_has_tensors):
     """llama.cpp's `llama-gguf-split` on its own q4_k_m file (a first file of metadata alone with

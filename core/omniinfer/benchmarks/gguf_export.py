@@ -340,8 +340,12 @@ def _add_vocab(writer, model_dir: str, vocab_size: int, arch: str) -> None:
     if cfg.get("pad_token_id") is not None:
         writer.add_pad_token_id(cfg["pad_token_id"])
     tokenizer_config = os.path.join(model_dir, "tokenizer_config.json")
-    if os.path.isfile(tokenizer_config):  # (as llama.cpp's converter: the chat template goes in too)
+    if os.path.isfile(tokenizer_config):  # (as llama.cpp's converter: the chat template, BOS / EOS flags)
         with open(tokenizer_config, encoding="utf-8") as f:
-            template = json.load(f).get("chat_template")
-        if isinstance(template, str):
-            writer.add_chat_template(template)
+            settings = json.load(f)
+        if isinstance(settings.get("chat_template"), str):
+            writer.add_chat_template(settings["chat_template"])
+        if isinstance(settings.get("add_bos_token"), bool):
+            writer.add_add_bos_token(settings["add_bos_token"])
+        if isinstance(settings.get("add_eos_token"), bool):
+            writer.add_add_eos_token(settings["add_eos_token"])
