@@ -18,7 +18,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 
 from omniinfer.benchmarks.gguf_export import export  # noqa: E402
-from omniinfer.quantization import gguf_file  # noqa: E402
+from omniinfer.quantization import gguf_file, gguf_tokenizer  # noqa: E402
 from omniinfer.quantization.gguf_header import GGUFError, GGUFHeader, StringArray  # noqa: E402
 from omniinfer.testing.tiny_models import build_tiny_checkpoint  # noqa: E402
 
@@ -183,7 +183,7 @@ def test_the_tokenizer_is_the_one_autotokenizer_builds(files):
 
     texts = ["Hello world", "  two  spaces\tand a tab", "caf\u00e9 \u65e5\u672c \U0001f600", "", "a" * 300]
     for arch, path in files.items():
-        ours = gguf_file.load_tokenizer(path)
+        ours = gguf_tokenizer.load_tokenizer(path)
         theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
         assert type(ours) is type(theirs), arch
         assert len(ours) == len(theirs)
@@ -194,7 +194,7 @@ def test_the_tokenizer_is_the_one_autotokenizer_builds(files):
             assert ids == theirs(text).input_ids, (arch, text)
             assert ours.decode(ids) == theirs.decode(ids)
         assert ours.chat_template == theirs.chat_template
-    assert gguf_file.load_tokenizer(files["llama"]).chat_template == TEMPLATE
+    assert gguf_tokenizer.load_tokenizer(files["llama"]).chat_template == TEMPLATE
 
 
 def tokenizer_file(root, arch: str, add_bos: bool | None, pre: str | None = None, monkeypatch=None,
@@ -236,7 +236,7 @@ def test_bos_and_the_special_tokens_follow_the_file(tmp_path, monkeypatch, arch,
     from omniinfer import LLM, SamplingParams
 
     path = tokenizer_file(tmp_path, arch, add_bos, pre, monkeypatch, beside)
-    tokenizer = gguf_file.load_tokenizer(path)
+    tokenizer = gguf_tokenizer.load_tokenizer(path)
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == ("<s>", "</s>", "<pad>")
     plain = tokenizer("Hello world", add_special_tokens=False).input_ids
     assert tokenizer("Hello world").input_ids == [0] * bos + plain

@@ -158,7 +158,7 @@ def test_a_qwen_files_tokenizer_encodes_as_llama_cpp(arch, tmp_path):
     the ids `llama-tokenize` gives on the same file."""
     from test_gguf_moe import COMMON, FAMILIES
 
-    from omniinfer.quantization.gguf_file import load_tokenizer
+    from omniinfer.quantization.gguf_tokenizer import load_tokenizer
 
     try:
         tokenize = tool("llama-tokenize")
@@ -182,7 +182,7 @@ def test_a_prompt_starts_with_bos_as_llama_cpp_starts_it(tmp_path, monkeypatch, 
     vocabulary) gives the ids of the tokenizer built from the same file, BOS and all."""
     from test_gguf_header import tokenizer_file
 
-    from omniinfer.quantization.gguf_file import load_tokenizer
+    from omniinfer.quantization.gguf_tokenizer import load_tokenizer
 
     try:
         tokenize = tool("llama-tokenize")

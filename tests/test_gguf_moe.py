@@ -204,7 +204,7 @@ def test_a_qwen_moe_files_tokenizer_is_a_qwen_files(models, tmp_path):
     """No --tokenizer: a Qwen-MoE file's tokenizer is of the class a dense Qwen file's is (found by
     its model type: Qwen2's; AutoTokenizer gives such a file a generic class, which encodes digits
     other than llama.cpp does), encoding the same (and as llama.cpp: tests/test_gguf_llama_cpp.py)."""
-    from omniinfer.quantization.gguf_file import load_tokenizer
+    from omniinfer.quantization.gguf_tokenizer import load_tokenizer
 
     text = "Blocks of tokens are shared by reference count: 0123 + 45 = ?"
     dense = build_tiny_checkpoint(str(tmp_path / "qwen3"), "qwen3", seed=1)

@@ -38,7 +38,7 @@ def load_tokenizer(path: str, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     from omniinfer.quantization.gguf_file import is_gguf
-    from omniinfer.quantization.gguf_file import load_tokenizer as gguf_tokenizer
+    from omniinfer.quantization.gguf_tokenizer import load_tokenizer as gguf_tokenizer
 
     try:
         return (gguf_tokenizer(path) if is_gguf(path) else
