@@ -40,9 +40,9 @@ def test_quantized_weights_bit_for_bit(name):
 
 
 def test_an_unsupported_type_is_named():
-    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_up.weight' has GGUF tensor type 16 \(IQ2_XXS\), "
+    with pytest.raises(ValueError, match=r"tensor 'blk.0.ffn_up.weight' has GGUF tensor type 35 \(TQ2_0\), "
                                          r"which omniinfer does not load; supported: F32, F16"):
-        gguf_blocks.type_of(16, "blk.0.ffn_up.weight")
+        gguf_blocks.type_of(35, "blk.0.ffn_up.weight")
 
 
 # the round-to-nearest quantisers' error, rms relative to the weights' (N(0, 1) weights): bits

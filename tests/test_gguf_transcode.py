@@ -1,6 +1,7 @@
 """GGUF blocks rewritten as another type (quantization/gguf_transcode.py) dequantise, by the
 `gguf` package's own `gguf.quants.dequantize`, to the same float32 numbers bit for bit: random
-blocks (every code, scale and high-bit pattern) and blocks of random weights."""
+blocks (every code, scale and high-bit pattern; every grid entry and sign of the lattice types)
+and blocks of random weights; the requantised ones within half a step."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ def test_rewritten_blocks_dequantise_to_the_same_numbers(name, monkeypatch):
     kind = gguf_blocks.BY_NAME[name]
     rows, cols = 6, 3 * 256
     data = random_blocks(kind, rows, cols, np.random.default_rng(kind.code))
+    if name in gguf_transcode.LATTICE_AS:  # (exact where d / 8 is a normal float16: below, test_a_tiny_lattice_d)
+        _set_d(name, data, np.where(np.abs(_d(name, data)) < 2.0 ** -10, np.float16(0.01), _d(name, data)))
     target, out = gguf_transcode.transcode(name, torch.from_numpy(data), cols)
     assert target == gguf_transcode.EXACTLY_AS[name]
     assert out.shape == (rows, gguf_blocks.BY_NAME[target].row_bytes(cols)) and out.dtype == torch.uint8
@@ -32,7 +35,7 @@ def test_rewritten_blocks_dequantise_to_the_same_numbers(name, monkeypatch):
     assert np.array_equal(got.view(np.int32), want.view(np.int32))
 
 
-@pytest.mark.parametrize("name", sorted(gguf_transcode.EXACTLY_AS))
+@pytest.mark.parametrize("name", sorted(set(gguf_transcode.EXACTLY_AS) - set(gguf_transcode.LATTICE_AS)))
 def test_quantised_weights_rewritten_are_the_same_numbers(name):
     from omniinfer.testing.kquant import QUANTIZERS
 
@@ -66,14 +69,18 @@ def test_iq4_xs_as_q8_0_moves_each_weight_by_at_most_2_to_the_minus_11(source, m
     assert np.all(np.abs(got - want) <= 2.0 ** -8 * np.abs(want))
 
 
-def test_q2_k_as_q8_0_moves_each_weight_by_at_most_half_a_step():
+@pytest.mark.parametrize("name", ["Q2_K", "IQ2_XXS", "IQ2_XS", "IQ2_S"])
+def test_requantised_as_q8_0_each_weight_moves_by_at_most_half_a_step(name):
+    """(The gguf package makes no blocks of these: random blocks, and Q2_K's of random weights.)"""
     from omniinfer.testing.kquant import QUANTIZERS
 
     rows, cols = 6, 3 * 256
     rng = np.random.default_rng(3)
-    for data in (random_blocks(gguf_blocks.BY_NAME["Q2_K"], rows, cols, rng),
-                 QUANTIZERS["Q2_K"](rng.standard_normal((rows, cols)).astype(np.float32) * 0.05)):
-        got, want = _near("Q2_K", data, rows, cols)
+    sources = [random_blocks(gguf_blocks.BY_NAME[name], rows, cols, rng)]
+    if name in QUANTIZERS:
+        sources.append(QUANTIZERS[name](rng.standard_normal((rows, cols)).astype(np.float32) * 0.05))
+    for data in sources:
+        got, want = _near(name, data, rows, cols)
         largest = np.abs(want).reshape(rows, -1, 32).max(axis=2, keepdims=True)
         step = np.broadcast_to(largest / 127 * (1 + 2.0 ** -10), (rows, cols // 32, 32)).reshape(rows, cols)
         assert np.all(np.abs(got - want) <= step / 2 + 1e-12)
@@ -96,3 +103,35 @@ def test_a_scale_float16_cannot_hold_is_refused_and_the_cpu_kernel_leaves_it_to_
         cpu.CpuQuantKernel(piece)
     monkeypatch.setenv(cpu.ACT_ENV, "int8")
     assert cpu.CpuQuantKernel(piece).piece.kind == "cpu:IQ4_XSx8"
+
+
+def _d(name: str, data: np.ndarray) -> np.ndarray:
+    from omniinfer.quantization import gguf_iq
+
+    blocks = torch.from_numpy(data).reshape(-1, gguf_blocks.BY_NAME[name].block_bytes)
+    raw = gguf_iq.iq1_m_d(blocks) if name == "IQ1_M" else blocks[:, :2]
+    return raw.contiguous().numpy().view(np.float16).reshape(-1)
+
+
+def _set_d(name: str, data: np.ndarray, d: np.ndarray) -> None:
+    blocks = data.reshape(-1, gguf_blocks.BY_NAME[name].block_bytes)
+    bits = d.astype(np.float16).view(np.uint16)
+    if name != "IQ1_M":
+        blocks[:, :2] = bits.view(np.uint8).reshape(-1, 2)
+        return
+    for i in range(4):  # (its d's nibbles: the scale words' top ones)
+        blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & 0x0F) | ((bits >> (4 * i)) & 0x0F).astype(np.uint8) << 4
+
+
+@pytest.mark.parametrize("name", ["IQ3_XXS", "IQ1_S", "IQ1_M"])
+def test_a_tiny_lattice_d_moves_by_at_most_2_to_the_minus_8_or_is_refused(name):
+    """d / 8 (or 2) below float16's normal range is a subnormal: rounded, each weight moves by at
+    most 2**-8 of itself; a d whose rewrite would move more is refused."""
+    data = random_blocks(gguf_blocks.BY_NAME[name], 4, 256, np.random.default_rng(0))
+    _set_d(name, data, np.array([3e-4, -2.5e-4, 1.2e-3, 6.1e-5]))
+    target, out = gguf_transcode.transcode(name, torch.from_numpy(data), 256)
+    got, want = dequantized(out.numpy(), target, 4, 256), dequantized(data, name, 4, 256)
+    assert not np.array_equal(got, want) and np.all(np.abs(got - want) <= 2.0 ** -8 * np.abs(want))
+    _set_d(name, data, np.array([2.0 ** -24] * 4))  # the smallest subnormal
+    with pytest.raises(ValueError, match=rf"an {name} block's d is too small for a float16 d / \d within 0.00390625"):
+        gguf_transcode.transcode(name, torch.from_numpy(data), 256)

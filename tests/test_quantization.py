@@ -167,6 +167,42 @@ def test_types_without_a_float_cpu_kernel_run_as_the_blocks_they_are_rewritten_t
             llm.shutdown()
 
 
+LATTICE = ("IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M")
+
+
+@pytest.mark.parametrize("name", LATTICE)
+@pytest.mark.parametrize("mode", ["float", "int8"])
+def test_a_file_of_lattice_types_follows_transformers_on_its_numbers(models, name, mode, tmp_path, monkeypatch):
+    """llama.cpp's IQ1/IQ2/IQ3 tensors (random lattice blocks at the checkpoint's scale:
+    kquant.lattice_noise), rewritten at load as Q6_K (IQ3, IQ1: the same numbers) or Q8_0 (IQ2:
+    within half a step) and run by those kernels: transformers on the `gguf` package's
+    dequantisation of the same file gives the same tokens with float activations (IQ3, IQ1), up
+    to a near-tie otherwise."""
+    from omniinfer.quantization.gguf_transcode import LATTICE_AS
+    from omniinfer.testing import kquant
+    from omniinfer.testing.greedy import dequantized_checkpoint
+
+    monkeypatch.setitem(kquant.QUANTIZERS, name, kquant.lattice_noise(name, seed=len(name)))
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", mode)
+    path = export(models["qwen2"], str(tmp_path / f"{name}.gguf"), name.lower())
+    assert GGUFFile(path).tensors["blk.1.ffn_up.weight"][1].name == name
+    llm = LLM(path, tokenizer=models["qwen2"], num_kv_blocks=64)
+    try:
+        got = run(llm)
+        up = llm.llm_engine.executor.worker.model_runner.model.model.layers["1"].mlp.gate_up_proj
+        [(_, kernel, why)] = up.quant_choices
+        assert kernel.startswith("cpu") and kernel.endswith(f"as {LATTICE_AS[name]})") and not why, (kernel, why)
+    finally:
+        llm.shutdown()
+    want = hf_greedy(dequantized_checkpoint(path, models["qwen2"], str(tmp_path / "ref")), PROMPTS,
+                     PARAMS.max_tokens)
+    if mode == "float" and LATTICE_AS[name] == "Q6_K":
+        assert got == [tokens for tokens, _ in want]
+    else:
+        for tokens, (_, steps) in zip(got, want):
+            agreed_steps(tokens, steps)
+
+
 def test_the_exporter_writes_llama_cpps_mixes():
     """gguf_export.tensor_type follows llama.cpp's quantiser: checked against the file sizes
     llama.cpp wrote for the medium (Qwen2.5-0.5B-shaped) model in issue 21's measurements: q4_0
@@ -364,17 +400,17 @@ def test_a_truncated_or_corrupt_file_is_a_clear_error(models, tmp_path):
 def test_unsupported_types_and_configs_are_named(models, tmp_path):
     import numpy as np
 
-    writer = gguf.GGUFWriter(str(tmp_path / "iq2.gguf"), "llama")
+    writer = gguf.GGUFWriter(str(tmp_path / "tq2.gguf"), "llama")
     writer.add_block_count(1)
-    blocks = np.zeros((4, 66), dtype=np.uint8)  # IQ2_XXS: 66 bytes a block of 256
-    writer.add_tensor("token_embd.weight", blocks, raw_shape=(4, 66), raw_dtype=gguf.GGMLQuantizationType.IQ2_XXS)
+    blocks = np.zeros((4, 66), dtype=np.uint8)  # TQ2_0 (ternary): 66 bytes a block of 256
+    writer.add_tensor("token_embd.weight", blocks, raw_shape=(4, 66), raw_dtype=gguf.GGMLQuantizationType.TQ2_0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ValueError, match=r"iq2.gguf: tensor 'token_embd.weight' has GGUF tensor type 16 \(IQ2_XXS\), "
+    with pytest.raises(ValueError, match=r"tq2.gguf: tensor 'token_embd.weight' has GGUF tensor type 35 \(TQ2_0\), "
                                          r"which omniinfer does not load; supported: F32, F16, BF16, Q4_0"):
-        LLM(str(tmp_path / "iq2.gguf"))
+        LLM(str(tmp_path / "tq2.gguf"))
     with pytest.raises(ValueError, match=r"quantization='int4' is not supported; allowed: None, 'int8', 'gguf'"):
         LLM(models["llama"], quantization="int4")
     with pytest.raises(ValueError, match="a GGUF file is loaded as it is quantised"):

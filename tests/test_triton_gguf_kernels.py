@@ -53,8 +53,11 @@ def run(x, blocks, name, bias=None):
 
 
 def test_the_kernel_and_the_gpu_plugins_name_the_same_types():
-    assert tuple(f"gguf:{t}" for t in KERNEL_TYPES) == GGUF_KINDS
-    assert set(KERNEL_TYPES) == {t.name for t in gguf_blocks.TYPES.values() if t.block > 1}
+    from omniinfer.quantization.gguf_transcode import LATTICE_AS
+
+    assert {f"gguf:{t}" for t in (*KERNEL_TYPES, *LATTICE_AS)} == set(GGUF_KINDS)
+    assert set(KERNEL_TYPES) | set(LATTICE_AS) == {t.name for t in gguf_blocks.TYPES.values() if t.block > 1}
+    assert all(target in KERNEL_TYPES for target in LATTICE_AS.values())
 
 
 @pytest.mark.parametrize("name", KERNEL_TYPES)
@@ -107,6 +110,25 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match=r"blocks must be uint8 \[N, 72\] with contiguous rows for K=128 "
                                          r"of Q4_0, got torch.uint8 \(8, 36\)"):
         gguf_matmul(torch.randn(2, 128), blocks, "Q4_0")
-    with pytest.raises(ValueError, match=r"type_name='IQ2_XXS': the GGUF kernel decodes Q4_0, "):
-        gguf_matmul(torch.randn(2, 64), blocks, "IQ2_XXS")
+    with pytest.raises(ValueError, match=r"type_name='TQ2_0': the GGUF kernel decodes Q4_0, "):
+        gguf_matmul(torch.randn(2, 64), blocks, "TQ2_0")
     assert gguf_matmul(torch.randn(0, 64), blocks, "Q4_0").shape == (0, 8)
+
+
+@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"])
+def test_the_lattice_types_run_as_their_rewrite(name):
+    """The GPU plugins' kernel for llama.cpp's lattice types: rewritten at load (gguf_transcode:
+    IQ3 and IQ1 exactly as Q6_K, IQ2 as Q8_0 within half a step), then the kernel's own decode;
+    against the reference on the file's blocks (gguf.quants.dequantize's weights)."""
+    from omniinfer.quantization.gguf_transcode import LATTICE_AS
+
+    blocks, want = blocks_of(name, N, 512)
+    kernel = TritonQuantKernel(QuantPiece(f"gguf:{name}", (N, 512), {"blocks": blocks}))
+    assert kernel.piece.kind == f"gguf:{LATTICE_AS[name]}"
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(4))
+    got = kernel.apply(x.to(DEVICE)).cpu()
+    if LATTICE_AS[name] == "Q6_K":
+        close(got, torch.nn.functional.linear(x, want))
+    else:  # (each weight within half a step, 1/254 of its 32's largest: the sums within that of |x| . |w|)
+        bound = torch.nn.functional.linear(x.abs(), want.abs()) / 254 + 1e-4
+        assert ((got - torch.nn.functional.linear(x, want)).abs() <= bound).all()

@@ -31,12 +31,16 @@ from omniinfer.quantization.gguf_file import ARCHITECTURES as _GGUF_ARCHS
 from omniinfer.quantization.gguf_moe import EXPERTS, LAYER_NAMES, STACKS
 from omniinfer.testing import kquant
 
+# (the lattice types, iq1_s .. iq3_s: their one type throughout, not llama.cpp's mixes; nothing here
+# quantises to them: a test gives kquant.QUANTIZERS a stand-in, kquant.lattice_noise)
 FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k",
-              "q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_nl", "iq4_xs")
+              "q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_nl", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s",
+              "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
 # the GGUF file type code each writes (llama_ftype), for general.file_type
 _FTYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9,
           "q4_k": 14, "q5_k": 16, "q6_k": 18, "q4_k_m": 15, "q5_k_m": 17, "q2_k": 10, "q3_k_m": 12,
-          "iq4_nl": 25, "iq4_xs": 30}
+          "iq4_nl": 25, "iq4_xs": 30, "iq2_xxs": 19, "iq2_xs": 20, "iq2_s": 28, "iq3_xxs": 23, "iq3_s": 26,
+          "iq1_s": 24, "iq1_m": 31}
 _FLOAT = ("f32", "f16", "bf16")
 _BASE = {"q4_k_m": "Q4_K", "q5_k_m": "Q5_K", "q3_k_m": "Q3_K"}  # (else the file type's own)
 # llama.cpp's quantiser, where a row is not whole blocks of the type it chose: a 256-block type

@@ -13,9 +13,12 @@ device the blocks are on (this is the GPU platforms' fallback too).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+from omniinfer.quantization import gguf_iq
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +38,10 @@ TYPES = {t.code: t for t in (
     BlockType("Q5_1", 7, 32, 24), BlockType("Q8_0", 8, 32, 34), BlockType("Q4_K", 12, 256, 144),
     BlockType("Q5_K", 13, 256, 176), BlockType("Q6_K", 14, 256, 210), BlockType("Q2_K", 10, 256, 84),
     BlockType("Q3_K", 11, 256, 110), BlockType("IQ4_NL", 20, 32, 18), BlockType("IQ4_XS", 23, 256, 136),
+    # llama.cpp's lattice types (quantization/gguf_iq.py)
+    BlockType("IQ2_XXS", 16, 256, 66), BlockType("IQ2_XS", 17, 256, 74), BlockType("IQ2_S", 22, 256, 82),
+    BlockType("IQ3_XXS", 18, 256, 98), BlockType("IQ3_S", 21, 256, 110), BlockType("IQ1_S", 19, 256, 50),
+    BlockType("IQ1_M", 29, 256, 56),
 )}
 # IQ4_NL / IQ4_XS: a 4-bit code indexes these int8 values (llama.cpp's kvalues_iq4nl)
 IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
@@ -208,7 +215,8 @@ def _iq4_xs(b):
 
 _BLOCKS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
            "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k, "Q2_K": _q2_k, "Q3_K": _q3_k,
-           "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs}
+           "IQ4_NL": _iq4_nl, "IQ4_XS": _iq4_xs,
+           **{name: functools.partial(gguf_iq.dequantize, name) for name in gguf_iq.LATTICE}}
 
 
 def dequantize(data: torch.Tensor, kind: BlockType, cols: int) -> torch.Tensor:

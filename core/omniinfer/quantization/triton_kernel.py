@@ -13,9 +13,11 @@ import torch
 
 from omniinfer.quantization.base import QuantKernel
 from omniinfer.quantization.gguf_blocks import QUANTIZED
+from omniinfer.quantization.gguf_transcode import LATTICE_AS
 from omniinfer.quantization.int_pieces import WINT_KINDS
 
-# the GGUF block types kernels/triton/gguf_gemm.py decodes: every one (its KERNEL_TYPES)
+# every GGUF block type the loader takes: kernels/triton/gguf_gemm.py decodes each (its
+# KERNEL_TYPES) but the lattice types, rewritten at load as the type LATTICE_AS names
 GGUF_KINDS = tuple(f"gguf:{t}" for t in QUANTIZED)
 
 
@@ -34,6 +36,15 @@ class TritonQuantKernel(QuantKernel):
         super().__init__(piece)
         # the kernel module and the weight's tensors resolved once here, not on every product
         family, _, gguf_type = piece.kind.partition(":")
+        if family == "gguf" and gguf_type in LATTICE_AS:  # (the same numbers, or half a Q8_0 step near)
+            from omniinfer.quantization.base import KernelRefused, QuantPiece
+            from omniinfer.quantization.gguf_transcode import transcode
+
+            try:
+                gguf_type, blocks = transcode(gguf_type, piece.tensors["blocks"], piece.shape[1])
+            except ValueError as e:
+                raise KernelRefused(str(e)) from None
+            piece = self.piece = QuantPiece(f"gguf:{gguf_type}", piece.shape, {"blocks": blocks})
         if family == "gguf":
             from omniinfer.kernels.triton.gguf_gemm import gguf_matmul
 

@@ -14,7 +14,8 @@ from omniinfer.quantization.gguf_blocks import IQ4_VALUES
 # where each type keeps its float16 scales (byte offsets in a block)
 SCALE_OFFSETS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2],
                  "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "Q2_K": [80, 82], "Q3_K": [108],
-                 "IQ4_NL": [0], "IQ4_XS": [0]}
+                 "IQ4_NL": [0], "IQ4_XS": [0], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0],
+                 "IQ3_S": [0], "IQ1_S": [0], "IQ1_M": []}  # (IQ1_M: its d is in the scale words' top nibbles)
 
 
 def random_blocks(kind, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -26,6 +27,11 @@ def random_blocks(kind, rows: int, cols: int, rng: np.random.Generator) -> np.nd
     for at in SCALE_OFFSETS.get(kind.name, []):
         scales = (rng.standard_normal(blocks.shape[0]) * 0.05).astype(np.float16)
         blocks[:, at:at + 2] = scales.view(np.uint8).reshape(-1, 2)
+    if kind.name == "IQ1_M":  # d's 4 nibbles, lowest first, are the top nibbles of the 4 scale words
+        d = (rng.standard_normal(blocks.shape[0]) * 0.05).astype(np.float16).view(np.uint16)
+        for i in range(4):
+            high = 48 + 2 * i + 1
+            blocks[:, high] = (blocks[:, high] & 0x0F) | (((d >> (4 * i)) & 0x0F) << 4).astype(np.uint8)
     return data
 
 
@@ -203,3 +209,37 @@ def iq4_xs(w: np.ndarray) -> np.ndarray:
 
 QUANTIZERS = {"Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "Q2_K": q2_k, "Q3_K": q3_k, "IQ4_NL": iq4_nl,
               "IQ4_XS": iq4_xs}
+
+
+def lattice_noise(name: str, seed: int = 0):
+    """A stand-in quantiser for llama.cpp's lattice types (IQ1/IQ2/IQ3), which neither the gguf
+    package nor this module quantises: it ignores the weights but for their size and returns
+    random blocks (every grid entry and sign) whose weights have the rows' rms. A model written so
+    is a random model; tests compare it with transformers on the same file's numbers."""
+    from omniinfer.quantization import gguf_blocks
+
+    kind = gguf_blocks.BY_NAME[name]
+    rng = np.random.default_rng(seed)
+
+    def quantise(rows: np.ndarray) -> np.ndarray:
+        import torch
+
+        data = random_blocks(kind, rows.shape[0], rows.shape[1], rng)
+        blocks = data.reshape(-1, kind.block_bytes)
+        unit = np.ones(blocks.shape[0], dtype=np.float16).view(np.uint16)
+        _set_lattice_d(name, blocks, unit)
+        rms = float(gguf_blocks.dequantize(torch.from_numpy(data), kind, rows.shape[1]).square().mean().sqrt())
+        d = np.full(blocks.shape[0], float(np.sqrt(np.mean(rows.astype(np.float64) ** 2))) / rms)
+        _set_lattice_d(name, blocks, (d * rng.uniform(0.5, 1.5, d.shape)).astype(np.float16).view(np.uint16))
+        return data
+
+    return quantise
+
+
+def _set_lattice_d(name: str, blocks: np.ndarray, bits: np.ndarray) -> None:
+    """Each block's float16 d (as uint16 bits): its first 2 bytes, or IQ1_M's scale words' top nibbles."""
+    if name != "IQ1_M":
+        blocks[:, :2] = bits.view(np.uint8).reshape(-1, 2)
+        return
+    for i in range(4):
+        blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & 0x0F) | (((bits >> (4 * i)) & 0x0F) << 4).astype(np.uint8)

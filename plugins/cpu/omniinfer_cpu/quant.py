@@ -2,8 +2,10 @@
 Q4_1, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks, and omniinfer's int8; at every ISA level; GGUF's
 IQ4_NL, IQ4_XS, Q2_K and Q3_K with int8 activations. For float activations those are rewritten at
 load as types that have a product (quantization/gguf_transcode.py: more bytes): Q3_K exactly as
-Q6_K, IQ4_NL exactly as Q8_0, IQ4_XS and Q2_K as Q8_0 within the bounds it states. (F16, BF16 and
-F32 tensors load as float weights.)
+Q6_K, IQ4_NL exactly as Q8_0, IQ4_XS and Q2_K as Q8_0 within the bounds it states. llama.cpp's
+lattice types (IQ1_S/M, IQ2_XXS/XS/S, IQ3_XXS/S) have no product of their own: rewritten so
+always (IQ3 and IQ1 as Q6_K, IQ2 as Q8_0: 2-5x their bytes; the kernel's name says "as Q6_K").
+(F16, BF16 and F32 tensors load as float weights.)
 
 Activations: by default each row of x is rounded to int8 in blocks of 32 and meets the weight
 blocks in integer multiply-adds (quant_q8.c, as llama.cpp's q8 dot products; the GGUF kinds'
@@ -25,7 +27,7 @@ import torch
 
 from omniinfer.quantization.base import QuantKernel
 from omniinfer.quantization.gguf_blocks import BY_NAME
-from omniinfer.quantization.gguf_transcode import REWRITES
+from omniinfer.quantization.gguf_transcode import LATTICE_AS, REWRITES
 from omniinfer.quantization.int_pieces import WINT_KINDS
 
 KIND_CODES = {"gguf:Q8_0": 0, "gguf:Q4_0": 1, "gguf:Q4_K": 2, "gguf:Q6_K": 3, "int8": 4, "gguf:Q4_1": 9,
@@ -91,6 +93,7 @@ class CpuQuantKernel(QuantKernel):
         from omniinfer_cpu.kernels import build
 
         activations = activation_mode() if piece.shape[1] % 32 == 0 else "float"
+        original_kind = piece.kind
         native = piece.kind in X8_ONLY and activations == "int8"
         if piece.kind in TRANSCODED and not native:  # the same numbers as a type omni_qlinear runs (held instead)
             from omniinfer.quantization.base import KernelRefused, QuantPiece
@@ -121,7 +124,8 @@ class CpuQuantKernel(QuantKernel):
 
                 self.piece = quant_x8.repack(original, self.w, piece.shape)  # (replaces the layer's piece)
                 self.w, self.code = self.piece.tensors["blocks8"], X8_CODES[original] | QACT_INT8
-        self.name = f"cpu ({self.k.level.name}, {self.activations} activations)"
+        rewrite = f", as {LATTICE_AS[original_kind[5:]]}" if original_kind[5:] in LATTICE_AS else ""
+        self.name = f"cpu ({self.k.level.name}, {self.activations} activations{rewrite})"
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         rows, cols = self.piece.shape

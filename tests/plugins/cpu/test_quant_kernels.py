@@ -111,6 +111,32 @@ def test_int8_activations_match_x_rounded_the_same_way(isa_level, kind, dtype, m
                 torch.testing.assert_close(got.float(), want.to(dtype).float(), atol=2e-2 * big, rtol=1e-2)
 
 
+@pytest.mark.parametrize("name", ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"])
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_the_lattice_types_run_as_their_rewrite(isa_level, name, activations, monkeypatch):
+    """llama.cpp's IQ1/IQ2/IQ3 (random blocks: every grid entry and sign) rewritten at load as Q6_K
+    (exactly) or Q8_0 (within half a step) and run by that type's kernel, against the reference on
+    the file's own blocks."""
+    from omniinfer.quantization.gguf_transcode import LATTICE_AS
+
+    monkeypatch.setenv(ACT_ENV, activations)
+    kind = gguf_blocks.BY_NAME[name]
+    rows, cols = 37, 512
+    blocks = torch.from_numpy(kquant.random_blocks(kind, rows, cols, np.random.default_rng(kind.code)))
+    piece = QuantPiece(f"gguf:{name}", (rows, cols), {"blocks": blocks})
+    assert CpuQuantKernel.unavailable(piece.kind, piece.shape) is None
+    kernel = CpuQuantKernel(piece)
+    assert kernel.name.endswith(f"activations, as {LATTICE_AS[name]})")
+    w = dequantize_piece(piece).double()
+    x = torch.randn(3, cols, generator=torch.Generator().manual_seed(kind.code))
+    got = kernel.apply(x).double()
+    want = F.linear(int8_blocks(x).double() if activations == "int8" else x.double(), w)
+    # Q6_K: float32 sums; Q8_0: each weight within half a step (1/254 of its 32's largest)
+    near = 0 if LATTICE_AS[name] == "Q6_K" else 1 / 254
+    bound = F.linear(x.abs().double(), w.abs()) * (near + 1e-5) + 1e-5
+    assert ((got - want).abs() <= bound).all()
+
+
 def test_the_activation_mode_is_checked(monkeypatch):
     monkeypatch.setenv(ACT_ENV, "fp8")
     with pytest.raises(ValueError, match="OMNIINFER_CPU_QUANT_ACTIVATIONS='fp8' is not one of int8, float"):

@@ -31,9 +31,11 @@ from omniinfer.kernels.triton.quant_gemm import (  # noqa: F401 (INTERPRETED: re
     wn_tiles,
 )
 from omniinfer.quantization.gguf_blocks import BY_NAME, IQ4_VALUES, QUANTIZED
+from omniinfer.quantization.gguf_iq import LATTICE
 
-# the block types the kernel decodes (its TYPE is the GGML type code)
-KERNEL_TYPES = QUANTIZED  # (every block type the loader takes)
+# the block types the kernel decodes (its TYPE is the GGML type code): every one the loader takes
+# but the lattice types (quantization/triton_kernel.py rewrites those first, gguf_transcode.py)
+KERNEL_TYPES = tuple(t for t in QUANTIZED if t not in LATTICE)
 _LUTS: dict[torch.device, torch.Tensor] = {}  # IQ4_VALUES as float32, per device
 
 
