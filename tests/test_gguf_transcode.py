@@ -135,3 +135,14 @@ def test_a_tiny_lattice_d_moves_by_at_most_2_to_the_minus_8_or_is_refused(name):
     _set_d(name, data, np.array([2.0 ** -24] * 4))  # the smallest subnormal
     with pytest.raises(ValueError, match=rf"an {name} block's d is too small for a float16 d / \d within 0.00390625"):
         gguf_transcode.transcode(name, torch.from_numpy(data), 256)
+
+
+def test_iq2_xxs_as_q8_0_keeps_its_codes_and_rounds_only_its_scale():
+    from omniinfer.quantization import gguf_iq
+
+    data = random_blocks(gguf_blocks.BY_NAME["IQ2_XXS"], 4, 512, np.random.default_rng(5))
+    got, want = _near("IQ2_XXS", data, 4, 512)
+    scale, _ = gguf_iq.parts("IQ2_XXS", torch.from_numpy(data).reshape(-1, 66))
+    normal = np.repeat((scale.abs() >= 2.0 ** -14).reshape(4, -1).numpy(), 32, axis=1)
+    assert normal.mean() > 0.9
+    assert np.all(np.abs(got - want)[normal] <= 2.0 ** -11 * np.abs(want)[normal])

@@ -23,8 +23,9 @@ IQ2_XS, IQ2_S as Q8_0).
   d = the type's float16 d over 2 (IQ3_XXS, codes +-4..62 all even: halved), 1 (IQ3_S: +-1..15) or
   8 (IQ1: +-1..9), c = 2s + 1 of the scale's 4- or 3-bit s. Exact where d over 2 or 8 is a normal
   float16 (d at least 2**-13 or 2**-11); below that a subnormal, within 2**-8 of itself (a d that
-  would move more is refused). IQ2_XXS, IQ2_XS and IQ2_S (codes up to +-43) as Q8_0, requantised
-  as Q2_K is.
+  would move more is refused). IQ2_XXS (codes up to +-43, a scale a 32 weights) as Q8_0 as
+  IQ4_XS is: its scale rounded to float16, its codes as they are; IQ2_XS and IQ2_S (a scale a 16
+  weights: two in a Q8_0 block) requantised to Q8_0 as Q2_K is.
 
 Each takes more bytes (Q3_K 110 -> 210 a block of 256, IQ4_XS 136 -> 272, Q2_K 84 -> 272, IQ4_NL
 18 -> 34 a block of 32; IQ3 98 / 110 and IQ1 50 / 56 -> 210, IQ2 66-82 -> 272: 2-5x): a platform
@@ -88,14 +89,26 @@ def _iq4_xs_as_q8_0(b: torch.Tensor) -> torch.Tensor:
     """[n, 136] IQ4_XS blocks -> [8n, 34] Q8_0 blocks."""
     n = b.shape[0]
     scale = iq4_xs_scales(b).reshape(-1)  # float32 d * (s - 32), exact
+    return _q8_0(_half_scale("IQ4_XS", scale), iq4_values(b[:, 8:].reshape(n * 8, 16)))
+
+
+def _iq2_xxs_as_q8_0(b: torch.Tensor) -> torch.Tensor:
+    """[n, 66] IQ2_XXS blocks -> [8n, 34] Q8_0 blocks: its scale a 32 weights rounded to float16,
+    its codes (+-8, 25, 43) as they are."""
+    scale, code = gguf_iq.parts("IQ2_XXS", b)
+    return _q8_0(_half_scale("IQ2_XXS", scale.reshape(-1)), code.reshape(-1, 32))
+
+
+def _half_scale(name: str, scale: torch.Tensor) -> torch.Tensor:
+    """float32 sub-block scales as float16, each within MAX_SCALE_MOVE of itself (ValueError if not)."""
     half = scale.to(torch.float16)
     moved = (half.float() - scale).abs() > MAX_SCALE_MOVE * scale.abs()  # (inf - x: inf, moved)
     if bool(moved.any()):
         bad = float(scale[moved][0])
-        raise ValueError(f"an IQ4_XS sub-block scale of {bad:g} is not a float16 within "
+        raise ValueError(f"an {name} sub-block scale of {bad:g} is not a float16 within "
                          f"{MAX_SCALE_MOVE:g} of itself (float16 holds 6.1e-05 to 65504 to 2**-11; "
                          "smaller ones to 6e-08): as a Q8_0 scale it would move its weights more")
-    return _q8_0(half, iq4_values(b[:, 8:].reshape(n * 8, 16)))
+    return half
 
 
 # the lattice types exactly as Q6_K: what d is divided by, and each code
@@ -137,7 +150,8 @@ def _requantised_as_q8_0(name: str, b: torch.Tensor) -> torch.Tensor:
 _REWRITE = {"Q3_K": _q3_k_as_q6_k, "IQ4_NL": _iq4_nl_as_q8_0, "IQ4_XS": _iq4_xs_as_q8_0,
             "Q2_K": functools.partial(_requantised_as_q8_0, "Q2_K"),
             **{name: functools.partial(_lattice_as_q6_k, name) for name in _Q6_K_D},
-            **{name: functools.partial(_requantised_as_q8_0, name) for name in ("IQ2_XXS", "IQ2_XS", "IQ2_S")}}
+            "IQ2_XXS": _iq2_xxs_as_q8_0,
+            **{name: functools.partial(_requantised_as_q8_0, name) for name in ("IQ2_XS", "IQ2_S")}}
 
 
 def transcode(type_name: str, data: torch.Tensor, cols: int) -> tuple[str, torch.Tensor]:
