@@ -78,6 +78,31 @@ def test_quantised_experts_compute_the_files_weights(models, arch, file_type, mo
         agreed_steps(tokens, steps)
 
 
+@pytest.mark.parametrize("arch,name", [("qwen3_moe", "IQ3_S"), ("qwen3_moe", "IQ1_M"), ("mixtral", "IQ2_XXS")])
+def test_lattice_experts_compute_the_files_weights(models, arch, name, monkeypatch, tmp_path):
+    """llama.cpp's IQ1/IQ2/IQ3 experts (random lattice blocks at the checkpoint's scale), each
+    expert rewritten at load as Q6_K or Q8_0 (gguf_transcode.py) on the experts' kernels."""
+    from omniinfer.testing import kquant
+
+    monkeypatch.setitem(kquant.QUANTIZERS, name, kquant.lattice_noise(name, seed=3))
+    path = export(models[arch], str(tmp_path / f"{name}.gguf"), name.lower())
+    assert gguf.GGUFReader(path).get_tensor(2).tensor_type.name in (name, "F32", "Q6_K")
+    want = hf_greedy(dequantized_checkpoint(path, models[arch], str(tmp_path / "ref")), PROMPTS, PARAMS.max_tokens)
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", "float")
+    got = generate(path, models[arch])
+    if name == "IQ2_XXS":  # (its scales rounded to float16: up to a near-tie)
+        for tokens, (_, steps) in zip(got, want):
+            agreed_steps(tokens, steps)
+    else:
+        assert got == [tokens for tokens, _ in want]
+    # int8 activations: the first token up to a near-tie. (After it, a 1-3-bit random model's
+    # near-flat logits and the router's top-2 of 8 amplify the rounding: its Q2_K file, on its own
+    # kernels, parts from the float run at the second token too.)
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", "int8")
+    for tokens, (_, steps) in zip(generate(path, models[arch]), want):
+        agreed_steps(tokens[:1], steps[:1])
+
+
 def test_experts_are_held_as_the_files_bytes(models):
     """No float copy: the stacked expert parameters stay on the meta device, each expert's gate/up
     and down are the file's blocks run by the CPU kernels, and the model holds the file's bytes."""
