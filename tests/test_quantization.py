@@ -182,6 +182,8 @@ def test_a_file_of_lattice_types_follows_transformers_on_its_numbers(models, nam
     from omniinfer.testing import kquant
     from omniinfer.testing.greedy import dequantized_checkpoint
 
+    with pytest.raises(ValueError, match=rf"file_type='{name.lower()}': nothing here quantises to {name}"):
+        export(models["qwen2"], str(tmp_path / "none.gguf"), name.lower())
     monkeypatch.setitem(kquant.QUANTIZERS, name, kquant.lattice_noise(name, seed=len(name)))
     monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", mode)
     path = export(models["qwen2"], str(tmp_path / f"{name}.gguf"), name.lower())

@@ -31,11 +31,12 @@ from omniinfer.quantization.gguf_file import ARCHITECTURES as _GGUF_ARCHS
 from omniinfer.quantization.gguf_moe import EXPERTS, LAYER_NAMES, STACKS
 from omniinfer.testing import kquant
 
-# (the lattice types, iq1_s .. iq3_s: their one type throughout, not llama.cpp's mixes; nothing here
-# quantises to them: a test gives kquant.QUANTIZERS a stand-in, kquant.lattice_noise)
 FILE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k",
-              "q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_nl", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s",
-              "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
+              "q4_k_m", "q5_k_m", "q2_k", "q3_k_m", "iq4_nl", "iq4_xs")
+# llama.cpp's lattice types: their one type throughout, not llama.cpp's mixes, and only with a
+# quantiser registered for the type in kquant.QUANTIZERS (nothing here quantises to them; tests
+# register a stand-in, kquant.lattice_noise)
+LATTICE_FILE_TYPES = ("iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m")
 # the GGUF file type code each writes (llama_ftype), for general.file_type
 _FTYPE = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3, "q5_0": 8, "q5_1": 9,
           "q4_k": 14, "q5_k": 16, "q6_k": 18, "q4_k_m": 15, "q5_k_m": 17, "q2_k": 10, "q3_k_m": 12,
@@ -161,8 +162,11 @@ def export(model_dir: str, out_path: str, file_type: str = "f32", split_max_tens
     import gguf
     from safetensors.torch import load_file  # (numpy has no bfloat16)
 
-    if file_type not in FILE_TYPES:
+    if file_type not in FILE_TYPES + LATTICE_FILE_TYPES:
         raise ValueError(f"file_type={file_type!r}: expected one of {', '.join(FILE_TYPES)}")
+    if file_type in LATTICE_FILE_TYPES and file_type.upper() not in kquant.QUANTIZERS:
+        raise ValueError(f"file_type={file_type!r}: nothing here quantises to {file_type.upper()} (llama.cpp's "
+                         "llama-quantize does); register a quantiser in kquant.QUANTIZERS first")
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     (architecture,) = cfg["architectures"]
