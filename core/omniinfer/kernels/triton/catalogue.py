@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import torch
 
 from omniinfer.quantization.gguf_blocks import QUANTIZED
+from omniinfer.quantization.gguf_iq import LATTICE
 
 
 @dataclass(frozen=True, slots=True)
@@ -308,10 +309,10 @@ class GGUFShape:
 # Every block type at decode (the GEMV: its registers hold the decoded tile alone) and at a
 # 512-token prefill chunk (the tl.dot GEMM), on Llama-3-8B's gate_up and down (a Q4_K_M file holds
 # Q4_K, Q6_K and Q8_0; the classic types are older files' and the fallbacks of narrow models, as
-# IQ4_NL is a Q3_K_M file's).
+# IQ4_NL is a Q3_K_M file's; the lattice types run as their rewrites, gguf_transcode.py).
 _GGUF: tuple[GGUFShape, ...] = tuple(
     GGUFShape(f"llama-3-8b {layer}", dtype, m, n, k, t)
-    for t in QUANTIZED
+    for t in QUANTIZED if t not in LATTICE
     for m, layer, n, k, dtype in ((1, "gate_up", 28672, 4096, torch.bfloat16),
                                   (512, "down", 4096, 14336, torch.float16))) + (
     GGUFShape("llama-3-8b down", torch.float32, 512, 4096, 14336, "Q5_K"),)  # (float32's FMA tiles)
