@@ -417,3 +417,14 @@ def test_unsupported_types_and_configs_are_named(models, tmp_path):
         LLM(models["llama"], quantization="int4")
     with pytest.raises(ValueError, match="a GGUF file is loaded as it is quantised"):
         LLM(gguf_of(models, "llama", "q8_0"), quantization="int8")
+
+
+def test_the_env_report_says_the_lattice_types_are_rewritten():
+    from omniinfer.entrypoints.env_report import quantized_formats
+    from omniinfer.platforms.registry import get_registry
+
+    registry = get_registry()
+    formats = quantized_formats(registry.select_platform("cpu"), registry.quant_kernels)
+    assert formats["gguf:IQ3_S"] == {"active": True, "why": "cpu (rewritten at load as Q6_K)"}
+    assert formats["gguf:IQ2_XS"]["why"] == "cpu (rewritten at load as Q8_0)"
+    assert formats["gguf:Q4_K"] == {"active": True, "why": "cpu"}

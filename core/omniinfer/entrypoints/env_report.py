@@ -97,6 +97,7 @@ def quantized_formats(platform, kernels: list) -> dict:
     """Each quantised format: the kernel the platform runs it with, or the reference and why."""
     from omniinfer.quantization import gguf_blocks
     from omniinfer.quantization.base import kernel_for
+    from omniinfer.quantization.gguf_transcode import LATTICE_AS
 
     out = {}
     kinds = [f"gguf:{t}" for t in gguf_blocks.QUANTIZED] + ["int8"]
@@ -107,7 +108,9 @@ def quantized_formats(platform, kernels: list) -> dict:
             cls, why = kernel_for(kind, (256, 4096), platform.device_type, kernels)
         except Exception as e:  # a kernel's own check failing is reported, not raised
             cls, why = None, f"{type(e).__name__}: {e}"
-        out[kind] = {"active": cls is not None, "why": cls.name if cls is not None else f"reference: {why}"}
+        rewrite = LATTICE_AS.get(kind.partition(":")[2])
+        name = None if cls is None else cls.name + (f" (rewritten at load as {rewrite})" if rewrite else "")
+        out[kind] = {"active": cls is not None, "why": name if cls is not None else f"reference: {why}"}
     return out
 
 
