@@ -63,3 +63,48 @@ def test_the_test_quantisers_write_blocks_gguf_reads_back_near_the_weights(name)
     assert np.sqrt(((back - weights) ** 2).mean()) < RTN_RMS[name]
     got = gguf_blocks.dequantize(torch.from_numpy(data), gguf_blocks.BY_NAME[name], 512)
     assert np.array_equal(got.numpy().view(np.int32), back.view(np.int32))
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Records what a computation on a non-CPU device reads from the host: tensors made from
+    Python data (torch.tensor, as_tensor, from_numpy, frombuffer) and, through the dispatch mode
+    below, any op given a CPU tensor (a copy to the device, a CPU table indexed by device codes)."""
+
+    MAKERS = (torch.tensor, torch.as_tensor, torch.from_numpy, torch.frombuffer)
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.MAKERS:
+            self.seen.append(f"{func.__name__}(...)")
+        return func(*args, **(kwargs or {}))
+
+
+class _CpuOperands(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in leaves):
+            self.seen.append(f"{func} on a CPU tensor")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", gguf_blocks.QUANTIZED)
+def test_dequantising_again_reads_nothing_from_the_host(name):
+    """A decode step replayed from a CUDA graph looks quantised embedding rows up with this
+    dequantisation, and a host-to-device copy during the graph's capture is refused ("Cannot copy
+    between CPU and CUDA tensors during CUDA graph capture", met on an H200 with Q3_K and IQ4_XS
+    embeddings). On the meta device every such read shows: after a first call (the warm-up,
+    which may copy a table once), a second one reads nothing from the host."""
+    kind = gguf_blocks.BY_NAME[name]
+    data = torch.empty(3, kind.row_bytes(256), dtype=torch.uint8, device="meta")
+    gguf_blocks.dequantize(data, kind, 256)
+    with _HostReads() as host, _CpuOperands(host.seen):
+        out = gguf_blocks.dequantize(data, kind, 256)
+    assert out.shape == (3, 256) and out.device.type == "meta"
+    assert host.seen == []

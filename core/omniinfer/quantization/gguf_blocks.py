@@ -143,7 +143,7 @@ def _q6_k(b):
     ql, qh, scales, d = b[:, :128], b[:, 128:192], b[:, 192:208], _f16(b[:, 208:210])
     low = ql.reshape(n, 2, 1, 64)
     low = torch.cat([low & 0x0F, low >> 4], dim=2).reshape(n, 8, 32)
-    shift = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)
+    shift = torch.arange(0, 8, 2, dtype=torch.uint8, device=b.device)
     high = qh.reshape(n, 2, 1, 32) >> shift.reshape(1, 1, 4, 1)
     high = (high & 0x03).reshape(n, 8, 32)
     q = ((low | (high << 4)).to(torch.int8) - 32).float().reshape(n, 16, 16)
@@ -172,8 +172,8 @@ def q3_k_parts(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     n = b.shape[0]
     hmask, scales = b[:, :32], b[:, 96:108]
     dev = b.device
-    low = scales[:, :8].reshape(n, 1, 8) >> torch.tensor([0, 4], dtype=torch.uint8, device=dev).reshape(1, 2, 1)
-    high = scales[:, 8:].reshape(n, 1, 4) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8,
+    low = scales[:, :8].reshape(n, 1, 8) >> torch.arange(0, 8, 4, dtype=torch.uint8, device=dev).reshape(1, 2, 1)
+    high = scales[:, 8:].reshape(n, 1, 4) >> torch.arange(0, 8, 2, dtype=torch.uint8,
                                                            device=dev).reshape(1, 4, 1)
     sc = ((low.reshape(n, 16) & 0x0F) | ((high.reshape(n, 16) & 0x03) << 4)).to(torch.int8) - 32
     bit = torch.arange(8, dtype=torch.uint8, device=dev).reshape(1, 8, 1)
@@ -190,7 +190,14 @@ def _q3_k(b):
 def iq4_values(qs: torch.Tensor) -> torch.Tensor:
     """[n, 16] bytes of IQ4 nibbles -> [n, 32] int8: the IQ4_VALUES they index (the low nibbles,
     then the high ones)."""
-    return torch.tensor(IQ4_VALUES, dtype=torch.int8, device=qs.device)[_nibbles(qs).long()]
+    return _iq4_table(qs.device)[_nibbles(qs).long()]
+
+
+@functools.cache
+def _iq4_table(device: torch.device) -> torch.Tensor:
+    """IQ4_VALUES as int8 on `device`, copied there once (as gguf_iq's grids: a dequantisation
+    inside a CUDA graph's capture reads nothing from the host)."""
+    return torch.tensor(IQ4_VALUES, dtype=torch.int8, device=device)
 
 
 def _iq4_nl(b):
@@ -201,7 +208,7 @@ def iq4_xs_scales(b: torch.Tensor) -> torch.Tensor:
     """[n, 136] IQ4_XS blocks -> float32 [n, 8]: each 32 weights' d * (s - 32)."""
     n = b.shape[0]
     high = b[:, 2:4].contiguous().view(torch.int16).to(torch.int32)  # (a little-endian uint16)
-    low = b[:, 4:8].reshape(n, 4, 1) >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).reshape(1, 1, 2)
+    low = b[:, 4:8].reshape(n, 4, 1) >> torch.arange(0, 8, 4, dtype=torch.uint8, device=b.device).reshape(1, 1, 2)
     shift = torch.arange(0, 16, 2, dtype=torch.int32, device=b.device)
     ls = (low.reshape(n, 8) & 0x0F).to(torch.int32) | (((high >> shift) & 3) << 4)
     return _f16(b[:, :2]) * (ls - 32).float()

@@ -43,10 +43,17 @@ def _tables() -> dict[str, torch.Tensor]:
     return out
 
 
+@functools.cache
+def _table(name: str, device: torch.device) -> torch.Tensor:
+    """Table `name` on `device`, copied there once: a dequantisation inside a CUDA graph's
+    capture (an embedding lookup of decode) then reads nothing from the host, which is refused
+    there."""
+    return _tables()[name].to(device)
+
+
 def _grid(name: str, index: torch.Tensor) -> torch.Tensor:
     """[n, e] indices -> [n, e * width] int8 grid values."""
-    grid = _tables()[name].to(index.device)
-    return grid[index.long()].reshape(index.shape[0], -1)
+    return _table(name, index.device)[index.long()].reshape(index.shape[0], -1)
 
 
 def f16(b: torch.Tensor) -> torch.Tensor:
@@ -81,14 +88,14 @@ def _signed(values: torch.Tensor, negative: torch.Tensor) -> torch.Tensor:
 
 def _sign_bits(index: torch.Tensor) -> torch.Tensor:
     """[n, e] 7-bit indices into the sign table -> [n, 8e] of 0/1 (1: negative)."""
-    return _bits(_tables()["ksigns"].to(index.device)[index.long()])
+    return _bits(_table("ksigns", index.device)[index.long()])
 
 
 def _iq2_xxs(b):
     n, d = b.shape[0], f16(b[:, :2])
     words = _u32(b[:, 2:66]).reshape(n, 8, 2)  # a group of 32: 4 grid bytes, then signs and scale
-    index = words[..., 0:1] >> torch.tensor([0, 8, 16, 24], device=b.device) & 0xFF
-    signs = words[..., 1:2] >> torch.tensor([0, 7, 14, 21], device=b.device) & 0x7F
+    index = words[..., 0:1] >> torch.arange(0, 32, 8, device=b.device) & 0xFF
+    signs = words[..., 1:2] >> torch.arange(0, 28, 7, device=b.device) & 0x7F
     code = _signed(_grid("IQ2_XXS", index.reshape(n, 32)), _sign_bits(signs.reshape(n, 32)))
     return d * (0.5 + (words[..., 1] >> 28).float()) * 0.25, code
 
@@ -102,7 +109,7 @@ def _iq2_xs(b):
 
 def _iq2_s(b):
     n, d = b.shape[0], f16(b[:, :2])
-    high = (b[:, 66:74, None].to(torch.int64) >> torch.tensor([0, 2, 4, 6], device=b.device)) & 3
+    high = (b[:, 66:74, None].to(torch.int64) >> torch.arange(0, 8, 2, device=b.device)) & 3
     index = b[:, 2:34].to(torch.int64) | high.reshape(n, 32) << 8
     code = _signed(_grid("IQ2_S", index), _bits(b[:, 34:66]))
     return d * (0.5 + _nibbles(b[:, 74:82]).float()) * 0.25, code
@@ -111,7 +118,7 @@ def _iq2_s(b):
 def _iq3_xxs(b):
     n, d = b.shape[0], f16(b[:, :2])
     words = _u32(b[:, 66:98])  # a group of 32: 4 sign indices, then the scale
-    signs = words[:, :, None] >> torch.tensor([0, 7, 14, 21], device=b.device) & 0x7F
+    signs = words[:, :, None] >> torch.arange(0, 28, 7, device=b.device) & 0x7F
     code = _signed(_grid("IQ3_XXS", b[:, 2:66]), _sign_bits(signs.reshape(n, 32)))
     return d * (0.5 + (words >> 28).float()) * 0.5, code
 
@@ -131,7 +138,7 @@ def _iq1_codes(grid_values: torch.Tensor, negative_delta: torch.Tensor) -> torch
 def _iq1_s(b):
     n, d = b.shape[0], f16(b[:, :2])
     qh = _u16(b[:, 34:50])  # a group of 32: 4 x 3 index bits, the scale, the delta's sign
-    high = qh[:, :, None] >> torch.tensor([0, 3, 6, 9], device=b.device) & 7
+    high = qh[:, :, None] >> torch.arange(0, 12, 3, device=b.device) & 7
     index = b[:, 2:34].to(torch.int64) | high.reshape(n, 32) << 8
     code = _iq1_codes(_grid("IQ1_S", index), (qh >> 15).repeat_interleave(32, dim=1))
     return d * (2 * (qh >> 12 & 7) + 1).float() / 8, code
@@ -140,14 +147,14 @@ def _iq1_s(b):
 def iq1_m_d(b: torch.Tensor) -> torch.Tensor:
     """[n, 56] IQ1_M blocks -> the float16 d (its 4 nibbles are the scale words' top ones) as [n, 2] bytes."""
     words = _u16(b[:, 48:56])
-    d = ((words >> 12) << torch.tensor([0, 4, 8, 12], device=b.device)).sum(dim=1)
+    d = ((words >> 12) << torch.arange(0, 16, 4, device=b.device)).sum(dim=1)
     return torch.stack([d & 0xFF, d >> 8], dim=1).to(torch.uint8)
 
 
 def _iq1_m(b):
     n = b.shape[0]
     d = f16(iq1_m_d(b))
-    scales = _u16(b[:, 48:56])[:, :, None] >> torch.tensor([0, 3, 6, 9], device=b.device) & 7  # a 16 weights
+    scales = _u16(b[:, 48:56])[:, :, None] >> torch.arange(0, 12, 3, device=b.device) & 7  # a 16 weights
     nib = _nibbles(b[:, 32:48]).to(torch.int64)  # an entry of 8: 3 index bits, the delta's sign
     index = b[:, :32].to(torch.int64) | (nib & 7) << 8
     code = _iq1_codes(_grid("IQ1_M", index), (nib >> 3).repeat_interleave(8, dim=1))

@@ -70,7 +70,7 @@ def _q6_k(d: torch.Tensor, scales: torch.Tensor, q: torch.Tensor) -> torch.Tenso
     u = (q + 32).to(torch.uint8).reshape(n, 2, 4, 32)  # [block, half, 32-run, weight]
     low, high = u & 0x0F, u >> 4
     ql = low[:, :, 0:2].reshape(n, 2, 64) | (low[:, :, 2:4].reshape(n, 2, 64) << 4)  # u, u + 64
-    shift = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=q.device).reshape(1, 1, 4, 1)
+    shift = torch.arange(0, 8, 2, dtype=torch.uint8, device=q.device).reshape(1, 1, 4, 1)
     qh = (high << shift).sum(dim=2, dtype=torch.uint8)  # [n, 2, 32]: the four runs' bits 4-5
     return torch.cat([ql.reshape(n, 128), qh.reshape(n, 64), scales.view(torch.uint8), d], dim=1)
 
