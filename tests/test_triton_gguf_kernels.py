@@ -69,6 +69,19 @@ def test_the_decoder_is_gguf_dequantize_bit_for_bit(name):
 
 
 @pytest.mark.parametrize("name", KERNEL_TYPES)
+def test_the_dequantising_kernel_is_gguf_dequantize_rounded_once(name):
+    """gguf_dequantize (prefill's weight, multiplied by torch): float32 bit for bit, and each
+    16-bit dtype the float32 weight rounded once; K of 3 x 256 makes 24 runs (RUNS 8 divides
+    them, 16 does not) and 72 outputs part of a 64-wide tile."""
+    from omniinfer.kernels.triton.gguf_gemm import gguf_dequantize
+
+    blocks, want = blocks_of(name, N, 768, seed=1)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        got = gguf_dequantize(blocks.to(DEVICE), name, 768, dtype, runs=16).cpu()
+        assert got.dtype == dtype and torch.equal(got, want.to(dtype)), dtype
+
+
+@pytest.mark.parametrize("name", KERNEL_TYPES)
 @pytest.mark.parametrize("dtype,m", [(torch.float16, 1), (torch.bfloat16, 8), (torch.float32, 1),
                                      (torch.float16, 17), (torch.bfloat16, 17), (torch.float32, 17)])
 def test_products_match_the_reference(name, dtype, m):

@@ -2,8 +2,10 @@
 
 The weight is what the GGUF file stores and the loader keeps (quantization/gguf_file.py): uint8
 [N, K / B * block_bytes], one row of blocks per output. Nothing is repacked: a tile of
-``BLOCK_N`` outputs x ``BLOCK_K`` inputs reads its codes, scales and minimums from the blocks'
-bytes (k contiguous in a row) and decodes them in registers, in float32 and in the order
+``BLOCK_N`` outputs x 32 inputs (one 32-weight run of each output's block: a classic block, or
+a K-quant sub-block) reads what the run shares (d, the minimum, the sub-block's scale) once an
+output and the codes once a weight, from the blocks' bytes (k contiguous in a row), and decodes
+them in registers, in float32 and in the order
 ``gguf.quants.dequantize`` (and quantization/gguf_blocks.py) computes them, for every block type
 the loader takes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS
 (the IQ4 codes index a 16-entry table the launcher keeps on the device). The decoded tile then goes
@@ -24,6 +26,7 @@ import triton.language as tl
 from omniinfer.kernels.triton.quant_gemm import (  # noqa: F401 (INTERPRETED: read by the package)
     INTERPRETED,
     accumulate,
+    bf16_round,
     launch_weight_only,
     matrix_rows,
     program_tile,
@@ -54,14 +57,14 @@ def _f16(row, off, ok):
 
 
 @triton.jit
-def _k_scale_min(p, base, sub, ok):
-    """Q4_K / Q5_K: sub-block `sub`'s 6-bit scale and minimum from the 12 bytes at base + 4
-    (sub 0-3: the low 6 bits of bytes sub and 4 + sub; 4-7: a nibble of byte 8 + i and the top
-    two bits of bytes i and 4 + i, i = sub - 4)."""
+def _k_scale_min(p, sub, ok):
+    """Q4_K / Q5_K: sub-block `sub`'s 6-bit scale and minimum from the 12 bytes at p + 4, for
+    each output [BLOCK_N, 1] (sub 0-3: the low 6 bits of bytes sub and 4 + sub; 4-7: a nibble of
+    byte 8 + i and the top two bits of bytes i and 4 + i, i = sub - 4)."""
     i = sub % 4
-    s0 = _byte(p, base + 4 + i, ok)
-    s1 = _byte(p, base + 8 + i, ok)
-    s2 = _byte(p, base + 12 + i, ok)
+    s0 = _byte(p, 4 + i, ok)
+    s1 = _byte(p, 8 + i, ok)
+    s2 = _byte(p, 12 + i, ok)
     low = sub < 4
     sc = tl.where(low, s0 & 63, (s2 & 15) | ((s0 >> 6) << 4))
     mn = tl.where(low, s1 & 63, (s2 >> 4) | ((s1 >> 6) << 4))
@@ -69,64 +72,70 @@ def _k_scale_min(p, base, sub, ok):
 
 
 @triton.jit
-def _decode(p, base, j, ok, lut_ptr, TYPE: tl.constexpr):
-    """Weight j of the block at byte `base` of rows `p`, float32 [BLOCK_N, BLOCK_K] (j and base
-    are [1, BLOCK_K]; `lut_ptr`: IQ4_VALUES as float32, for the IQ4 types)."""
+def _decode(p, j0, jj, ok, p_ok, lut_ptr, TYPE: tl.constexpr):
+    """Weights j0 + jj of the block at `p` (each output's block, [BLOCK_N, 1] pointers), float32
+    [BLOCK_N, 32]: jj is 0..31 [1, 32] and j0 a multiple of 32, so all 32 lie in one classic
+    block or one 32-weight run of a K-quant block, and what they share (d, the minimum, a
+    sub-block's scale) is loaded once per output ([BLOCK_N, 1], masked by p_ok), not once per
+    weight; only the codes (and Q2_K / Q3_K / Q6_K's 16-weight scales) are per weight (`ok`).
+    `lut_ptr`: IQ4_VALUES as float32, for the IQ4 types."""
     if TYPE == 8:  # Q8_0: d, 32 int8
-        q = _byte(p, base + 2 + j, ok)
-        w = _f16(p, base, ok) * (q - ((q & 128) << 1)).to(tl.float32)
+        q = _byte(p, 2 + jj, ok)
+        w = _f16(p, 0, p_ok) * (q - ((q & 128) << 1)).to(tl.float32)
     elif TYPE == 2 or TYPE == 3:  # Q4_0: d, 16 bytes of nibbles; Q4_1: d, m, nibbles
         QS: tl.constexpr = 2 if TYPE == 2 else 4
-        q = (_byte(p, base + QS + j % 16, ok) >> ((j // 16) * 4)) & 15
+        q = (_byte(p, QS + jj % 16, ok) >> ((jj // 16) * 4)) & 15
         if TYPE == 2:
-            w = _f16(p, base, ok) * (q - 8).to(tl.float32)
+            w = _f16(p, 0, p_ok) * (q - 8).to(tl.float32)
         else:
-            w = _f16(p, base, ok) * q.to(tl.float32) + _f16(p, base + 2, ok)
+            w = _f16(p, 0, p_ok) * q.to(tl.float32) + _f16(p, 2, p_ok)
     elif TYPE == 6 or TYPE == 7:  # Q5_0: d, 4 bytes of fifth bits, nibbles; Q5_1: d, m, ...
         QH: tl.constexpr = 2 if TYPE == 6 else 4
-        q = (_byte(p, base + QH + 4 + j % 16, ok) >> ((j // 16) * 4)) & 15
-        q = q | (((_byte(p, base + QH + j // 8, ok) >> (j % 8)) & 1) << 4)
+        q = (_byte(p, QH + 4 + jj % 16, ok) >> ((jj // 16) * 4)) & 15
+        qh = (_byte(p, QH, p_ok) | (_byte(p, QH + 1, p_ok) << 8) | (_byte(p, QH + 2, p_ok) << 16)
+              | (_byte(p, QH + 3, p_ok) << 24))  # the 32 fifth bits as one word an output
+        q = q | (((qh >> jj) & 1) << 4)
         if TYPE == 6:
-            w = _f16(p, base, ok) * (q - 16).to(tl.float32)
+            w = _f16(p, 0, p_ok) * (q - 16).to(tl.float32)
         else:
-            w = _f16(p, base, ok) * q.to(tl.float32) + _f16(p, base + 2, ok)
+            w = _f16(p, 0, p_ok) * q.to(tl.float32) + _f16(p, 2, p_ok)
     elif TYPE == 12 or TYPE == 13:  # Q4_K / Q5_K: d, dmin, 12 bytes of scales, (qh,) qs
-        sub = j // 32
-        sc, mn = _k_scale_min(p, base, sub, ok)
+        sub = j0 // 32
+        sc, mn = _k_scale_min(p, sub, p_ok)
         QS: tl.constexpr = 16 if TYPE == 12 else 48
-        q = (_byte(p, base + QS + (j // 64) * 32 + j % 32, ok) >> ((sub % 2) * 4)) & 15
+        q = (_byte(p, QS + (j0 // 64) * 32 + jj, ok) >> ((sub % 2) * 4)) & 15
         if TYPE == 13:
-            q = q | (((_byte(p, base + 16 + j % 32, ok) >> sub) & 1) << 4)
-        w = (_f16(p, base, ok) * sc) * q.to(tl.float32) - _f16(p, base + 2, ok) * mn
+            q = q | (((_byte(p, 16 + jj, ok) >> sub) & 1) << 4)
+        w = (_f16(p, 0, p_ok) * sc) * q.to(tl.float32) - _f16(p, 2, p_ok) * mn
     elif TYPE == 10:  # Q2_K: 16 bytes of 4-bit scale | 4-bit min, 64 of 2-bit codes, d, dmin
-        sc = _byte(p, base + j // 16, ok)
-        q = (_byte(p, base + 16 + (j // 128) * 32 + j % 32, ok) >> (((j % 128) // 32) * 2)) & 3
-        w = (_f16(p, base + 80, ok) * (sc & 15).to(tl.float32)) * q.to(tl.float32) \
-            - _f16(p, base + 82, ok) * (sc >> 4).to(tl.float32)
+        sc = _byte(p, (j0 + jj) // 16, ok)
+        q = (_byte(p, 16 + (j0 // 128) * 32 + jj, ok) >> (((j0 % 128) // 32) * 2)) & 3
+        w = (_f16(p, 80, p_ok) * (sc & 15).to(tl.float32)) * q.to(tl.float32) \
+            - _f16(p, 82, p_ok) * (sc >> 4).to(tl.float32)
     elif TYPE == 11:  # Q3_K: 32 bytes of high bits, 64 of 2-bit codes, 12 of 6-bit scales, d
-        i = j // 16
-        sc = (_byte(p, base + 96 + i % 8, ok) >> ((i // 8) * 4)) & 15
-        sc = sc | (((_byte(p, base + 104 + i % 4, ok) >> ((i // 4) * 2)) & 3) << 4)
-        q = (_byte(p, base + 32 + (j // 128) * 32 + j % 32, ok) >> (((j % 128) // 32) * 2)) & 3
-        q = q - ((((_byte(p, base + j % 32, ok) >> (j // 32)) & 1) ^ 1) << 2)  # high bit 0: -4
-        w = (_f16(p, base + 108, ok) * (sc - 32).to(tl.float32)) * q.to(tl.float32)
+        i = (j0 + jj) // 16
+        sc = (_byte(p, 96 + i % 8, ok) >> ((i // 8) * 4)) & 15
+        sc = sc | (((_byte(p, 104 + i % 4, ok) >> ((i // 4) * 2)) & 3) << 4)
+        q = (_byte(p, 32 + (j0 // 128) * 32 + jj, ok) >> (((j0 % 128) // 32) * 2)) & 3
+        q = q - ((((_byte(p, jj, ok) >> (j0 // 32)) & 1) ^ 1) << 2)  # high bit 0: -4
+        w = (_f16(p, 108, p_ok) * (sc - 32).to(tl.float32)) * q.to(tl.float32)
     elif TYPE == 20:  # IQ4_NL: d, 16 bytes of nibbles indexing IQ4_VALUES
-        q = (_byte(p, base + 2 + j % 16, ok) >> ((j // 16) * 4)) & 15
-        w = _f16(p, base, ok) * tl.load(lut_ptr + q)
+        q = (_byte(p, 2 + jj % 16, ok) >> ((jj // 16) * 4)) & 15
+        w = _f16(p, 0, p_ok) * tl.load(lut_ptr + q)
     elif TYPE == 23:  # IQ4_XS: d, 2 bytes of scales' high bits, 4 of their low, 128 of nibbles
-        sub = j // 32
-        ls = (_byte(p, base + 4 + sub // 2, ok) >> ((sub % 2) * 4)) & 15
-        ls = ls | ((((_byte(p, base + 2, ok) | (_byte(p, base + 3, ok) << 8)) >> (sub * 2)) & 3) << 4)
-        q = (_byte(p, base + 8 + sub * 16 + j % 16, ok) >> (((j % 32) // 16) * 4)) & 15
-        w = (_f16(p, base, ok) * (ls - 32).to(tl.float32)) * tl.load(lut_ptr + q)
+        sub = j0 // 32
+        ls = (_byte(p, 4 + sub // 2, p_ok) >> ((sub % 2) * 4)) & 15
+        ls = ls | ((((_byte(p, 2, p_ok) | (_byte(p, 3, p_ok) << 8)) >> (sub * 2)) & 3) << 4)
+        q = (_byte(p, 8 + sub * 16 + jj % 16, ok) >> ((jj // 16) * 4)) & 15
+        w = (_f16(p, 0, p_ok) * (ls - 32).to(tl.float32)) * tl.load(lut_ptr + q)
     else:  # Q6_K: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d
-        r = j % 128
-        half = j // 128
-        q = (_byte(p, base + half * 64 + r % 64, ok) >> ((r // 64) * 4)) & 15
-        q = q | (((_byte(p, base + 128 + half * 32 + r % 32, ok) >> ((r // 32) * 2)) & 3) << 4)
-        sc = _byte(p, base + 192 + j // 16, ok)
+        half = j0 // 128
+        r0 = j0 % 128
+        q = (_byte(p, half * 64 + r0 % 64 + jj, ok) >> ((r0 // 64) * 4)) & 15
+        q = q | (((_byte(p, 128 + half * 32 + jj, ok) >> ((r0 // 32) * 2)) & 3) << 4)
+        sc = _byte(p, 192 + (j0 + jj) // 16, ok)
         sc = (sc - ((sc & 128) << 1)).to(tl.float32)
-        w = (_f16(p, base + 208, ok) * sc) * (q - 32).to(tl.float32)
+        w = (_f16(p, 208, p_ok) * sc) * (q - 32).to(tl.float32)
     return w
 
 
@@ -138,22 +147,43 @@ def _gguf_matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
+    tl.static_assert(BLOCK_K == 32)  # _decode's tile: one 32-weight run (k_per_split too)
     pid_m, split, rows, n, k_start, k_end = program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     rows_ok = rows < M
     n_ok = n < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]: each output's blocks
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    jj = tl.arange(0, BLOCK_K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
+        k = k0 + jj
         k_ok = k < k_end
-        base = ((k // BLOCK - k0 // BLOCK) * BLOCK_BYTES)[None, :]  # [1, BLOCK_K], from row
-        row = w_rows + k0 // BLOCK * BLOCK_BYTES
-        w = _decode(row, base, (k % BLOCK)[None, :], n_ok[:, None] & k_ok[None, :], lut_ptr, TYPE)
+        w = _decode(w_rows + k0 // BLOCK * BLOCK_BYTES, k0 % BLOCK, jj[None, :],
+                    n_ok[:, None] & k_ok[None, :], n_ok[:, None], lut_ptr, TYPE)
         acc = accumulate(acc, tl.trans(w), x_ptr, x_rows, rows_ok, k, k_ok, pid_m, M, stride_xm,
                          BLOCK_M, USE_DOT, DOT_F32, ROUND_BF16)
     store_out(acc, bias_ptr, out_ptr, rows, rows_ok, n, n_ok, split, stride_om, stride_os,
               HAS_BIAS, ROUND_BF16)
+
+
+@triton.jit
+def _gguf_dequantize_kernel(w_ptr, lut_ptr, out_ptr, N, stride_wn, stride_on,
+                            TYPE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_BYTES: tl.constexpr,
+                            BLOCK_N: tl.constexpr, RUNS: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """W [N, K] in out's dtype, RUNS 32-weight runs x BLOCK_N outputs a program (K / 32 / RUNS
+    programs along K: the launcher picks RUNS to divide K / 32)."""
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    jj = tl.arange(0, 32)
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn
+    out_rows = out_ptr + n.to(tl.int64)[:, None] * stride_on
+    for r in tl.static_range(RUNS):
+        k0 = (tl.program_id(1) * RUNS + r) * 32
+        w = _decode(w_rows + k0 // BLOCK * BLOCK_BYTES, k0 % BLOCK, jj[None, :],
+                    n_ok[:, None], n_ok[:, None], lut_ptr, TYPE)
+        if ROUND_BF16:
+            w = bf16_round(w)
+        tl.store(out_rows + k0 + jj[None, :], w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
 
 
 def gguf_tiles(m: int, n: int, k: int, element_size: int = 2) -> dict:
@@ -162,20 +192,49 @@ def gguf_tiles(m: int, n: int, k: int, element_size: int = 2) -> dict:
     NVIDIA in the GEMV, `python -m omniinfer.testing.kernels_aot --op gguf_gemv`)."""
     cfg = wn_tiles(m, n, k, 32, False, 4, element_size)
     del cfg["GROUP_SIZE"], cfg["TILE_IN_ONE_GROUP"]
+    # _decode reads one 32-weight run a tile: tiles and splits start on a multiple of 32
+    assert cfg["BLOCK_K"] == 32 and cfg["k_per_split"] % 32 == 0, cfg
     return cfg
 
 
 def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+                bias: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for x [..., K] (float16/bfloat16/float32) and W [N, K] held as GGUF
     `type_name` blocks: uint8 [N, K / B * block_bytes] with contiguous rows. Returns [..., N]
-    in x's dtype."""
-    if type_name not in KERNEL_TYPES:
-        raise ValueError(f"type_name={type_name!r}: the GGUF kernel decodes {', '.join(KERNEL_TYPES)}")
-    kind = BY_NAME[type_name]
+    in x's dtype. `tiles` replaces gguf_tiles' launch configuration (benchmarks/gguf_tiles.py
+    sweeps them)."""
     x2 = matrix_rows(x)
     m, k = x2.shape
     n = blocks.shape[0]
+    kind = _checked(blocks, type_name, k)
+    cfg = gguf_tiles(m, n, k, x.element_size()) if tiles is None else tiles
+    return launch_weight_only(_gguf_matmul_kernel, x, x2, (blocks, _lut(x.device)),
+                              (blocks.stride(0),), n, cfg, bias, TYPE=kind.code,
+                              BLOCK=kind.block, BLOCK_BYTES=kind.block_bytes)
+
+
+def gguf_dequantize(blocks: torch.Tensor, type_name: str, k: int, dtype: torch.dtype,
+                    block_n: int = 64, runs: int = 4, num_warps: int = 4) -> torch.Tensor:
+    """W [N, K] in `dtype` from its GGUF `type_name` blocks (uint8 [N, K / B * block_bytes],
+    contiguous rows): gguf.quants.dequantize's float32 weights rounded once to `dtype`, as the
+    reference (quantization/gguf_blocks.py) rounds them."""
+    kind = _checked(blocks, type_name, k)
+    n = blocks.shape[0]
+    out = torch.empty(n, k, dtype=dtype, device=blocks.device)
+    runs = max(r for r in (1, 2, 4, 8, 16) if r <= runs and (k // 32) % r == 0)
+    if n:
+        _gguf_dequantize_kernel[(triton.cdiv(n, block_n), k // 32 // runs)](
+            blocks, _lut(blocks.device), out, n, blocks.stride(0), out.stride(0), TYPE=kind.code,
+            BLOCK=kind.block, BLOCK_BYTES=kind.block_bytes, BLOCK_N=block_n, RUNS=runs,
+            ROUND_BF16=INTERPRETED and dtype == torch.bfloat16, num_warps=num_warps)
+    return out
+
+
+def _checked(blocks: torch.Tensor, type_name: str, k: int):
+    """`type_name`'s BlockType, once blocks are uint8 [N, row bytes of K] with contiguous rows."""
+    if type_name not in KERNEL_TYPES:
+        raise ValueError(f"type_name={type_name!r}: the GGUF kernel decodes {', '.join(KERNEL_TYPES)}")
+    kind = BY_NAME[type_name]
     if k % kind.block:
         raise ValueError(f"x has K={k} inputs, not a whole number of {type_name} blocks of {kind.block}")
     if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != kind.row_bytes(k)
@@ -183,9 +242,13 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
         raise ValueError(f"blocks must be uint8 [N, {kind.row_bytes(k)}] with contiguous rows for "
                          f"K={k} of {type_name}, got {blocks.dtype} {tuple(blocks.shape)} "
                          f"strides {blocks.stride()}")
-    lut = _LUTS.get(x.device)
+    return kind
+
+
+def _lut(device: torch.device) -> torch.Tensor:
+    """IQ4_VALUES as float32 on `device`, made once (the first product runs before any CUDA graph
+    capture: a copy from the host is refused there)."""
+    lut = _LUTS.get(device)
     if lut is None:
-        lut = _LUTS[x.device] = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=x.device)
-    return launch_weight_only(_gguf_matmul_kernel, x, x2, (blocks, lut), (blocks.stride(0),), n,
-                              gguf_tiles(m, n, k, x.element_size()), bias, TYPE=kind.code,
-                              BLOCK=kind.block, BLOCK_BYTES=kind.block_bytes)
+        lut = _LUTS[device] = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=device)
+    return lut
