@@ -150,7 +150,10 @@ def main() -> int:
                             and not r["variant"].startswith("torch")), key=lambda r: r["us"],
                            default=None)
                 if best:
-                    print(f"{'':<19} {'':<5} {'':>4}  best: {best['variant']} {best['us']:.1f} us")
+                    dense = next(r["us"] for r in results if r["variant"].startswith("torch")
+                                 and (r["layer"], r["type"], r["rows"]) == (layer, type_name, m))
+                    print(f"{layer:<19} {type_name:<5} {m:>4}  best: {best['variant']} "
+                          f"{best['us']:.1f} us ({dense / best['us']:.2f}x dense F.linear)")
     return _finish(results, args.json, failed)
 
 

@@ -2,7 +2,9 @@
 # The GPU check: on a machine with an NVIDIA, AMD or Intel GPU, run the attention conformance
 # kit for the platform present, the attention-kernel micro-benchmark and the quantized-GEMM
 # micro-benchmark (benchmarks/quant_kernels.py: each Triton GEMM/GEMV timed against F.linear on
-# the same weights and checked against the torch reference), serve quantized models end to end
+# the same weights and checked against the torch reference), sweep the GGUF kernel's tiles
+# (benchmarks/gguf_tiles.py: which launch configuration, or dequantise-then-F.linear, is fastest
+# per type and row count; every variant checked), serve quantized models end to end
 # (python -m omniinfer.testing.quant_models: tiny GGUF, GPTQ and AWQ files loaded as a user
 # loads them, greedy tokens against transformers), and compile every catalogued
 # Triton kernel configuration ahead of time (python -m omniinfer.testing.kernels_aot:
@@ -10,19 +12,29 @@
 # table (per backend: conformance passed/failed/skipped, decode/prefill/chunked tokens/s), the
 # quantized kernels' times and models, and the kernels' table (registers, spills, shared memory
 # per configuration and target). Budget: under 10 minutes (kit <= 5 min, attention benchmark <=
-# 2.5 min, quantized benchmark <= 2 min, set-up the rest; the kernel compiles and the quantized
-# models run beside the kit, within its 5 minutes).
+# 2.5 min, quantized benchmark <= 2 min, tile sweep <= 3 min; the kernel compiles and the
+# quantized models run beside the kit, within its 5 minutes). Seen on an H200 (2026-12-04):
+# 130 s before the tile sweep was added.
 #
-#   scripts/gpu_check.sh                 # uses $PYTHON, else a .venv-gpu it creates
+#   scripts/gpu_check.sh                 # uses $PYTHON, else python3 with .gpu-site (below)
 #   PYTHON=/opt/venv/bin/python scripts/gpu_check.sh
 #   GPU_CHECK_PLATFORM=cpu scripts/gpu_check.sh   # a dry run anywhere (the test suite runs one)
 #
-# The Python it uses must already hold a GPU build of torch (the project's .venv holds the CPU
-# build): with no $PYTHON, .venv-gpu is created on top of the system python3's packages, and
-# omniinfer, its plugins and the light test dependencies are installed there without touching
-# torch. Results land in ${GPU_CHECK_OUT:-gpu_check_out}/. GPU_CHECK_KIT_ARGS,
-# GPU_CHECK_BENCH_ARGS, GPU_CHECK_QBENCH_ARGS, GPU_CHECK_QMODEL_ARGS and GPU_CHECK_AOT_ARGS add
-# (whitespace-separated) arguments to the five steps, e.g. to narrow a dry run. Exit status: 0
+# The Python it uses must already hold a GPU build of torch and Triton (the project's .venv
+# holds the CPU build). With no $PYTHON it is python3 (or $GPU_CHECK_BASE_PYTHON), which the
+# script leaves as it is: omniinfer and its plugins are built without build isolation (python3's
+# own setuptools) and installed, with whatever of their requirements python3 lacks, into
+# .gpu-site, which goes on PYTHONPATH. Offline, as the lent GPU machines are: the missing
+# requirements come from wheels carried in .whl/ (scripts/gpu_wheels.sh fetches them here; see
+# docs/conformance.md for the whole device command); torch and Triton are never installed, and
+# a requirement with no wheel there is named and left out (the server's, which the check does
+# not use). GPU_CHECK_WHEELS names another folder of wheels, GPU_CHECK_REQUIRE more requirements
+# (whitespace-separated); GPU_CHECK_SETUP_ONLY=1 stops after the set-up (the test suite runs one,
+# offline).
+# Results land in ${GPU_CHECK_OUT:-gpu_check_out}/. GPU_CHECK_KIT_ARGS,
+# GPU_CHECK_BENCH_ARGS, GPU_CHECK_QBENCH_ARGS, GPU_CHECK_TILES_ARGS, GPU_CHECK_QMODEL_ARGS and
+# GPU_CHECK_AOT_ARGS add (whitespace-separated) arguments to the six steps, e.g. to narrow a dry
+# run. Exit status: 0
 # when the kit passed, every benchmark ran (the quantized kernels within tolerance of the
 # reference), every quantized model followed transformers and every kernel configuration
 # compiled without spills or shared-memory overflow, 1 otherwise, 2 when no GPU platform is
@@ -37,15 +49,59 @@ unset TRITON_INTERPRET  # kernels must compile for the GPU, not run in the inter
 say() { printf '\n== %s\n' "$*"; }
 
 if [[ -z "${PYTHON:-}" ]]; then
-  PYTHON=$ROOT/.venv-gpu/bin/python
-  if [[ ! -x $PYTHON ]]; then
-    say "creating .venv-gpu on top of $(command -v python3)"
-    python3 -m venv --system-site-packages "$ROOT/.venv-gpu"
-  fi
-  say "installing omniinfer and its plugins (torch untouched)"
-  "$PYTHON" -m pip install -q --no-deps -e . -e plugins/cpu -e plugins/cuda -e plugins/rocm -e plugins/xpu
-  "$PYTHON" -m pip install -q "pluggy>=1.5" "numpy>=1.26" "safetensors>=0.4" "tokenizers>=0.20" \
-    "transformers>=4.45" "tqdm>=4.66" "pytest>=8" "pytest-timeout>=2.3" "gguf>=0.10"
+  PYTHON=$(command -v "${GPU_CHECK_BASE_PYTHON:-python3}")
+  SITE=${GPU_CHECK_SITE:-$ROOT/.gpu-site}
+  WHEELS=${GPU_CHECK_WHEELS:-$ROOT/.whl}
+  say "installing omniinfer and its plugins into $SITE for $PYTHON (its torch untouched)"
+  rm -rf "$SITE"
+  pip=("$PYTHON" -m pip install -q --disable-pip-version-check --no-cache-dir --no-compile
+       --no-deps --target "$SITE")
+  # (the CPU kernels build at first use, if ever: not into the wheel)
+  OMNIINFER_CPU_PREBUILD=0 "${pip[@]}" --no-build-isolation --no-index . plugins/cpu plugins/cuda plugins/rocm plugins/xpu
+  export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
+  # what the installed distributions require (and the kit's pytest) that $PYTHON lacks, a round
+  # at a time, so that a carried wheel's own requirements are looked at too
+  for _ in 1 2 3; do
+    mapfile -t missing < <("$PYTHON" - "$SITE" "$WHEELS" ${GPU_CHECK_REQUIRE:-} <<'EOF'
+import importlib.metadata as md, os, re, sys
+from packaging.requirements import Requirement
+site, wheels = sys.argv[1:3]
+canon = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+carried = {canon(f.split("-")[0]) for f in (os.listdir(wheels) if os.path.isdir(wheels) else ())
+           if f.endswith(".whl")}
+wanted = ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.0", *sys.argv[3:]]
+for dist in md.distributions(path=[site]):
+    wanted += dist.requires or []
+for line in dict.fromkeys(wanted):
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    try:
+        if req.specifier.contains(md.version(req.name), prereleases=True):
+            continue
+    except md.PackageNotFoundError:
+        pass
+    verdict = ("gpu" if canon(req.name) in ("torch", "triton") else
+               "fetch" if canon(req.name) in carried else "skip")
+    print(verdict, str(req).replace(" ", ""))
+EOF
+)
+    fetch=() skip=()
+    for line in "${missing[@]}"; do
+      case $line in
+        gpu\ *) echo "$PYTHON lacks ${line#* }: the check runs on the machine's own GPU build" >&2
+                exit 2 ;;
+        fetch\ *) fetch+=("${line#* }") ;;
+        *) skip+=("${line#* }") ;;
+      esac
+    done
+    (( ${#fetch[@]} )) || break
+    echo "installing from $WHEELS: ${fetch[*]}"
+    "${pip[@]}" --no-index --find-links "$WHEELS" "${fetch[@]}"
+  done
+  if (( ${#skip[@]} )); then echo "not installed (no wheel in $WHEELS): ${skip[*]}"; fi
+  "$PYTHON" -c 'from omniinfer.platforms.registry import get_registry; print(get_registry().report())'
+  if [[ -n ${GPU_CHECK_SETUP_ONLY:-} ]]; then exit 0; fi
 fi
 
 say "environment"
@@ -71,6 +127,7 @@ read -r -a bench_args <<<"${GPU_CHECK_BENCH_ARGS:-}"
 read -r -a qbench_args <<<"${GPU_CHECK_QBENCH_ARGS:-}"
 read -r -a qmodel_args <<<"${GPU_CHECK_QMODEL_ARGS:-}"
 read -r -a aot_args <<<"${GPU_CHECK_AOT_ARGS:-}"
+read -r -a tiles_args <<<"${GPU_CHECK_TILES_ARGS:-}"
 [[ $PLATFORM == cpu ]] || aot_args+=(--device)  # the GPU present too, loaded by its driver
 
 status=0
@@ -98,6 +155,15 @@ timeout 150 "$PYTHON" benchmarks/attention_kernels.py --platform "$PLATFORM" --j
 say "quantized-GEMM micro-benchmark on $PLATFORM (budget 120 s)"
 timeout 120 "$PYTHON" benchmarks/quant_kernels.py --platform "$PLATFORM" \
   --json "$OUT/quant_bench.json" "${qbench_args[@]}" 2>&1 | tee "$OUT/quant_bench.log" || status=1
+
+say "GGUF kernel tiles on $PLATFORM (budget 180 s; what gguf_tiles should pick)"
+# every variant's output is checked (WRONG fails the check); the sweep stops itself at its budget
+tiles_env=()
+[[ $PLATFORM != cpu ]] || { tiles_args=(--tiny "${tiles_args[@]}"); tiles_env=(TRITON_INTERPRET=1); }
+timeout 180 env "${tiles_env[@]}" "$PYTHON" benchmarks/gguf_tiles.py --budget-s 160 --rows 1 512 \
+  --json "$OUT/gguf_tiles.json" "${tiles_args[@]}" >"$OUT/gguf_tiles.log" 2>&1 || status=1
+# (the whole table is in the log: here the best variant per layer, type and rows, and mishaps)
+grep -E "best:|WRONG|FAILED|stops here|Error" "$OUT/gguf_tiles.log" || true
 
 wait "$aot_pid" || status=1
 wait "$qmodel_pid" || status=1
