@@ -328,13 +328,30 @@ def _gguf_launch(shape: GGUFShape) -> None:
     gguf_matmul(torch.empty(shape.m, shape.k, dtype=shape.dtype, **meta), blocks, shape.type_name)
 
 
+def _gguf_dequantize_launch(shape: GGUFShape) -> None:
+    from omniinfer.kernels.triton.gguf_gemm import gguf_dequantize
+    from omniinfer.quantization.gguf_blocks import BY_NAME
+
+    blocks = torch.empty(shape.n, BY_NAME[shape.type_name].row_bytes(shape.k), dtype=torch.uint8,
+                         device="meta")
+    gguf_dequantize(blocks, shape.type_name, shape.k, shape.dtype)
+
+
+# gguf_dequantize (a prefill's weight for F.linear; benchmarks/gguf_tiles.py times it): the types
+# of a Q4_K_M file, and Q3_K's decoder (the most per-weight work), at its default tiles
+_GGUF_DEQUANTIZE = tuple(GGUFShape("llama-3-8b gate_up", torch.bfloat16, 512, 28672, 4096, t)
+                         for t in ("Q4_K", "Q6_K", "Q8_0", "Q3_K"))
+
+
 def gguf_launches() -> list[KernelLaunch]:
     """What GGUF layers launch on a GPU through `gguf_matmul`: the split-K GEMV (1-8 rows) and
-    the tl.dot GEMM, per block type."""
+    the tl.dot GEMM, per block type; and `gguf_dequantize`."""
     from omniinfer.kernels.triton.quant_gemm import GEMV_MAX_M
 
     return [KernelLaunch("gguf_gemv" if shape.m <= GEMV_MAX_M else "gguf_gemm", shape.label(),
-                         shape, partial(_gguf_launch, shape)) for shape in _GGUF]
+                         shape, partial(_gguf_launch, shape)) for shape in _GGUF] + [
+        KernelLaunch("gguf_dequantize", shape.label(), shape, partial(_gguf_dequantize_launch, shape))
+        for shape in _GGUF_DEQUANTIZE]
 
 
 # ---- mixture of experts (kernels/triton/fused_moe.py) -------------------------------------------
