@@ -57,6 +57,12 @@ def variants(m: int, n: int, k: int, type_name: str, blocks, dtype):
                     cfg = gemv_tiles(m, n, k, block_n, warps, programs)
                     out.append((f"gemv n{block_n} w{warps} p{programs} split{cfg['split_k']}",
                                 lambda x, c=cfg: gguf_matmul(x, blocks, type_name, tiles=c)))
+        # the rows padded to 16 for tl.dot (tensor cores), split over K as the GEMV is
+        for block_n in (64, 128):
+            for programs in (512, 2048):
+                cfg = dict(gemv_tiles(m, n, k, block_n, 4, programs), BLOCK_M=16, USE_DOT=True)
+                out.append((f"dot16 n{block_n} w4 p{programs} split{cfg['split_k']}",
+                            lambda x, c=cfg: gguf_matmul(x, blocks, type_name, tiles=c)))
     else:  # the dequantised weight first: with a small --budget-s both kinds still run
         for block_n, runs, warps in ((64, 4, 4), (32, 8, 4), (128, 4, 8), (64, 8, 8)):
             out.append((f"dequant n{block_n} r{runs} w{warps} + F.linear",

@@ -378,13 +378,13 @@ def test_gguf_tiles_runs_every_kind_of_variant_interpreted(tmp_path):
     reference; a spent budget stops the sweep with a line that says so."""
     out = tmp_path / "tiles.json"
     text = run("gguf_tiles.py", "--tiny", "--type", "Q8_0", "--rows", "17", "1", "--only",
-               "current|dequant n64 r4|gemm m32 n64 w4|gemv n64 w2 p512", "--json", str(out),
+               "current|dequant n64 r4|gemm m32 n64 w4|gemv n64 w2 p512|dot16 n64 w4 p512", "--json", str(out),
                TRITON_INTERPRET="1")
     assert "WRONG" not in text and "stops here" not in text, text
     rows = json.loads(out.read_text())["results"]
     assert [(r["rows"], r["variant"].split()[0]) for r in rows] == [
         (17, "torch"), (17, "gguf_tiles"), (17, "dequant"), (17, "gemm"),
-        (1, "torch"), (1, "gguf_tiles"), (1, "gemv")]
+        (1, "torch"), (1, "gguf_tiles"), (1, "gemv"), (1, "dot16")]
     assert all(r["ok"] for r in rows), rows
     text = run("gguf_tiles.py", "--tiny", "--type", "Q8_0", "--budget-s", "0", TRITON_INTERPRET="1")
     assert "(budget of 0 s spent: the sweep stops here)" in text
