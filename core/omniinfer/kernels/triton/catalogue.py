@@ -306,10 +306,9 @@ class GGUFShape:
         return f"{dtype} {self.type_name} m{self.m} {self.n}x{self.k} ({self.model})"
 
 
-# Every block type at decode (the GEMV: its registers hold the decoded tile alone) and at a
-# 512-token prefill chunk (the tl.dot GEMM), on Llama-3-8B's gate_up and down (a Q4_K_M file holds
-# Q4_K, Q6_K and Q8_0; the classic types are older files' and the fallbacks of narrow models, as
-# IQ4_NL is a Q3_K_M file's; the lattice types run as their rewrites, gguf_transcode.py).
+# Every block type at decode (the GEMV) and at a 512-token prefill chunk (the tl.dot GEMM), on
+# Llama-3-8B's gate_up and down (Q4_K_M files hold Q4_K, Q6_K, Q8_0; the classic types are older
+# files' and narrow models' fallbacks; the lattice types run as their rewrites, gguf_transcode.py).
 _GGUF: tuple[GGUFShape, ...] = tuple(
     GGUFShape(f"llama-3-8b {layer}", dtype, m, n, k, t)
     for t in QUANTIZED if t not in LATTICE
@@ -318,27 +317,20 @@ _GGUF: tuple[GGUFShape, ...] = tuple(
     GGUFShape("llama-3-8b down", torch.float32, 512, 4096, 14336, "Q5_K"),)  # (float32's FMA tiles)
 
 
-def _gguf_launch(shape: GGUFShape) -> None:
-    from omniinfer.kernels.triton.gguf_gemm import gguf_matmul
+def _gguf_launch(shape: GGUFShape, dequantize: bool = False) -> None:
+    from omniinfer.kernels.triton.gguf_gemm import gguf_dequantize, gguf_matmul
     from omniinfer.quantization.gguf_blocks import BY_NAME
 
     meta = dict(device="meta")
     blocks = torch.empty(shape.n, BY_NAME[shape.type_name].row_bytes(shape.k), dtype=torch.uint8,
                          **meta)
-    gguf_matmul(torch.empty(shape.m, shape.k, dtype=shape.dtype, **meta), blocks, shape.type_name)
+    if dequantize:  # (a prefill's weight, for F.linear)
+        gguf_dequantize(blocks, shape.type_name, shape.k, shape.dtype)
+    else:
+        gguf_matmul(torch.empty(shape.m, shape.k, dtype=shape.dtype, **meta), blocks, shape.type_name)
 
 
-def _gguf_dequantize_launch(shape: GGUFShape) -> None:
-    from omniinfer.kernels.triton.gguf_gemm import gguf_dequantize
-    from omniinfer.quantization.gguf_blocks import BY_NAME
-
-    blocks = torch.empty(shape.n, BY_NAME[shape.type_name].row_bytes(shape.k), dtype=torch.uint8,
-                         device="meta")
-    gguf_dequantize(blocks, shape.type_name, shape.k, shape.dtype)
-
-
-# gguf_dequantize (a prefill's weight for F.linear; benchmarks/gguf_tiles.py times it): the types
-# of a Q4_K_M file, and Q3_K's decoder (the most per-weight work), at its default tiles
+# gguf_dequantize (benchmarks/gguf_tiles.py times it): a Q4_K_M file's types, and Q3_K's decoder
 _GGUF_DEQUANTIZE = tuple(GGUFShape("llama-3-8b gate_up", torch.bfloat16, 512, 28672, 4096, t)
                          for t in ("Q4_K", "Q6_K", "Q8_0", "Q3_K"))
 
@@ -350,7 +342,7 @@ def gguf_launches() -> list[KernelLaunch]:
 
     return [KernelLaunch("gguf_gemv" if shape.m <= GEMV_MAX_M else "gguf_gemm", shape.label(),
                          shape, partial(_gguf_launch, shape)) for shape in _GGUF] + [
-        KernelLaunch("gguf_dequantize", shape.label(), shape, partial(_gguf_dequantize_launch, shape))
+        KernelLaunch("gguf_dequantize", shape.label(), shape, partial(_gguf_launch, shape, True))
         for shape in _GGUF_DEQUANTIZE]
 
 
