@@ -126,6 +126,12 @@ def test_bad_shapes_are_named():
     with pytest.raises(ValueError, match=r"type_name='TQ2_0': the GGUF kernel decodes Q4_0, "):
         gguf_matmul(torch.randn(2, 64), blocks, "TQ2_0")
     assert gguf_matmul(torch.randn(0, 64), blocks, "Q4_0").shape == (0, 8)
+    bad = dict(BLOCK_M=1, BLOCK_N=64, BLOCK_K=64, split_k=1, k_per_split=64, USE_DOT=False)
+    with pytest.raises(ValueError, match=r"the GGUF kernel decodes 32-weight runs \(BLOCK_K 32"):
+        gguf_matmul(torch.randn(1, 64).to(DEVICE), blocks.to(DEVICE), "Q4_0", tiles=bad)
+    from omniinfer.kernels.triton.gguf_gemm import gguf_dequantize
+
+    assert gguf_dequantize(blocks[:0], "Q4_0", 64, torch.float16).shape == (0, 64)
 
 
 @pytest.mark.parametrize("name", ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"])

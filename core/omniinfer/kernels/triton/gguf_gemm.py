@@ -192,8 +192,6 @@ def gguf_tiles(m: int, n: int, k: int, element_size: int = 2) -> dict:
     NVIDIA in the GEMV, `python -m omniinfer.testing.kernels_aot --op gguf_gemv`)."""
     cfg = wn_tiles(m, n, k, 32, False, 4, element_size)
     del cfg["GROUP_SIZE"], cfg["TILE_IN_ONE_GROUP"]
-    # _decode reads one 32-weight run a tile: tiles and splits start on a multiple of 32
-    assert cfg["BLOCK_K"] == 32 and cfg["k_per_split"] % 32 == 0, cfg
     return cfg
 
 
@@ -208,6 +206,9 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
     n = blocks.shape[0]
     kind = _checked(blocks, type_name, k)
     cfg = gguf_tiles(m, n, k, x.element_size()) if tiles is None else tiles
+    if cfg["BLOCK_K"] != 32 or cfg["k_per_split"] % 32:
+        raise ValueError(f"tiles={cfg}: the GGUF kernel decodes 32-weight runs (BLOCK_K 32, "
+                         "k_per_split a multiple of 32)")
     return launch_weight_only(_gguf_matmul_kernel, x, x2, (blocks, _lut(x.device)),
                               (blocks.stride(0),), n, cfg, bias, TYPE=kind.code,
                               BLOCK=kind.block, BLOCK_BYTES=kind.block_bytes)
@@ -222,7 +223,7 @@ def gguf_dequantize(blocks: torch.Tensor, type_name: str, k: int, dtype: torch.d
     n = blocks.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=blocks.device)
     runs = max(r for r in (1, 2, 4, 8, 16) if r <= runs and (k // 32) % r == 0)
-    if n:
+    if n and k:
         _gguf_dequantize_kernel[(triton.cdiv(n, block_n), k // 32 // runs)](
             blocks, _lut(blocks.device), out, n, blocks.stride(0), out.stride(0), TYPE=kind.code,
             BLOCK=kind.block, BLOCK_BYTES=kind.block_bytes, BLOCK_N=block_n, RUNS=runs,
