@@ -190,14 +190,14 @@ def _q3_k(b):
 def iq4_values(qs: torch.Tensor) -> torch.Tensor:
     """[n, 16] bytes of IQ4 nibbles -> [n, 32] int8: the IQ4_VALUES they index (the low nibbles,
     then the high ones)."""
-    return _iq4_table(qs.device)[_nibbles(qs).long()]
+    return iq4_table(qs.device)[_nibbles(qs).long()]
 
 
 @functools.cache
-def _iq4_table(device: torch.device) -> torch.Tensor:
-    """IQ4_VALUES as int8 on `device`, copied there once (as gguf_iq's grids: a dequantisation
-    inside a CUDA graph's capture reads nothing from the host)."""
-    return torch.tensor(IQ4_VALUES, dtype=torch.int8, device=device)
+def iq4_table(device: torch.device, dtype: torch.dtype = torch.int8) -> torch.Tensor:
+    """IQ4_VALUES on `device`, copied there once (as gguf_iq's grids: a dequantisation, or the
+    Triton kernel's launch, inside a CUDA graph's capture then reads nothing from the host)."""
+    return torch.tensor(IQ4_VALUES, dtype=dtype, device=device)
 
 
 def _iq4_nl(b):

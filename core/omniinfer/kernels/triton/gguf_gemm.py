@@ -33,13 +33,12 @@ from omniinfer.kernels.triton.quant_gemm import (  # noqa: F401 (INTERPRETED: re
     store_out,
     wn_tiles,
 )
-from omniinfer.quantization.gguf_blocks import BY_NAME, IQ4_VALUES, QUANTIZED
+from omniinfer.quantization.gguf_blocks import BY_NAME, QUANTIZED, iq4_table
 from omniinfer.quantization.gguf_iq import LATTICE
 
 # the block types the kernel decodes (its TYPE is the GGML type code): every one the loader takes
 # but the lattice types (quantization/triton_kernel.py rewrites those first, gguf_transcode.py)
 KERNEL_TYPES = tuple(t for t in QUANTIZED if t not in LATTICE)
-_LUTS: dict[torch.device, torch.Tensor] = {}  # IQ4_VALUES as float32, per device
 
 
 @triton.jit
@@ -209,8 +208,9 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
     if cfg["BLOCK_K"] != 32 or cfg["k_per_split"] % 32:
         raise ValueError(f"tiles={cfg}: the GGUF kernel decodes 32-weight runs (BLOCK_K 32, "
                          "k_per_split a multiple of 32)")
-    return launch_weight_only(_gguf_matmul_kernel, x, x2, (blocks, _lut(x.device)),
-                              (blocks.stride(0),), n, cfg, bias, TYPE=kind.code,
+    lut = iq4_table(x.device, torch.float32)
+    return launch_weight_only(_gguf_matmul_kernel, x, x2, (blocks, lut), (blocks.stride(0),), n,
+                              cfg, bias, TYPE=kind.code,
                               BLOCK=kind.block, BLOCK_BYTES=kind.block_bytes)
 
 
@@ -225,9 +225,10 @@ def gguf_dequantize(blocks: torch.Tensor, type_name: str, k: int, dtype: torch.d
     runs = max(r for r in (1, 2, 4, 8, 16) if r <= runs and (k // 32) % r == 0)
     if n and k:
         _gguf_dequantize_kernel[(triton.cdiv(n, block_n), k // 32 // runs)](
-            blocks, _lut(blocks.device), out, n, blocks.stride(0), out.stride(0), TYPE=kind.code,
-            BLOCK=kind.block, BLOCK_BYTES=kind.block_bytes, BLOCK_N=block_n, RUNS=runs,
-            ROUND_BF16=INTERPRETED and dtype == torch.bfloat16, num_warps=num_warps)
+            blocks, iq4_table(blocks.device, torch.float32), out, n, blocks.stride(0),
+            out.stride(0), TYPE=kind.code, BLOCK=kind.block, BLOCK_BYTES=kind.block_bytes,
+            BLOCK_N=block_n, RUNS=runs, ROUND_BF16=INTERPRETED and dtype == torch.bfloat16,
+            num_warps=num_warps)
     return out
 
 
@@ -245,11 +246,3 @@ def _checked(blocks: torch.Tensor, type_name: str, k: int):
                          f"strides {blocks.stride()}")
     return kind
 
-
-def _lut(device: torch.device) -> torch.Tensor:
-    """IQ4_VALUES as float32 on `device`, made once (the first product runs before any CUDA graph
-    capture: a copy from the host is refused there)."""
-    lut = _LUTS.get(device)
-    if lut is None:
-        lut = _LUTS[device] = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=device)
-    return lut
