@@ -27,19 +27,6 @@ LAYERS = [("llama-3-8b gate_up", 28672, 4096), ("llama-3-8b down", 4096, 14336)]
 TOLERANCE = {torch.float16: 2 ** -9, torch.bfloat16: 2 ** -6, torch.float32: 1e-5}
 
 
-def gemv_tiles(m: int, n: int, k: int, block_n: int, warps: int, programs: int) -> dict:
-    """A split-K GEMV configuration: enough K splits for about `programs` programs."""
-    import triton
-
-    n_tiles, k_tiles = triton.cdiv(n, block_n), k // 32
-    split = max(1, min(programs // n_tiles, k_tiles // 2))
-    split = 1 << (split.bit_length() - 1)
-    k_per_split = triton.cdiv(k_tiles, split) * 32
-    return dict(BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=32,
-                split_k=triton.cdiv(k, k_per_split), k_per_split=k_per_split, USE_DOT=False,
-                num_warps=warps)
-
-
 def gemm_tiles(k: int, block_m: int, block_n: int, warps: int, stages: int) -> dict:
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=32, split_k=1, k_per_split=k,
                 USE_DOT=True, num_warps=warps, num_stages=stages)
@@ -47,20 +34,22 @@ def gemm_tiles(k: int, block_m: int, block_n: int, warps: int, stages: int) -> d
 
 def variants(m: int, n: int, k: int, type_name: str, blocks, dtype):
     """(name, callable) of every configuration tried for `m` rows."""
-    from omniinfer.kernels.triton.gguf_gemm import gguf_dequantize, gguf_matmul
+    from omniinfer.kernels.triton.gguf_gemm import gguf_dequantize, gguf_matmul, gguf_tiles
 
     out = [("gguf_tiles (current)", lambda x: gguf_matmul(x, blocks, type_name))]
     if m <= 8:
         for block_n in (32, 64, 128):
             for warps in (2, 4):
                 for programs in (512, 2048):
-                    cfg = gemv_tiles(m, n, k, block_n, warps, programs)
+                    cfg = gguf_tiles(m, n, k, dtype.itemsize, block_n=block_n, programs=programs,
+                                     num_warps=warps)
                     out.append((f"gemv n{block_n} w{warps} p{programs} split{cfg['split_k']}",
                                 lambda x, c=cfg: gguf_matmul(x, blocks, type_name, tiles=c)))
         # the rows padded to 16 for tl.dot (tensor cores), split over K as the GEMV is
         for block_n in (64, 128):
             for programs in (512, 2048):
-                cfg = dict(gemv_tiles(m, n, k, block_n, 4, programs), BLOCK_M=16, USE_DOT=True)
+                cfg = dict(gguf_tiles(m, n, k, dtype.itemsize, block_n=block_n, programs=programs),
+                           BLOCK_M=16, USE_DOT=True)
                 out.append((f"dot16 n{block_n} w4 p{programs} split{cfg['split_k']}",
                             lambda x, c=cfg: gguf_matmul(x, blocks, type_name, tiles=c)))
     else:  # the dequantised weight first: with a small --budget-s both kinds still run

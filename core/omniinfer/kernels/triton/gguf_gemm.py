@@ -185,11 +185,11 @@ def _gguf_dequantize_kernel(w_ptr, lut_ptr, out_ptr, N, stride_wn, stride_on,
         tl.store(out_rows + k0 + jj[None, :], w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
 
 
-def gguf_tiles(m: int, n: int, k: int, element_size: int = 2) -> dict:
+def gguf_tiles(m: int, n: int, k: int, element_size: int = 2, **gemv) -> dict:
     """`gguf_matmul`'s launch configuration: the weight-only tiles of quant_gemm.py with a K tile
     of 32 inputs (one classic block or one K-quant sub-block: a 64-deep tile's decode spills on
     NVIDIA in the GEMV, `python -m omniinfer.testing.kernels_aot --op gguf_gemv`)."""
-    cfg = wn_tiles(m, n, k, 32, False, 4, element_size)
+    cfg = wn_tiles(m, n, k, 32, False, 4, element_size, **gemv)
     del cfg["GROUP_SIZE"], cfg["TILE_IN_ONE_GROUP"]
     return cfg
 

@@ -234,10 +234,12 @@ def matrix_rows(x: torch.Tensor, what: str = "x") -> torch.Tensor:
 
 
 def wn_tiles(m: int, n: int, k: int, group_size: int, has_g_idx: bool, bits: int,
-             element_size: int = 2) -> dict:
+             element_size: int = 2, block_n: int = 64, programs: int = 512,
+             num_warps: int = 4) -> dict:
     """The launch configuration `wn_matmul` uses for an [m, k] x [k, n] product of activations
     of `element_size` bytes: tiles, split, warps; a function of the shapes alone, so the
-    catalogue can list it."""
+    catalogue can list it. `block_n`, `programs` (K is split until about that many run) and
+    `num_warps` shape the GEMV (benchmarks/gguf_tiles.py tries others)."""
     # float32 dots are FMAs on register tiles: a 64x64x64 tile on 4 warps spills on NVIDIA
     # (ptxas: 7-8 KB), and so do 32 rows with a 64-deep K tile; 32 x 64 x 32 on 8 warps does
     # not (python -m omniinfer.testing.kernels_aot). The interpreter, whose cost is per
@@ -248,17 +250,17 @@ def wn_tiles(m: int, n: int, k: int, group_size: int, has_g_idx: bool, bits: int
     group = 0 if group_size <= 0 or group_size >= k else group_size
     one_group = not has_g_idx and (group == 0 or group % block_k == 0)
     if m <= GEMV_MAX_M:
-        block_m, block_n = triton.next_power_of_2(m), 64
+        block_m = triton.next_power_of_2(m)
         n_tiles = triton.cdiv(n, block_n)
         k_tiles = triton.cdiv(k, block_k)
         # enough programs to cover a large GPU several times over (~512), each >= 2 K tiles
-        split = max(1, min(512 // n_tiles, k_tiles // 2))
+        split = max(1, min(programs // n_tiles, k_tiles // 2))
         split = 1 << (split.bit_length() - 1)
         k_per_split = triton.cdiv(k_tiles, split) * block_k
         split = triton.cdiv(k, k_per_split)
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, split_k=split,
                     k_per_split=k_per_split, USE_DOT=False, GROUP_SIZE=group,
-                    TILE_IN_ONE_GROUP=one_group, num_warps=4)
+                    TILE_IN_ONE_GROUP=one_group, num_warps=num_warps)
     block_m = min(32 if wide else 64, max(16, triton.next_power_of_2(m)))
     return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, split_k=1,
                 k_per_split=triton.cdiv(k, block_k) * block_k, USE_DOT=True, GROUP_SIZE=group,
