@@ -56,8 +56,12 @@ if [[ -z "${PYTHON:-}" ]]; then
   rm -rf "$SITE"
   pip=("$PYTHON" -m pip install -q --disable-pip-version-check --no-cache-dir --no-compile
        --no-deps --target "$SITE")
-  # (the CPU kernels build at first use, if ever: not into the wheel)
+  # (the CPU kernels build at first use, if ever: not into the wheel). setuptools builds in the
+  # tree's build/ folders and never empties them: a module deleted since would be installed, so
+  # they go before and after.
+  rm -rf "$ROOT/build" "$ROOT"/plugins/*/build
   OMNIINFER_CPU_PREBUILD=0 "${pip[@]}" --no-build-isolation --no-index . plugins/cpu plugins/cuda plugins/rocm plugins/xpu
+  rm -rf "$ROOT/build" "$ROOT"/plugins/*/build
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
   # what the installed distributions require (and the kit's pytest) that $PYTHON lacks, a round
   # at a time, so that a carried wheel's own requirements are looked at too
