@@ -1,4 +1,6 @@
-"""The portable Triton products (kernels/triton/quant_gemm.py, gguf_gemm.py) as a QuantKernel,
+"""The portable Triton products (kernels/triton/quant_gemm.py, gguf_gemm.py; for more than a
+few rows, the n-bit and GGUF weights dequantised then torch's matmul: dequant_linear.py) as a
+QuantKernel,
 for the GPU plugins to declare (CUDA, ROCm and XPU all run Triton): GPTQ / AWQ /
 compressed-tensors n-bit weights (every wint kind), compressed-tensors W8A8 (activations
 quantised to int8 per token, or with the checkpoint's static scale), omniinfer's int8 (W8A16)
@@ -46,16 +48,16 @@ class TritonQuantKernel(QuantKernel):
                 raise KernelRefused(str(e)) from None
             piece = self.piece = QuantPiece(f"gguf:{gguf_type}", piece.shape, {"blocks": blocks})
         if family == "gguf":
-            from omniinfer.kernels.triton.gguf_gemm import gguf_matmul
+            from omniinfer.kernels.triton.dequant_linear import gguf_linear
 
             w = self.weight = piece.tensors["blocks"]  # the file's bytes, as the layer holds them
-            self._product = lambda x: gguf_matmul(x, w, gguf_type)
+            self._product = lambda x: gguf_linear(x, w, gguf_type)
         elif family.startswith("wint"):
-            from omniinfer.kernels.triton.quant_gemm import wn_matmul
+            from omniinfer.kernels.triton.dequant_linear import wn_linear
             from omniinfer.quantization.int_pieces import packed_weight
 
             w = self.weight = packed_weight(piece)
-            self._product = lambda x: wn_matmul(x, w.qweight, w.scales, w.zeros, w.g_idx, w.bits,
+            self._product = lambda x: wn_linear(x, w.qweight, w.scales, w.zeros, w.g_idx, w.bits,
                                                 w.group_size)
         else:
             from omniinfer.kernels.triton.quant_gemm import int8_matmul

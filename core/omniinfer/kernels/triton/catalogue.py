@@ -256,6 +256,7 @@ _QUANT: tuple[QuantShape, ...] = (
 
 def _quant_launch(shape: QuantShape) -> None:
     from omniinfer.kernels.triton import quant_gemm as ops
+    from omniinfer.kernels.triton.dequant_linear import wn_linear
 
     meta = dict(device="meta")
     x = torch.empty(shape.m, shape.k, dtype=shape.dtype, **meta)
@@ -268,23 +269,23 @@ def _quant_launch(shape: QuantShape) -> None:
     groups = 1 if shape.group_size == -1 else -(-shape.k // shape.group_size)
     scale_dtype = torch.float16 if shape.dtype == torch.float32 else shape.dtype
     scales = torch.empty(groups, shape.n, dtype=scale_dtype, **meta)
-    ops.wn_matmul(x, torch.empty(-(-shape.k // (32 // shape.bits)), shape.n, dtype=torch.int32,
-                                 **meta),
-                  scales, torch.empty_like(scales) if shape.has_zeros else None,
-                  torch.empty(shape.k, dtype=torch.int32, **meta) if shape.has_g_idx else None,
-                  shape.bits, shape.k if shape.group_size == -1 else shape.group_size, bias)
+    wn_linear(x, torch.empty(-(-shape.k // (32 // shape.bits)), shape.n, dtype=torch.int32, **meta),
+              scales, torch.empty_like(scales) if shape.has_zeros else None,
+              torch.empty(shape.k, dtype=torch.int32, **meta) if shape.has_g_idx else None,
+              shape.bits, shape.k if shape.group_size == -1 else shape.group_size, bias)
 
 
 def quant_launches() -> list[KernelLaunch]:
-    """What the quantized linear layers launch: the weight-only GEMM (wn_gemm, more than 8 rows)
-    and split-K GEMV (wn_gemv, 1-8 rows) of `wn_matmul`, and `int8_matmul` (with its activation
-    quantization for W8A8)."""
-    from omniinfer.kernels.triton.quant_gemm import GEMV_MAX_M
+    """What the quantized linear layers launch: through `wn_linear`, the split-K GEMV (wn_gemv)
+    for a few rows and `wn_dequantize` (then torch's matmul) for more; `int8_matmul` (with its
+    activation quantization for W8A8). (wn_matmul's tl.dot GEMM, which no layer launches, is
+    timed by benchmarks/quant_kernels.py --path fused.)"""
+    from omniinfer.kernels.triton.dequant_linear import WN_FUSED_MAX_M
 
     launches = []
     for shape in _QUANT:
         op = ("int8_matmul" if shape.mode != "weight-only"
-              else "wn_gemv" if shape.m <= GEMV_MAX_M else "wn_gemm")
+              else "wn_gemv" if shape.m <= WN_FUSED_MAX_M else "wn_dequantize")
         launches.append(KernelLaunch(op, shape.label(), shape, partial(_quant_launch, shape)))
     return launches
 
@@ -306,7 +307,7 @@ class GGUFShape:
         return f"{dtype} {self.type_name} m{self.m} {self.n}x{self.k} ({self.model})"
 
 
-# Every block type at decode (the GEMV) and at a 512-token prefill chunk (the tl.dot GEMM), on
+# Every block type at decode (the GEMV) and at a 512-token prefill chunk (dequantised), on
 # Llama-3-8B's gate_up and down (Q4_K_M files hold Q4_K, Q6_K, Q8_0; the classic types are older
 # files' and narrow models' fallbacks; the lattice types run as their rewrites, gguf_transcode.py).
 _GGUF: tuple[GGUFShape, ...] = tuple(
@@ -317,33 +318,24 @@ _GGUF: tuple[GGUFShape, ...] = tuple(
     GGUFShape("llama-3-8b down", torch.float32, 512, 4096, 14336, "Q5_K"),)  # (float32's FMA tiles)
 
 
-def _gguf_launch(shape: GGUFShape, dequantize: bool = False) -> None:
-    from omniinfer.kernels.triton.gguf_gemm import gguf_dequantize, gguf_matmul
+def _gguf_launch(shape: GGUFShape) -> None:
+    from omniinfer.kernels.triton.dequant_linear import gguf_linear
     from omniinfer.quantization.gguf_blocks import BY_NAME
 
     meta = dict(device="meta")
     blocks = torch.empty(shape.n, BY_NAME[shape.type_name].row_bytes(shape.k), dtype=torch.uint8,
                          **meta)
-    if dequantize:  # (a prefill's weight, for F.linear)
-        gguf_dequantize(blocks, shape.type_name, shape.k, shape.dtype)
-    else:
-        gguf_matmul(torch.empty(shape.m, shape.k, dtype=shape.dtype, **meta), blocks, shape.type_name)
-
-
-# gguf_dequantize (benchmarks/gguf_tiles.py times it): a Q4_K_M file's types, and Q3_K's decoder
-_GGUF_DEQUANTIZE = tuple(GGUFShape("llama-3-8b gate_up", torch.bfloat16, 512, 28672, 4096, t)
-                         for t in ("Q4_K", "Q6_K", "Q8_0", "Q3_K"))
+    gguf_linear(torch.empty(shape.m, shape.k, dtype=shape.dtype, **meta), blocks, shape.type_name)
 
 
 def gguf_launches() -> list[KernelLaunch]:
-    """What GGUF layers launch on a GPU through `gguf_matmul`: the split-K GEMV (1-8 rows) and
-    the tl.dot GEMM, per block type; and `gguf_dequantize`."""
-    from omniinfer.kernels.triton.quant_gemm import GEMV_MAX_M
+    """What GGUF layers launch on a GPU through `gguf_linear`, per block type: the split-K GEMV
+    (gguf_gemv) for a few rows, `gguf_dequantize` (then torch's matmul) for more. (gguf_matmul's
+    tl.dot GEMM, which no layer launches, is timed by benchmarks/gguf_tiles.py.)"""
+    from omniinfer.kernels.triton.dequant_linear import GGUF_FUSED_MAX_M
 
-    return [KernelLaunch("gguf_gemv" if shape.m <= GEMV_MAX_M else "gguf_gemm", shape.label(),
-                         shape, partial(_gguf_launch, shape)) for shape in _GGUF] + [
-        KernelLaunch("gguf_dequantize", shape.label(), shape, partial(_gguf_launch, shape, True))
-        for shape in _GGUF_DEQUANTIZE]
+    return [KernelLaunch("gguf_gemv" if shape.m <= GGUF_FUSED_MAX_M else "gguf_dequantize",
+                         shape.label(), shape, partial(_gguf_launch, shape)) for shape in _GGUF]
 
 
 # ---- mixture of experts (kernels/triton/fused_moe.py) -------------------------------------------

@@ -185,10 +185,15 @@ def _gguf_dequantize_kernel(w_ptr, lut_ptr, out_ptr, N, stride_wn, stride_on,
         tl.store(out_rows + k0 + jj[None, :], w.to(out_ptr.dtype.element_ty), mask=n_ok[:, None])
 
 
-def gguf_tiles(m: int, n: int, k: int, element_size: int = 2, **gemv) -> dict:
+def gguf_tiles(m: int, n: int, k: int, element_size: int = 2, type_name: str = "Q4_K",
+               **gemv) -> dict:
     """`gguf_matmul`'s launch configuration: the weight-only tiles of quant_gemm.py with a K tile
     of 32 inputs (one classic block or one K-quant sub-block: a 64-deep tile's decode spills on
-    NVIDIA in the GEMV, `python -m omniinfer.testing.kernels_aot --op gguf_gemv`)."""
+    NVIDIA in the GEMV, `python -m omniinfer.testing.kernels_aot --op gguf_gemv`). The GEMV's
+    defaults are the H200's best (benchmarks/gguf_tiles.py, 2026-12-04): K split until ~2048
+    programs run (512: 10-35% slower), 128 outputs a program for Q6_K and Q8_0, 64 for the rest
+    (Q4_K: 128 is 15-20% slower); `gemv` (block_n, programs, num_warps) overrides them."""
+    gemv = {"block_n": 128 if type_name in ("Q6_K", "Q8_0") else 64, "programs": 2048, **gemv}
     cfg = wn_tiles(m, n, k, 32, False, 4, element_size, **gemv)
     del cfg["GROUP_SIZE"], cfg["TILE_IN_ONE_GROUP"]
     return cfg
@@ -204,7 +209,7 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
     m, k = x2.shape
     n = blocks.shape[0]
     kind = _checked(blocks, type_name, k)
-    cfg = gguf_tiles(m, n, k, x.element_size()) if tiles is None else tiles
+    cfg = gguf_tiles(m, n, k, x.element_size(), type_name) if tiles is None else tiles
     if cfg["BLOCK_K"] != 32 or cfg["k_per_split"] % 32:
         raise ValueError(f"tiles={cfg}: the GGUF kernel decodes 32-weight runs (BLOCK_K 32, "
                          "k_per_split a multiple of 32)")

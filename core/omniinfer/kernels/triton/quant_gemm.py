@@ -46,9 +46,6 @@ def _wn_matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
-    PACK: tl.constexpr = 32 // BITS
-    MASK: tl.constexpr = (1 << BITS) - 1
-    MIDPOINT: tl.constexpr = 1 << (BITS - 1)
     pid_m, split, rows, n, k_start, k_end = program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     rows_ok = rows < M
     n_ok = n < N
@@ -57,37 +54,50 @@ def _wn_matmul_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < k_end
-        # every code of a word is read from the same word: PACK rows share one load
-        words = tl.load(qweight_ptr + (k // PACK).to(tl.int64)[:, None] * N + n[None, :],
-                        mask=k_ok[:, None] & n_ok[None, :], other=0)
-        codes = ((words >> ((k % PACK) * BITS)[:, None]) & MASK).to(tl.float32)
-        if TILE_IN_ONE_GROUP:  # one row of scales (and zeros) serves the whole tile
-            if GROUP_SIZE > 0:
-                g = k0 // GROUP_SIZE
-            else:
-                g = 0
-            scale = tl.load(scales_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            if HAS_ZEROS:
-                zero = tl.load(zeros_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            else:
-                zero = MIDPOINT
-        else:
-            if HAS_G_IDX:
-                g = tl.load(g_idx_ptr + k, mask=k_ok, other=0)
-            else:
-                g = k // GROUP_SIZE
-            offsets = g.to(tl.int64)[:, None] * N + n[None, :]
-            tile_ok = k_ok[:, None] & n_ok[None, :]
-            scale = tl.load(scales_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
-            if HAS_ZEROS:
-                zero = tl.load(zeros_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
-            else:
-                zero = MIDPOINT
-        w = (codes - zero) * scale  # [BLOCK_K, BLOCK_N]
+        w = wn_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k0, k, k_ok, n, n_ok, BITS,
+                    GROUP_SIZE, TILE_IN_ONE_GROUP, HAS_ZEROS, HAS_G_IDX)
         acc = accumulate(acc, w, x_ptr, x_rows, rows_ok, k, k_ok, pid_m, M, stride_xm,
                          BLOCK_M, USE_DOT, DOT_F32, ROUND_BF16)
     store_out(acc, bias_ptr, out_ptr, rows, rows_ok, n, n_ok, split, stride_om, stride_os,
               HAS_BIAS, ROUND_BF16)
+
+
+@triton.jit
+def wn_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k0, k, k_ok, n, n_ok,
+            BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, TILE_IN_ONE_GROUP: tl.constexpr,
+            HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr):
+    """The weights of inputs k [BLOCK_K] (from k0) x outputs n [BLOCK_N], ``(code - zero) *
+    scale`` in float32 [BLOCK_K, BLOCK_N] (masked codes read as 0)."""
+    PACK: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    MIDPOINT: tl.constexpr = 1 << (BITS - 1)
+    # every code of a word is read from the same word: PACK rows share one load
+    words = tl.load(qweight_ptr + (k // PACK).to(tl.int64)[:, None] * N + n[None, :],
+                    mask=k_ok[:, None] & n_ok[None, :], other=0)
+    codes = ((words >> ((k % PACK) * BITS)[:, None]) & MASK).to(tl.float32)
+    if TILE_IN_ONE_GROUP:  # one row of scales (and zeros) serves the whole tile
+        if GROUP_SIZE > 0:
+            g = k0 // GROUP_SIZE
+        else:
+            g = 0
+        scale = tl.load(scales_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        if HAS_ZEROS:
+            zero = tl.load(zeros_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        else:
+            zero = MIDPOINT
+    else:
+        if HAS_G_IDX:
+            g = tl.load(g_idx_ptr + k, mask=k_ok, other=0)
+        else:
+            g = k // GROUP_SIZE
+        offsets = g.to(tl.int64)[:, None] * N + n[None, :]
+        tile_ok = k_ok[:, None] & n_ok[None, :]
+        scale = tl.load(scales_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
+        if HAS_ZEROS:
+            zero = tl.load(zeros_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
+        else:
+            zero = MIDPOINT
+    return (codes - zero) * scale
 
 
 @triton.jit
@@ -277,14 +287,18 @@ def wn_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     x2 = matrix_rows(x)
     m, k = x2.shape
     n = qweight.shape[1]
-    if qweight.dtype != torch.int32 or qweight.shape[0] != triton.cdiv(k, 32 // bits):
-        raise ValueError(f"qweight must be int32 [{triton.cdiv(k, 32 // bits)}, N] for K={k} at "
-                         f"{bits} bits, got {qweight.dtype} {tuple(qweight.shape)}")
+    check_qweight(qweight, k, bits)
     cfg = wn_tiles(m, n, k, group_size, g_idx is not None, bits, x.element_size())
     weights = (qweight, scales, scales if zeros is None else zeros,
                qweight if g_idx is None else g_idx)
     return launch_weight_only(_wn_matmul_kernel, x, x2, weights, (), n, cfg, bias, BITS=bits,
                               HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None)
+
+
+def check_qweight(qweight: torch.Tensor, k: int, bits: int) -> None:
+    if qweight.dtype != torch.int32 or qweight.shape[0] != triton.cdiv(k, 32 // bits):
+        raise ValueError(f"qweight must be int32 [{triton.cdiv(k, 32 // bits)}, N] for K={k} at "
+                         f"{bits} bits, got {qweight.dtype} {tuple(qweight.shape)}")
 
 
 def launch_weight_only(kernel, x: torch.Tensor, x2: torch.Tensor, weights: tuple,

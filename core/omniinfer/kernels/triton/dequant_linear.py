@@ -1,0 +1,139 @@
+"""Quantized linear layers as the layers run them: a fused kernel for a few rows, the weight
+dequantised then torch's matmul for more.
+
+A fused kernel (gguf_gemm.py, quant_gemm.py) decodes every weight in registers for each tile of
+rows; past a few rows that decode, repeated per row tile and done on the cores that should be
+multiplying, costs more than writing the weight out once in the activation dtype and handing
+it to the vendor's GEMM (cuBLAS, hipBLASLt, oneDNN), which runs at the device's peak. Measured
+on an H200 (benchmarks/gguf_tiles.py, scripts/gpu_check.sh; docs/quantization.md): Llama-3-8B's
+gate_up as Q4_K at 512 rows, fused 1,690 us, dequantised + F.linear 300 us, dense bf16
+F.linear 163 us; at 1 row the fused GEMV wins (142-157 us against ~200).
+
+``gguf_linear`` and ``wn_linear`` pick between them by the rows (`*_FUSED_MAX_M`). The
+dequantised weight is transient: at most ``DEQUANT_WORKSPACE_BYTES`` live at a time (wider
+layers go in output chunks), so a layer never holds a float copy of its weight, and the
+workspace is what a step's activations already cost beside it (a CUDA graph's pool reuses it
+from layer to layer). Numerics: the reference's, the weight rounded once to x's dtype and
+multiplied by torch's matmul (float32 sums); only the order of the sums differs from the fused
+kernels'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from omniinfer.kernels.triton.gguf_gemm import gguf_dequantize, gguf_matmul
+from omniinfer.kernels.triton.quant_gemm import (
+    INTERPRETED,
+    bf16_round,
+    check_qweight,
+    matrix_rows,
+    wn_matmul,
+    wn_tile,
+)
+
+# rows up to which the fused kernels run (more: dequantise, then torch's matmul); see the module
+GGUF_FUSED_MAX_M = 4
+WN_FUSED_MAX_M = 4
+DEQUANT_WORKSPACE_BYTES = 64 << 20
+
+
+def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
+                bias: torch.Tensor | None = None, fused_max_m: int = GGUF_FUSED_MAX_M) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for W held as GGUF blocks (gguf_gemm.gguf_matmul's arguments):
+    `gguf_matmul` for up to `fused_max_m` rows, else W dequantised (gguf_dequantize) in chunks
+    of outputs and multiplied by torch."""
+    x2 = matrix_rows(x)
+    if x2.shape[0] <= fused_max_m:
+        return gguf_matmul(x, blocks, type_name, bias)
+    k = x2.shape[1]
+    return _dequantized_product(
+        x, x2, blocks.shape[0], bias,
+        lambda n0, n1: gguf_dequantize(blocks[n0:n1], type_name, k, x.dtype), n_major=True)
+
+
+def wn_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+              zeros: torch.Tensor | None, g_idx: torch.Tensor | None, bits: int, group_size: int,
+              bias: torch.Tensor | None = None, fused_max_m: int = WN_FUSED_MAX_M) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for an n-bit weight (quant_gemm.wn_matmul's arguments): `wn_matmul`
+    for up to `fused_max_m` rows, else W dequantised (wn_dequantize) in chunks of outputs and
+    multiplied by torch."""
+    x2 = matrix_rows(x)
+    if x2.shape[0] <= fused_max_m:
+        return wn_matmul(x, qweight, scales, zeros, g_idx, bits, group_size, bias)
+    check_qweight(qweight, x2.shape[1], bits)
+    return _dequantized_product(
+        x, x2, qweight.shape[1], bias,
+        lambda n0, n1: wn_dequantize(qweight, scales, zeros, g_idx, bits, group_size,
+                                     x2.shape[1], x.dtype, n0, n1), n_major=False)
+
+
+def _dequantized_product(x: torch.Tensor, x2: torch.Tensor, n: int, bias: torch.Tensor | None,
+                         weight: Callable[[int, int], torch.Tensor], n_major: bool) -> torch.Tensor:
+    """x2 @ W.T (+ bias) shaped as x's rows by n, W's outputs [n0, n1) at a time from
+    `weight(n0, n1)`: [n1 - n0, K] (`n_major`) or [K, n1 - n0], in x's dtype."""
+    m, k = x2.shape
+    step = max(64, DEQUANT_WORKSPACE_BYTES // max(1, k * x.element_size()) // 64 * 64)
+    parts = []
+    for n0 in range(0, n, step):
+        n1 = min(n, n0 + step)
+        w = weight(n0, n1)
+        b = None if bias is None else bias[n0:n1]
+        if n_major:
+            parts.append(torch.nn.functional.linear(x2, w, b))
+        else:
+            parts.append(torch.mm(x2, w) if b is None else torch.addmm(b, x2, w))
+        del w  # the next chunk reuses its memory
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+    return out.view(*x.shape[:-1], n)
+
+
+@triton.jit
+def _wn_dequantize_kernel(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr, N, K, n_start,
+                          n_end, stride_ok, BITS: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                          TILE_IN_ONE_GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr,
+                          HAS_G_IDX: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                          ROUND_BF16: tl.constexpr):
+    """W^T's inputs x outputs [n_start, n_end) in out's dtype ([K, n_end - n_start], row stride
+    stride_ok): the fused kernel's tile decode (quant_gemm.wn_tile), stored."""
+    k0 = tl.program_id(0) * BLOCK_K
+    k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    n = n_start + tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < n_end
+    w = wn_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k0, k, k_ok, n, n_ok, BITS,
+                GROUP_SIZE, TILE_IN_ONE_GROUP, HAS_ZEROS, HAS_G_IDX)
+    if ROUND_BF16:
+        w = bf16_round(w)
+    tl.store(out_ptr + k.to(tl.int64)[:, None] * stride_ok + (n - n_start)[None, :],
+             w.to(out_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
+
+
+def wn_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
+                  g_idx: torch.Tensor | None, bits: int, group_size: int, k: int,
+                  dtype: torch.dtype, n_start: int = 0, n_end: int | None = None) -> torch.Tensor:
+    """W^T [K, n_end - n_start] in `dtype` (outputs n_start..n_end of an n-bit weight in
+    wn_matmul's layout): ``(code - zero) * scale`` in float32 rounded once to `dtype`, as the
+    reference (quantization/int_reference.py) rounds it."""
+    n = qweight.shape[1]
+    n_end = n if n_end is None else n_end
+    if not 0 <= n_start <= n_end <= n:
+        raise ValueError(f"outputs [{n_start}, {n_end}) are not within the weight's {n}")
+    out = torch.empty(k, n_end - n_start, dtype=dtype, device=qweight.device)
+    block_k = 32 if group_size == 32 else 64
+    group = 0 if group_size <= 0 or group_size >= k else group_size
+    block_n = 64
+    if k and n_end > n_start:
+        grid = (triton.cdiv(k, block_k), triton.cdiv(n_end - n_start, block_n))
+        _wn_dequantize_kernel[grid](
+            qweight, scales, scales if zeros is None else zeros,
+            qweight if g_idx is None else g_idx, out, n, k, n_start, n_end, out.stride(0),
+            BITS=bits, GROUP_SIZE=group,
+            TILE_IN_ONE_GROUP=g_idx is None and (group == 0 or group % block_k == 0),
+            HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, BLOCK_K=block_k,
+            BLOCK_N=block_n, ROUND_BF16=INTERPRETED and dtype == torch.bfloat16, num_warps=4)
+    return out

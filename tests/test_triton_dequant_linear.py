@@ -1,0 +1,116 @@
+"""The quantized layers' products by rows (kernels/triton/dequant_linear.py): the fused kernels
+for a few rows, the weight dequantised then torch's matmul for more. Interpreted on the CPU
+(tests/conftest.py sets TRITON_INTERPRET=1 without an accelerator), compiled where there is a GPU.
+
+References as the fused kernels' tests use them: ``gguf.quants.dequantize`` for GGUF blocks,
+quantization/int_reference.py for n-bit weights; tolerances theirs (the same rounded operands,
+float32 sums in another order).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omniinfer.kernels import triton as triton_kernels
+from omniinfer.quantization.int_reference import wn_linear_reference
+
+pytest.importorskip("triton")
+pytest.importorskip("gguf")
+from test_triton_gguf_kernels import blocks_of  # noqa: E402
+from test_triton_quant_kernels import CASES, close, packed_weight  # noqa: E402
+
+from omniinfer.kernels.triton import dequant_linear as dl  # noqa: E402
+
+INTERPRETED = triton_kernels.interpret_requested()
+DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
+
+
+def on(t):
+    return None if t is None else t.to(DEVICE)
+
+
+def wn(x, p, bias=None, **kw):
+    return dl.wn_linear(on(x), on(p.qweight), on(p.scales), on(p.zeros), on(p.g_idx), p.bits,
+                        p.group_size, on(bias), **kw).cpu()
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Which product each call took: 'fused' or 'dequantised'."""
+    seen = []
+    for name, path in (("gguf_matmul", "fused"), ("wn_matmul", "fused"),
+                       ("gguf_dequantize", "dequantised"), ("wn_dequantize", "dequantised")):
+        real = getattr(dl, name)
+        monkeypatch.setattr(dl, name, lambda *a, _r=real, _p=path, **k: (seen.append(_p), _r(*a, **k))[1])
+    return seen
+
+
+@pytest.mark.parametrize("m", [1, dl.GGUF_FUSED_MAX_M, dl.GGUF_FUSED_MAX_M + 1, 17])
+def test_gguf_rows_take_the_fused_kernel_up_to_the_bound_then_the_dequantised_weight(m, launches):
+    blocks, w = blocks_of("Q4_K", 72, 512)
+    x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
+    out = dl.gguf_linear(on(x), on(blocks), "Q4_K").cpu()
+    close(out, torch.nn.functional.linear(x, w))
+    assert set(launches) == {"fused" if m <= dl.GGUF_FUSED_MAX_M else "dequantised"}
+
+
+@pytest.mark.parametrize("name", ["Q8_0", "Q5_1", "Q3_K", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gguf_dequantised_products_match_the_reference(name, dtype):
+    blocks, w = blocks_of(name, 72, 512, seed=2)
+    x = torch.randn(2, 9, 512, generator=torch.Generator().manual_seed(3)).to(dtype)
+    bias = torch.randn(72).to(dtype)
+    out = dl.gguf_linear(on(x), on(blocks), name, on(bias), fused_max_m=0).cpu()
+    assert out.shape == (2, 9, 72)
+    close(out, torch.nn.functional.linear(x, w.to(dtype), bias))
+
+
+def test_wide_layers_are_dequantised_in_chunks_of_the_workspace(monkeypatch, launches):
+    """A workspace of 64 outputs' weights: 72 outputs in two chunks, the bias split with them."""
+    blocks, w = blocks_of("Q6_K", 72, 256, seed=4)
+    p = packed_weight("gptq4 g128 asym")
+    monkeypatch.setattr(dl, "DEQUANT_WORKSPACE_BYTES", 64 * 256 * 4)
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(72)
+    close(dl.gguf_linear(on(x), on(blocks), "Q6_K", on(bias)).cpu(),
+          torch.nn.functional.linear(x, w, bias))
+    close(wn(x, p, bias), wn_linear_reference(x, p, bias))
+    assert launches == ["dequantised"] * 4
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_wn_dequantised_products_match_the_reference(case, dtype, launches):
+    p = packed_weight(case, CASES[case])
+    x = torch.randn(17, CASES[case], generator=torch.Generator().manual_seed(6)).to(dtype)
+    close(wn(x, p), wn_linear_reference(x, p))
+    assert launches == ["dequantised"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_wn_dequantize_is_the_reference_weight_rounded_once(case):
+    """Bit for bit: outputs [8, 72) of W^T (a range that starts inside the first 64-wide tile),
+    float32 and each 16-bit dtype the float32 weight rounded once."""
+    p = packed_weight(case, CASES[case])
+    want = p.dequantize().T  # [K, N] float32
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        got = dl.wn_dequantize(on(p.qweight), on(p.scales), on(p.zeros), on(p.g_idx), p.bits,
+                               p.group_size, CASES[case], dtype, 8, 72).cpu()
+        assert got.dtype == dtype and torch.equal(got, want[:, 8:].to(dtype))
+
+
+def test_bad_arguments_are_named():
+    p = packed_weight("gptq4 g128 asym")
+    with pytest.raises(ValueError, match=r"outputs \[8, 80\) are not within the weight's 72"):
+        dl.wn_dequantize(p.qweight, p.scales, p.zeros, None, 4, 128, 256, torch.float32, 8, 80)
+    with pytest.raises(ValueError, match="qweight must be int32"):
+        wn(torch.randn(9, 512), p)  # K=512 for a weight of K=256, on the dequantising path
+    blocks, _ = blocks_of("Q4_0", 8, 256)
+    with pytest.raises(ValueError, match="blocks must be uint8"):
+        dl.gguf_linear(on(torch.randn(9, 512)), on(blocks), "Q4_0")
+
+
+def test_no_rows_make_an_empty_product():
+    blocks, _ = blocks_of("Q8_0", 72, 256)
+    assert dl.gguf_linear(on(torch.randn(0, 256)), on(blocks), "Q8_0", fused_max_m=-1).shape == (0, 72)
