@@ -1,11 +1,11 @@
 """GGUF Triton kernel tiles on a GPU: each launch configuration of kernels/triton/gguf_gemm.py's
 product timed on Llama-3-8B's gate_up and down layers, beside torch's F.linear on the same
-weights in the activation dtype, and, for prefill, the weight dequantised by gguf_dequantize
-then multiplied by F.linear. Every variant's output is checked against the reference (the
+weights in the activation dtype, the weight dequantised by gguf_dequantize then multiplied by
+F.linear, and gguf_linear (what the layers run: kernels/triton/dequant_linear.py). Every variant's output is checked against the reference (the
 blocks dequantised by quantization/gguf_blocks.py, F.linear); a variant that disagrees is
 marked, never ranked. The table says which configuration gguf_tiles should pick.
 
-    python benchmarks/gguf_tiles.py [--type Q4_K ...] [--rows 1 8 512] [--budget-s 200]
+    python benchmarks/gguf_tiles.py [--type Q4_K ...] [--rows 1 2 4 8 512] [--budget-s 200]
                                     [--only REGEX] [--json out.json]
 
 Decode rows (1-8) are measured in weight GB/s, prefill in TFLOP/s. --budget-s stops the sweep
@@ -34,42 +34,46 @@ def gemm_tiles(k: int, block_m: int, block_n: int, warps: int, stages: int) -> d
 
 def variants(m: int, n: int, k: int, type_name: str, blocks, dtype):
     """(name, callable) of every configuration tried for `m` rows."""
+    from omniinfer.kernels.triton.dequant_linear import gguf_linear
     from omniinfer.kernels.triton.gguf_gemm import gguf_dequantize, gguf_matmul, gguf_tiles
 
-    out = [("gguf_tiles (current)", lambda x: gguf_matmul(x, blocks, type_name))]
-    if m <= 8:
+    def dequantised(block_n, runs, warps):
+        return lambda x: torch.nn.functional.linear(
+            x, gguf_dequantize(blocks, type_name, k, x.dtype, block_n, runs, warps))
+
+    out = [("gguf_linear (current)", lambda x: gguf_linear(x, blocks, type_name)),
+           ("gguf_tiles (current)", lambda x: gguf_matmul(x, blocks, type_name))]
+    if m <= 8:  # (H200, 2026-12-04: 512 programs lost to 2048 in every case, so only 2048 now)
         for block_n in (32, 64, 128):
             for warps in (2, 4):
-                for programs in (512, 2048):
-                    cfg = gguf_tiles(m, n, k, dtype.itemsize, block_n=block_n, programs=programs,
-                                     num_warps=warps)
-                    out.append((f"gemv n{block_n} w{warps} p{programs} split{cfg['split_k']}",
-                                lambda x, c=cfg: gguf_matmul(x, blocks, type_name, tiles=c)))
+                cfg = gguf_tiles(m, n, k, dtype.itemsize, type_name, block_n=block_n,
+                                 programs=2048, num_warps=warps)
+                out.append((f"gemv n{block_n} w{warps} p2048 split{cfg['split_k']}",
+                            lambda x, c=cfg: gguf_matmul(x, blocks, type_name, tiles=c)))
         # the rows padded to 16 for tl.dot (tensor cores), split over K as the GEMV is
         for block_n in (64, 128):
-            for programs in (512, 2048):
-                cfg = dict(gguf_tiles(m, n, k, dtype.itemsize, block_n=block_n, programs=programs),
-                           BLOCK_M=16, USE_DOT=True)
-                out.append((f"dot16 n{block_n} w4 p{programs} split{cfg['split_k']}",
-                            lambda x, c=cfg: gguf_matmul(x, blocks, type_name, tiles=c)))
+            cfg = dict(gguf_tiles(m, n, k, dtype.itemsize, type_name, block_n=block_n,
+                                  programs=2048, num_warps=4), BLOCK_M=16, USE_DOT=True)
+            out.append((f"dot16 n{block_n} w4 p2048 split{cfg['split_k']}",
+                        lambda x, c=cfg: gguf_matmul(x, blocks, type_name, tiles=c)))
+        # where the dequantised weight overtakes the GEMV (gguf_linear's GGUF_FUSED_MAX_M)
+        out.append(("dequant n32 r8 w4 + F.linear", dequantised(32, 8, 4)))
     else:  # the dequantised weight first: with a small --budget-s both kinds still run
         for block_n, runs, warps in ((64, 4, 4), (32, 8, 4), (128, 4, 8), (64, 8, 8)):
             out.append((f"dequant n{block_n} r{runs} w{warps} + F.linear",
-                        lambda x, b=block_n, r=runs, w=warps: torch.nn.functional.linear(
-                            x, gguf_dequantize(blocks, type_name, k, x.dtype, b, r, w))))
-        for block_m in (32, 64, 128):
+                        dequantised(block_n, runs, warps)))
+        for block_m in (64, 128):  # (32 rows: 2-3x slower than 128 on the H200)
             for block_n in (64, 128):
-                for warps in (4, 8):
-                    cfg = gemm_tiles(k, block_m, block_n, warps, 3)
-                    out.append((f"gemm m{block_m} n{block_n} w{warps}",
-                                lambda x, c=cfg: gguf_matmul(x, blocks, type_name, tiles=c)))
+                cfg = gemm_tiles(k, block_m, block_n, 4, 3)
+                out.append((f"gemm m{block_m} n{block_n} w4",
+                            lambda x, c=cfg: gguf_matmul(x, blocks, type_name, tiles=c)))
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--type", action="append", dest="types")
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 512])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 512])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--budget-s", type=float, default=200.0)
     ap.add_argument("--json")

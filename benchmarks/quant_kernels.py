@@ -1,11 +1,13 @@
-"""Quantized-GEMM micro-benchmark: the Triton kernels of kernels/triton/quant_gemm.py and
-gguf_gemm.py against torch's F.linear on the same weights dequantized to the activation dtype,
-each output checked against the torch reference (quantization/int_reference.py; for GGUF blocks
-the weight dequantized by quantization/gguf_blocks.py, multiplied by F.linear).
+"""Quantized-GEMM micro-benchmark: the Triton products the layers run (kernels/triton/
+dequant_linear.py: the fused kernels of quant_gemm.py and gguf_gemm.py for a few rows, the
+weight dequantised then torch's matmul for more; --path fused / dequant forces one) against
+torch's F.linear on the same weights dequantized to the activation dtype, each output checked
+against the torch reference (quantization/int_reference.py; for GGUF blocks the weight
+dequantized by quantization/gguf_blocks.py, multiplied by F.linear).
 
     python benchmarks/quant_kernels.py [--platform cuda] [--dtype bfloat16] [--iters N]
                                        [--format NAME ...] [--rows M ...] [--json out.json]
-                                       [--include-interpreted]
+                                       [--path auto|fused|dequant] [--include-interpreted]
 
 Layers are Llama-3-8B's per-rank gate_up (28672 x 4096) and down (4096 x 14336) on
 accelerators, at 1 and 8 rows (decode: weight bytes per second is the measure) and 512 rows
@@ -82,19 +84,21 @@ def make_weight(fmt: str, n: int, k: int, dtype, device, gen):
                            None if g_idx is None else g_idx.to(device), 4, group, k, n)
 
 
-def kernel_call(weight):
-    from omniinfer.kernels.triton.quant_gemm import int8_matmul, wn_matmul
+def kernel_call(weight, path: str = "auto"):
+    """The product the layers run (`path` auto: dequant_linear's choice by rows), or always the
+    fused kernel, or always the weight dequantised then torch's matmul (int8 has one path)."""
+    from omniinfer.kernels.triton import dequant_linear as dl
+    from omniinfer.kernels.triton.quant_gemm import int8_matmul
     from omniinfer.quantization.int_layouts import Int8Weight
 
+    bound = {"auto": {}, "fused": {"fused_max_m": 1 << 62}, "dequant": {"fused_max_m": -1}}[path]
     if isinstance(weight, GGUFWeight):
-        from omniinfer.kernels.triton.gguf_gemm import gguf_matmul
-
-        return lambda x: gguf_matmul(x, weight.blocks, weight.type_name)
+        return lambda x: dl.gguf_linear(x, weight.blocks, weight.type_name, **bound)
     if isinstance(weight, Int8Weight):
         return lambda x: int8_matmul(x, weight.weight, weight.weight_scale, weight.input_scale,
                                      weight.quantize_activations)
-    return lambda x: wn_matmul(x, weight.qweight, weight.scales, weight.zeros, weight.g_idx,
-                               weight.bits, weight.group_size)
+    return lambda x: dl.wn_linear(x, weight.qweight, weight.scales, weight.zeros, weight.g_idx,
+                                  weight.bits, weight.group_size, **bound)
 
 
 def reference(weight, x):
@@ -134,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iters", type=int, default=None)
     parser.add_argument("--format", action="append", default=[], choices=FORMATS)
     parser.add_argument("--rows", action="append", type=int, default=[])
+    parser.add_argument("--path", default="auto", choices=["auto", "fused", "dequant"],
+                        help="auto: the product the layers run; fused: always the fused kernel; "
+                             "dequant: always the weight dequantised, then torch's matmul")
     parser.add_argument("--json", default=None, help="also write the results here")
     parser.add_argument("--include-interpreted", action="store_true")
     args = parser.parse_args(argv)
@@ -170,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                     results.append(row)
                     continue
                 try:
-                    fn = kernel_call(weight)
+                    fn = kernel_call(weight, args.path)
                     out, ref = fn(x), reference(weight, x)
                     row["error"] = ((out.float() - ref.float()).abs().max()
                                     / ref.float().abs().max().clamp(min=1e-30)).item()
@@ -181,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(row)
 
     print(machine_line())
-    print(f"quantized GEMMs on {platform.name} ({device}), {args.dtype} activations; "
+    print(f"quantized GEMMs on {platform.name} ({device}), {args.dtype} activations, path "
+          f"{args.path}; "
           "us per call, weight GB/s (decode) or TFLOP/s (prefill), max error relative to the "
           "largest output")
     print(f"{'layer':<20} {'format':<16} {'rows':>5} {'MB':>7} {'torch us':>9} {'triton us':>10} "

@@ -374,17 +374,18 @@ def test_sliding_kv(tmp_path):
 
 def test_gguf_tiles_runs_every_kind_of_variant_interpreted(tmp_path):
     """benchmarks/gguf_tiles.py (a GPU's sweep of the GGUF kernel's tiles) on a tiny layer under
-    the interpreter: the GEMV, the dequantised weight and the GEMM variants each agree with the
-    reference; a spent budget stops the sweep with a line that says so."""
+    the interpreter: what the layers run (gguf_linear), the GEMV, the dequantised weight and the
+    GEMM variants each agree with the reference; a spent budget stops the sweep with a line that says so."""
     out = tmp_path / "tiles.json"
     text = run("gguf_tiles.py", "--tiny", "--type", "Q8_0", "--rows", "17", "1", "--only",
-               "current|dequant n64 r4|gemm m32 n64 w4|gemv n64 w2 p512|dot16 n64 w4 p512", "--json", str(out),
-               TRITON_INTERPRET="1")
+               "current|dequant n64 r4|dequant n32 r8|gemm m64 n64 w4|gemv n64 w2|dot16 n64",
+               "--json", str(out), TRITON_INTERPRET="1")
     assert "WRONG" not in text and "stops here" not in text, text
     rows = json.loads(out.read_text())["results"]
     assert [(r["rows"], r["variant"].split()[0]) for r in rows] == [
-        (17, "torch"), (17, "gguf_tiles"), (17, "dequant"), (17, "gemm"),
-        (1, "torch"), (1, "gguf_tiles"), (1, "gemv"), (1, "dot16")]
+        (17, "torch"), (17, "gguf_linear"), (17, "gguf_tiles"), (17, "dequant"), (17, "dequant"),
+        (17, "gemm"), (1, "torch"), (1, "gguf_linear"), (1, "gguf_tiles"), (1, "gemv"),
+        (1, "dot16"), (1, "dequant")]
     assert all(r["ok"] for r in rows), rows
     text = run("gguf_tiles.py", "--tiny", "--type", "Q8_0", "--budget-s", "0", TRITON_INTERPRET="1")
     assert "(budget of 0 s spent: the sweep stops here)" in text

@@ -26,7 +26,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
                GPU_CHECK_BENCH_ARGS="--backend TORCH_SDPA --iters 1",
                GPU_CHECK_QBENCH_ARGS="--include-interpreted --format int4-g128 --rows 1 --iters 1",
                GPU_CHECK_QMODEL_ARGS="--case gguf-q4_k_m",
-               GPU_CHECK_TILES_ARGS="--type Q8_0 --rows 1 --only current",
+               GPU_CHECK_TILES_ARGS="--type Q8_0 --rows 1 --only gguf_linear",
                GPU_CHECK_AOT_ARGS="--op reshape_and_cache --target sm_90 --target gfx942 --jobs 1")
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=ROOT, env=env,
@@ -52,9 +52,9 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert {r["target"] for r in report["results"]} == {"sm_90", "gfx942"}
     assert {r["op"] for r in report["results"]} == {"reshape_and_cache"} and not report["failures"]
     # the GGUF tile sweep ran (interpreted, on a tiny layer) and named its best variant
-    assert "tiny                Q8_0     1  best: gguf_tiles (current)" in out
+    assert "tiny                Q8_0     1  best: gguf_linear (current)" in out
     tiles = json.loads((tmp_path / "gguf_tiles.json").read_text())["results"]
-    assert [r["variant"].split()[0] for r in tiles] == ["torch", "gguf_tiles"] and tiles[1]["ok"]
+    assert [r["variant"].split()[0] for r in tiles] == ["torch", "gguf_linear"] and tiles[1]["ok"]
     for name in ("conformance.xml", "conformance.log", "bench.json", "bench.log", "aot.log",
                  "quant_bench.log", "gguf_tiles.log"):
         assert (tmp_path / name).exists(), name
