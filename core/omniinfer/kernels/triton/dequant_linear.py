@@ -11,7 +11,8 @@ F.linear 163 us; at 1 row the fused GEMV wins (142-157 us against ~200).
 
 ``gguf_linear`` and ``wn_linear`` pick between them by the rows (`*_FUSED_MAX_M`). The
 dequantised weight is transient: at most ``DEQUANT_WORKSPACE_BYTES`` live at a time (wider
-layers go in output chunks), so a layer never holds a float copy of its weight, and the
+layers go in output chunks: each chunk is two more launches, whose host time showed on the
+H200 with 64 MiB chunks, so 256 MiB holds a Llama-3-8B layer's bfloat16 weight whole), so a layer never holds a float copy of its weight, and the
 workspace is what a step's activations already cost beside it (a CUDA graph's pool reuses it
 from layer to layer). Numerics: the reference's, the weight rounded once to x's dtype and
 multiplied by torch's matmul (float32 sums); only the order of the sums differs from the fused
@@ -39,7 +40,7 @@ from omniinfer.kernels.triton.quant_gemm import (
 # rows up to which the fused kernels run (more: dequantise, then torch's matmul); see the module
 GGUF_FUSED_MAX_M = 4
 WN_FUSED_MAX_M = 4
-DEQUANT_WORKSPACE_BYTES = 64 << 20
+DEQUANT_WORKSPACE_BYTES = 256 << 20
 
 
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, type_name: str,

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from omniinfer.kernels.triton.quant_gemm import (  # noqa: F401 (INTERPRETED: read by the package)
+    GEMV_MAX_M,
     INTERPRETED,
     accumulate,
     bf16_round,
@@ -192,9 +193,14 @@ def gguf_tiles(m: int, n: int, k: int, element_size: int = 2, type_name: str = "
     NVIDIA in the GEMV, `python -m omniinfer.testing.kernels_aot --op gguf_gemv`). The GEMV's
     defaults are the H200's best (benchmarks/gguf_tiles.py, 2026-12-04): K split until ~2048
     programs run (512: 10-35% slower), 128 outputs a program for Q6_K and Q8_0, 64 for the rest
-    (Q4_K: 128 is 15-20% slower); `gemv` (block_n, programs, num_warps) overrides them."""
+    (Q4_K: 128 is 15-20% slower); `gemv` (block_n, programs, num_warps) overrides them.
+    """
     gemv = {"block_n": 128 if type_name in ("Q6_K", "Q8_0") else 64, "programs": 2048, **gemv}
     cfg = wn_tiles(m, n, k, 32, False, 4, element_size, **gemv)
+    if type_name == "Q8_0" and 2 <= m <= GEMV_MAX_M and element_size == 2:
+        # Q8_0's decode is cheap enough for tl.dot with the rows padded to 16 to win from 2 rows
+        # (H200, bfloat16: 2-8 rows 0.48-0.98x the GEMV's time; 1 row 0.88-1.10x)
+        cfg.update(BLOCK_M=16, USE_DOT=True)
     del cfg["GROUP_SIZE"], cfg["TILE_IN_ONE_GROUP"]
     return cfg
 
@@ -220,10 +226,11 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
 
 
 def gguf_dequantize(blocks: torch.Tensor, type_name: str, k: int, dtype: torch.dtype,
-                    block_n: int = 64, runs: int = 4, num_warps: int = 4) -> torch.Tensor:
+                    block_n: int = 32, runs: int = 8, num_warps: int = 4) -> torch.Tensor:
     """W [N, K] in `dtype` from its GGUF `type_name` blocks (uint8 [N, K / B * block_bytes],
     contiguous rows): gguf.quants.dequantize's float32 weights rounded once to `dtype`, as the
-    reference (quantization/gguf_blocks.py) rounds them."""
+    reference (quantization/gguf_blocks.py) rounds them. The tiles' defaults were the H200's best
+    or within 3% of it (benchmarks/gguf_tiles.py, 2026-12-04)."""
     kind = _checked(blocks, type_name, k)
     n = blocks.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=blocks.device)
