@@ -46,13 +46,30 @@ def launches(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("m", [1, dl.GGUF_FUSED_MAX_M, dl.GGUF_FUSED_MAX_M + 1, 17])
-def test_gguf_rows_take_the_fused_kernel_up_to_the_bound_then_the_dequantised_weight(m, launches):
-    blocks, w = blocks_of("Q4_K", 72, 512)
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0"])
+@pytest.mark.parametrize("more", [-3, 0, 1, 9])
+def test_gguf_rows_take_the_fused_kernel_up_to_the_bound_then_the_dequantised_weight(name, more,
+                                                                                     launches):
+    bound = dl.gguf_fused_max_m(name)
+    assert bound == (8 if name == "Q8_0" else dl.GGUF_FUSED_MAX_M) and bound >= 4
+    m = bound + more
+    blocks, w = blocks_of(name, 72, 512)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
-    out = dl.gguf_linear(on(x), on(blocks), "Q4_K").cpu()
+    out = dl.gguf_linear(on(x), on(blocks), name).cpu()
     close(out, torch.nn.functional.linear(x, w))
-    assert set(launches) == {"fused" if m <= dl.GGUF_FUSED_MAX_M else "dequantised"}
+    assert launches == ["fused" if m <= bound else "dequantised"]
+
+
+@pytest.mark.parametrize("case", ["gptq4 g128 asym", "gptq4 g32 sym desc_act"])
+@pytest.mark.parametrize("m", [1, 2, 9])
+def test_wn_rows_take_the_fused_kernel_up_to_the_bound_then_the_dequantised_weight(case, m,
+                                                                                   launches):
+    p = packed_weight(case, CASES[case])
+    bound = dl.wn_fused_max_m(p.g_idx is not None)
+    assert bound == (dl.WN_G_IDX_FUSED_MAX_M if "desc_act" in case else dl.WN_FUSED_MAX_M)
+    x = torch.randn(m, CASES[case], generator=torch.Generator().manual_seed(m))
+    close(wn(x, p), wn_linear_reference(x, p))
+    assert launches == ["fused" if m <= bound else "dequantised"]
 
 
 @pytest.mark.parametrize("name", ["Q8_0", "Q5_1", "Q3_K", "Q6_K", "IQ4_XS"])
@@ -114,3 +131,4 @@ def test_bad_arguments_are_named():
 def test_no_rows_make_an_empty_product():
     blocks, _ = blocks_of("Q8_0", 72, 256)
     assert dl.gguf_linear(on(torch.randn(0, 256)), on(blocks), "Q8_0", fused_max_m=-1).shape == (0, 72)
+    assert dl.gguf_linear(on(torch.randn(0, 256)), on(blocks), "Q8_0").shape == (0, 72)

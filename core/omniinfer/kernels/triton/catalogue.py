@@ -280,12 +280,12 @@ def quant_launches() -> list[KernelLaunch]:
     for a few rows and `wn_dequantize` (then torch's matmul) for more; `int8_matmul` (with its
     activation quantization for W8A8). (wn_matmul's tl.dot GEMM, which no layer launches, is
     timed by benchmarks/quant_kernels.py --path fused.)"""
-    from omniinfer.kernels.triton.dequant_linear import WN_FUSED_MAX_M
+    from omniinfer.kernels.triton.dequant_linear import wn_fused_max_m
 
     launches = []
     for shape in _QUANT:
         op = ("int8_matmul" if shape.mode != "weight-only"
-              else "wn_gemv" if shape.m <= WN_FUSED_MAX_M else "wn_dequantize")
+              else "wn_gemv" if shape.m <= wn_fused_max_m(shape.has_g_idx) else "wn_dequantize")
         launches.append(KernelLaunch(op, shape.label(), shape, partial(_quant_launch, shape)))
     return launches
 
@@ -332,9 +332,9 @@ def gguf_launches() -> list[KernelLaunch]:
     """What GGUF layers launch on a GPU through `gguf_linear`, per block type: the split-K GEMV
     (gguf_gemv) for a few rows, `gguf_dequantize` (then torch's matmul) for more. (gguf_matmul's
     tl.dot GEMM, which no layer launches, is timed by benchmarks/gguf_tiles.py.)"""
-    from omniinfer.kernels.triton.dequant_linear import GGUF_FUSED_MAX_M
+    from omniinfer.kernels.triton.dequant_linear import gguf_fused_max_m
 
-    return [KernelLaunch("gguf_gemv" if shape.m <= GGUF_FUSED_MAX_M else "gguf_dequantize",
+    return [KernelLaunch("gguf_gemv" if shape.m <= gguf_fused_max_m(shape.type_name) else "gguf_dequantize",
                          shape.label(), shape, partial(_gguf_launch, shape)) for shape in _GGUF]
 
 

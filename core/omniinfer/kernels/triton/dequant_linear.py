@@ -6,10 +6,10 @@ rows; past a few rows that decode, repeated per row tile and done on the cores t
 multiplying, costs more than writing the weight out once in the activation dtype and handing
 it to the vendor's GEMM (cuBLAS, hipBLASLt, oneDNN), which runs at the device's peak. Measured
 on an H200 (benchmarks/gguf_tiles.py, scripts/gpu_check.sh; docs/quantization.md): Llama-3-8B's
-gate_up as Q4_K at 512 rows, fused 1,690 us, dequantised + F.linear 300 us, dense bf16
-F.linear 163 us; at 1 row the fused GEMV wins (142-157 us against ~200).
+gate_up as Q4_K at 512 rows, fused 1,481 us, dequantised + F.linear 322 us, dense bf16
+F.linear 161 us; at 1 row the fused GEMV wins (163 us against 208).
 
-``gguf_linear`` and ``wn_linear`` pick between them by the rows (`*_FUSED_MAX_M`). The
+``gguf_linear`` and ``wn_linear`` pick between them by the rows (the bounds below). The
 dequantised weight is transient: at most ``DEQUANT_WORKSPACE_BYTES`` live at a time (wider
 layers go in output chunks: each chunk is two more launches, whose host time showed on the
 H200 with 64 MiB chunks, so 256 MiB holds a Llama-3-8B layer's bfloat16 weight whole), so a layer never holds a float copy of its weight, and the
@@ -37,19 +37,33 @@ from omniinfer.kernels.triton.quant_gemm import (
     wn_tile,
 )
 
-# rows up to which the fused kernels run (more: dequantise, then torch's matmul); see the module
+# Rows up to which the fused kernels run (more: dequantise, then torch's matmul), from an H200
+# (bfloat16, Llama-3-8B's gate_up and down; benchmarks/gguf_tiles.py and quant_kernels.py --path,
+# 2026-12-04): the GGUF GEMV won at 1-4 rows in every case and lost at 8 (Q8_0's tl.dot tiles
+# won at 8 too: 72-124 us against 115-216); the n-bit GEMV won at 1 row on gate_up only (129 us
+# against ~165) and lost from 1 row with act-order g_idx (its gathered scales: 254 against ~170).
 GGUF_FUSED_MAX_M = 4
-WN_FUSED_MAX_M = 4
+GGUF_FUSED_MAX_M_OF = {"Q8_0": 8}
+WN_FUSED_MAX_M = 1
+WN_G_IDX_FUSED_MAX_M = 0
 DEQUANT_WORKSPACE_BYTES = 256 << 20
 
 
+def gguf_fused_max_m(type_name: str) -> int:
+    return GGUF_FUSED_MAX_M_OF.get(type_name, GGUF_FUSED_MAX_M)
+
+
+def wn_fused_max_m(has_g_idx: bool) -> int:
+    return WN_G_IDX_FUSED_MAX_M if has_g_idx else WN_FUSED_MAX_M
+
+
 def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
-                bias: torch.Tensor | None = None, fused_max_m: int = GGUF_FUSED_MAX_M) -> torch.Tensor:
+                bias: torch.Tensor | None = None, fused_max_m: int | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for W held as GGUF blocks (gguf_gemm.gguf_matmul's arguments):
-    `gguf_matmul` for up to `fused_max_m` rows, else W dequantised (gguf_dequantize) in chunks
-    of outputs and multiplied by torch."""
+    `gguf_matmul` for up to `fused_max_m` rows (default: gguf_fused_max_m), else W dequantised
+    (gguf_dequantize) in chunks of outputs and multiplied by torch."""
     x2 = matrix_rows(x)
-    if x2.shape[0] <= fused_max_m:
+    if x2.shape[0] <= (gguf_fused_max_m(type_name) if fused_max_m is None else fused_max_m):
         return gguf_matmul(x, blocks, type_name, bias)
     k = x2.shape[1]
     return _dequantized_product(
@@ -59,12 +73,12 @@ def gguf_linear(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
 
 def wn_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
               zeros: torch.Tensor | None, g_idx: torch.Tensor | None, bits: int, group_size: int,
-              bias: torch.Tensor | None = None, fused_max_m: int = WN_FUSED_MAX_M) -> torch.Tensor:
+              bias: torch.Tensor | None = None, fused_max_m: int | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for an n-bit weight (quant_gemm.wn_matmul's arguments): `wn_matmul`
-    for up to `fused_max_m` rows, else W dequantised (wn_dequantize) in chunks of outputs and
-    multiplied by torch."""
+    for up to `fused_max_m` rows (default: wn_fused_max_m), else W dequantised (wn_dequantize)
+    in chunks of outputs and multiplied by torch."""
     x2 = matrix_rows(x)
-    if x2.shape[0] <= fused_max_m:
+    if x2.shape[0] <= (wn_fused_max_m(g_idx is not None) if fused_max_m is None else fused_max_m):
         return wn_matmul(x, qweight, scales, zeros, g_idx, bits, group_size, bias)
     check_qweight(qweight, x2.shape[1], bits)
     return _dequantized_product(
