@@ -11,10 +11,11 @@ F.linear 161 us; at 1 row the fused GEMV wins (163 us against 208).
 
 ``gguf_linear`` and ``wn_linear`` pick between them by the rows (the bounds below). The
 dequantised weight is transient: at most ``DEQUANT_WORKSPACE_BYTES`` live at a time (wider
-layers go in output chunks: each chunk is two more launches, whose host time showed on the
-H200 with 64 MiB chunks, so 256 MiB holds a Llama-3-8B layer's bfloat16 weight whole), so a layer never holds a float copy of its weight, and the
-workspace is what a step's activations already cost beside it (a CUDA graph's pool reuses it
-from layer to layer). Numerics: the reference's, the weight rounded once to x's dtype and
+layers go in output chunks; each chunk is two more launches, whose host time showed on the
+H200 with 64 MiB chunks, so 256 MiB holds a Llama-3-8B layer's bfloat16 weight whole). A layer
+never holds a float copy of its weight; a CUDA graph's pool reuses the workspace from layer to
+layer. The KV-cache budget does not count it: it fits in what gpu_memory_utilization leaves
+(10% by default). Numerics: the reference's, the weight rounded once to x's dtype and
 multiplied by torch's matmul (float32 sums); only the order of the sums differs from the fused
 kernels'.
 """
