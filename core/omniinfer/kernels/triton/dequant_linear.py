@@ -36,6 +36,7 @@ from omniinfer.kernels.triton.quant_gemm import (
     matrix_rows,
     wn_matmul,
     wn_tile,
+    wn_tiles,
 )
 
 # Rows up to which the fused kernels run (more: dequantise, then torch's matmul), from an H200
@@ -140,16 +141,15 @@ def wn_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
     if not 0 <= n_start <= n_end <= n:
         raise ValueError(f"outputs [{n_start}, {n_end}) are not within the weight's {n}")
     out = torch.empty(k, n_end - n_start, dtype=dtype, device=qweight.device)
-    block_k = 32 if group_size == 32 else 64
-    group = 0 if group_size <= 0 or group_size >= k else group_size
-    block_n = 64
+    # the GEMV's tile along K (one group's scales a tile where groups allow), 64 outputs wide
+    tile = wn_tiles(1, n, k, group_size, g_idx is not None, bits)
+    block_k, block_n = tile["BLOCK_K"], 64
     if k and n_end > n_start:
         grid = (triton.cdiv(k, block_k), triton.cdiv(n_end - n_start, block_n))
         _wn_dequantize_kernel[grid](
             qweight, scales, scales if zeros is None else zeros,
             qweight if g_idx is None else g_idx, out, n, k, n_start, n_end, out.stride(0),
-            BITS=bits, GROUP_SIZE=group,
-            TILE_IN_ONE_GROUP=g_idx is None and (group == 0 or group % block_k == 0),
+            BITS=bits, GROUP_SIZE=tile["GROUP_SIZE"], TILE_IN_ONE_GROUP=tile["TILE_IN_ONE_GROUP"],
             HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, BLOCK_K=block_k,
             BLOCK_N=block_n, ROUND_BF16=INTERPRETED and dtype == torch.bfloat16, num_warps=4)
     return out
