@@ -32,6 +32,7 @@ from omniinfer.testing import quant_weights as qw
 pytest.importorskip("triton")
 from omniinfer.kernels.triton.quant_gemm import (  # noqa: E402
     int8_matmul,
+    int8_tiles,
     quantize_int8_rows,
     wn_matmul,
     wn_tiles,
@@ -173,6 +174,28 @@ def test_int8_kernels_match_the_reference(mode, dtype, m):
     x = torch.randn(m, 200, generator=torch.Generator().manual_seed(m)).to(dtype)
     bias = torch.randn(N).to(dtype) if m == 5 else None
     close(run_int8(x, w, bias), int8_linear_reference(x, w, bias))
+
+
+@pytest.mark.parametrize("mode", ["w8a8 dynamic", "w8a16"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [1, 20])
+def test_int8_kernels_split_k_where_the_output_tiles_are_few(mode, dtype, m):
+    """72 outputs are 2 tiles: K=1000 is split into float32 partial sums, which add (with the
+    bias) to the reference's product."""
+    cfg = int8_tiles(m, N, 1000)
+    assert cfg["split_k"] > 1 and cfg["k_per_split"] % cfg["BLOCK_K"] == 0
+    assert cfg["split_k"] * cfg["k_per_split"] >= 1000 > (cfg["split_k"] - 1) * cfg["k_per_split"]
+    w = int8_weight(k=1000, quantize_activations=mode != "w8a16")
+    x = torch.randn(m, 1000, generator=torch.Generator().manual_seed(m)).to(dtype)
+    bias = torch.randn(N).to(dtype)
+    close(run_int8(x, w, bias), int8_linear_reference(x, w, bias))
+
+
+def test_int8_tiles_split_only_what_leaves_the_device_idle():
+    """Llama-3-8B's gate_up (448 output tiles) runs unsplit; its down (64 tiles) in 8 splits."""
+    assert int8_tiles(1, 28672, 4096)["split_k"] == 1
+    assert int8_tiles(1, 4096, 14336)["split_k"] == 8
+    assert int8_tiles(512, 4096, 14336)["split_k"] == 1  # 8 row tiles x 64
 
 
 @pytest.mark.parametrize("static", [None, 0.01])
