@@ -86,17 +86,16 @@ def make_weight(fmt: str, n: int, k: int, dtype, device, gen):
 
 def kernel_call(weight, path: str = "auto"):
     """The product the layers run (`path` auto: dequant_linear's choice by rows), or always the
-    fused kernel, or always the weight dequantised then torch's matmul (int8 has one path)."""
+    fused kernel, or always the weight dequantised then torch's matmul (W8A8 has one path)."""
     from omniinfer.kernels.triton import dequant_linear as dl
-    from omniinfer.kernels.triton.quant_gemm import int8_matmul
     from omniinfer.quantization.int_layouts import Int8Weight
 
     bound = {"auto": {}, "fused": {"fused_max_m": 1 << 62}, "dequant": {"fused_max_m": -1}}[path]
     if isinstance(weight, GGUFWeight):
         return lambda x: dl.gguf_linear(x, weight.blocks, weight.type_name, **bound)
     if isinstance(weight, Int8Weight):
-        return lambda x: int8_matmul(x, weight.weight, weight.weight_scale, weight.input_scale,
-                                     weight.quantize_activations)
+        return lambda x: dl.int8_linear(x, weight.weight, weight.weight_scale, weight.input_scale,
+                                        weight.quantize_activations, **bound)
     return lambda x: dl.wn_linear(x, weight.qweight, weight.scales, weight.zeros, weight.g_idx,
                                   weight.bits, weight.group_size, **bound)
 

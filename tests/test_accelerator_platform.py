@@ -74,3 +74,26 @@ def test_gpu_memory_utilization_sets_the_share(fake, checkpoint_dir, monkeypatch
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=1.5 is not allowed; it must be "
                                          r"in \(0, 1\]"):
         EngineArgs(model=checkpoint_dir("llama"), gpu_memory_utilization=1.5).create_engine_config()
+
+
+def test_a_quantized_model_keeps_room_for_its_dequantised_weight(fake, checkpoint_dir):
+    """Past a few rows the Triton layers dequantise a weight (at most 256 MiB at once, at most one
+    rank's largest layer): the KV cache of a quantized model is smaller by that."""
+    from omniinfer.config import EngineArgs
+    from omniinfer.platforms.interface import dequant_workspace_bytes
+
+    float_config = EngineArgs(model=checkpoint_dir("llama")).create_engine_config()
+    int8_config = EngineArgs(model=checkpoint_dir("llama"), quantization="int8").create_engine_config()
+    m = int8_config.model
+    largest = max(2 * m.hf_config["intermediate_size"], m.vocab_size) * m.hidden_size * m.dtype_bytes
+    assert dequant_workspace_bytes(float_config) == 0 and dequant_workspace_bytes(int8_config) == largest
+    assert (FakePlatform.kv_cache_memory_bytes(float_config, model_bytes=0)
+            - FakePlatform.kv_cache_memory_bytes(int8_config, model_bytes=0)) == largest
+
+    def llama3_8b(tp):
+        model = types.SimpleNamespace(quantization="gguf", hf_config={"intermediate_size": 14336},
+                                      hidden_size=4096, vocab_size=128256, dtype_bytes=2)
+        return types.SimpleNamespace(model=model, parallel=types.SimpleNamespace(tensor_parallel_size=tp))
+
+    assert dequant_workspace_bytes(llama3_8b(1)) == 256 << 20  # (its LM head: 1 GiB in bfloat16)
+    assert dequant_workspace_bytes(llama3_8b(8)) == 128256 * 4096 * 2 // 8  # the LM head's rank

@@ -4,7 +4,9 @@ for a few rows, the weight dequantised then torch's matmul for more. Interpreted
 
 References as the fused kernels' tests use them: ``gguf.quants.dequantize`` for GGUF blocks,
 quantization/int_reference.py for n-bit weights; tolerances theirs (the same rounded operands,
-float32 sums in another order).
+float32 sums in another order). int8 weight-only products past the bound are the
+ReferenceKernel's (``code * scale`` rounded once to x's dtype, then F.linear), not the fused
+kernel's (codes exact, the scale after the sum).
 """
 
 from __future__ import annotations
@@ -13,12 +15,12 @@ import pytest
 import torch
 
 from omniinfer.kernels import triton as triton_kernels
-from omniinfer.quantization.int_reference import wn_linear_reference
+from omniinfer.quantization.int_reference import int8_linear_reference, wn_linear_reference
 
 pytest.importorskip("triton")
 pytest.importorskip("gguf")
 from test_triton_gguf_kernels import blocks_of  # noqa: E402
-from test_triton_quant_kernels import CASES, close, packed_weight  # noqa: E402
+from test_triton_quant_kernels import CASES, close, int8_weight, packed_weight  # noqa: E402
 
 from omniinfer.kernels.triton import dequant_linear as dl  # noqa: E402
 
@@ -39,8 +41,9 @@ def wn(x, p, bias=None, **kw):
 def launches(monkeypatch):
     """Which product each call took: 'fused' or 'dequantised'."""
     seen = []
-    for name, path in (("gguf_matmul", "fused"), ("wn_matmul", "fused"),
-                       ("gguf_dequantize", "dequantised"), ("wn_dequantize", "dequantised")):
+    for name, path in (("gguf_matmul", "fused"), ("wn_matmul", "fused"), ("int8_matmul", "fused"),
+                       ("gguf_dequantize", "dequantised"), ("wn_dequantize", "dequantised"),
+                       ("int8_dequantize", "dequantised")):
         real = getattr(dl, name)
         monkeypatch.setattr(dl, name, lambda *a, _r=real, _p=path, **k: (seen.append(_p), _r(*a, **k))[1])
     return seen
@@ -132,3 +135,54 @@ def test_no_rows_make_an_empty_product():
     blocks, _ = blocks_of("Q8_0", 72, 256)
     assert dl.gguf_linear(on(torch.randn(0, 256)), on(blocks), "Q8_0", fused_max_m=-1).shape == (0, 72)
     assert dl.gguf_linear(on(torch.randn(0, 256)), on(blocks), "Q8_0").shape == (0, 72)
+
+
+def int8(x, w, bias=None, **kw):
+    return dl.int8_linear(on(x), on(w.weight), on(w.weight_scale), on(w.input_scale),
+                          w.quantize_activations, on(bias), **kw).cpu()
+
+
+def int8_reference_kernel(x, w, bias=None):
+    """The ReferenceKernel's product: the weight ``code * scale`` rounded once to x's dtype."""
+    return torch.nn.functional.linear(x, w.dequantize().to(x.dtype), bias)
+
+
+@pytest.mark.parametrize("more", [-127, 0, 1])
+@pytest.mark.parametrize("mode", ["w8a16", "w8a8"])
+def test_int8_weight_only_rows_take_the_fused_kernel_up_to_the_bound(mode, more, launches):
+    """W8A16 past INT8_FUSED_MAX_M rows is dequantised; W8A8 keeps its exact int8 product."""
+    w = int8_weight(k=64, quantize_activations=mode == "w8a8")
+    m = dl.INT8_FUSED_MAX_M + more
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    dequantised = mode == "w8a16" and more > 0
+    want = (int8_reference_kernel if dequantised else int8_linear_reference)(x, w)
+    close(int8(x, w), want)
+    assert launches == ["dequantised" if dequantised else "fused"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_int8_dequantised_products_match_the_reference_kernel(dtype, launches, monkeypatch):
+    """Chunks of 64 outputs (a small workspace): 72 outputs in two, the bias split with them."""
+    monkeypatch.setattr(dl, "DEQUANT_WORKSPACE_BYTES", 64 * 200 * torch.tensor([], dtype=dtype).element_size())
+    w = int8_weight(quantize_activations=False)
+    x = torch.randn(2, 9, 200, generator=torch.Generator().manual_seed(7)).to(dtype)
+    bias = torch.randn(72).to(dtype)
+    out = int8(x, w, bias, fused_max_m=0)
+    assert out.shape == (2, 9, 72)
+    close(out, int8_reference_kernel(x, w, bias))
+    assert launches == ["dequantised"] * 2
+
+
+def test_int8_dequantize_is_the_reference_weight_rounded_once():
+    w = int8_weight(k=300, quantize_activations=False)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        got = dl.int8_dequantize(on(w.weight[5:]), on(w.weight_scale[5:]), dtype).cpu()
+        assert got.dtype == dtype and torch.equal(got, w.dequantize()[5:].to(dtype))
+
+
+def test_int8_bad_arguments_are_named():
+    w = int8_weight(quantize_activations=False)
+    with pytest.raises(ValueError, match=r"weight must be int8 \[N, 256\] with contiguous rows"):
+        int8(torch.randn(300, 256), w)  # K=256 for a weight of K=200, on the dequantising path
+    with pytest.raises(ValueError, match=r"weight_scale must be float32 \[72\]"):
+        dl.int8_dequantize(w.weight, w.weight_scale.half(), torch.float16)

@@ -45,7 +45,8 @@ def accelerator_kv_budget(config: EngineConfig, free_bytes: int, total_bytes: in
     Use up to `gpu_memory_utilization` (the engine argument; else
     `OMNIINFER_GPU_MEMORY_UTILIZATION`; default 0.9) of the device's total memory,
     counting what is already taken (weights, other processes), and keep room for the
-    step's activations: the largest batch's hidden and MLP tensors and the logits.
+    step's activations: the largest batch's hidden and MLP tensors, the logits, and a
+    quantized model's transient dequantised weight (`dequant_workspace_bytes`).
     """
     import os
 
@@ -61,12 +62,29 @@ def accelerator_kv_budget(config: EngineConfig, free_bytes: int, total_bytes: in
     activations = s.max_num_batched_tokens * (6 * m.hidden_size + 3 * intermediate) * itemsize
     logits = s.max_num_seqs * m.vocab_size * 4 * 3
     used = total_bytes - free_bytes
-    budget = int(utilization * total_bytes) - used - activations - logits
+    budget = int(utilization * total_bytes) - used - activations - logits - dequant_workspace_bytes(config)
     if budget <= 0:
         raise ValueError(f"no device memory left for the KV cache: {free_bytes / 2**30:.2f} GiB free of "
                          f"{total_bytes / 2**30:.2f} GiB with {name}={utilization}; "
                          "lower max_num_batched_tokens / max_num_seqs or use a smaller model")
     return budget
+
+
+def dequant_workspace_bytes(config: EngineConfig) -> int:
+    """What a quantized model's products hold for a moment on an accelerator: past a few rows
+    the Triton layers dequantise a weight (at most DEQUANT_WORKSPACE_BYTES at a time, and never
+    more than one rank's largest layer in the activation dtype: gate_up, or the LM head), and the
+    reference dequantises slices of REFERENCE_SLICE_BYTES. Torch's caching allocator keeps that
+    memory once a prefill used it. 0 for a float model."""
+    from omniinfer.quantization.base import DEQUANT_WORKSPACE_BYTES, REFERENCE_SLICE_BYTES
+
+    m = config.model
+    if not m.quantization:
+        return 0
+    tp = config.parallel.tensor_parallel_size
+    intermediate = int(m.hf_config.get("intermediate_size", 4 * m.hidden_size))
+    largest = max(2 * intermediate, m.vocab_size) * m.hidden_size * m.dtype_bytes // tp
+    return min(max(DEQUANT_WORKSPACE_BYTES, REFERENCE_SLICE_BYTES), largest)
 
 
 @dataclass(frozen=True, slots=True)

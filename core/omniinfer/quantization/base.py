@@ -32,6 +32,9 @@ from omniinfer.models.layers.weights import WeightShapeError
 
 logger = init_logger(__name__)
 REFERENCE_SLICE_BYTES = 64 << 20  # the reference dequantises at most this many float bytes at once
+# the Triton layers' dequantised weight past a few rows (kernels/triton/dequant_linear.py): at most
+# this many bytes live at once; the accelerators' KV budget keeps room for it (platforms/interface.py)
+DEQUANT_WORKSPACE_BYTES = 256 << 20
 
 
 @dataclass(slots=True)

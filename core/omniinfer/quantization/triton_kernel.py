@@ -1,5 +1,6 @@
 """The portable Triton products (kernels/triton/quant_gemm.py, gguf_gemm.py; for more than a
-few rows, the n-bit and GGUF weights dequantised then torch's matmul: dequant_linear.py) as a
+few rows, the n-bit, GGUF and int8 weight-only weights dequantised then torch's matmul:
+dequant_linear.py) as a
 QuantKernel,
 for the GPU plugins to declare (CUDA, ROCm and XPU all run Triton): GPTQ / AWQ /
 compressed-tensors n-bit weights (every wint kind), compressed-tensors W8A8 (activations
@@ -60,12 +61,12 @@ class TritonQuantKernel(QuantKernel):
             self._product = lambda x: wn_linear(x, w.qweight, w.scales, w.zeros, w.g_idx, w.bits,
                                                 w.group_size)
         else:
-            from omniinfer.kernels.triton.quant_gemm import int8_matmul
+            from omniinfer.kernels.triton.dequant_linear import int8_linear
             from omniinfer.quantization.int_pieces import int8_weight
 
             w = self.weight = int8_weight(piece)
             w8a8 = family == "w8a8"
-            self._product = lambda x: int8_matmul(x, w.weight, w.weight_scale, w.input_scale,
+            self._product = lambda x: int8_linear(x, w.weight, w.weight_scale, w.input_scale,
                                                   quantize_activations=w8a8)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:

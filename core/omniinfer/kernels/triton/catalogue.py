@@ -249,22 +249,22 @@ _QUANT: tuple[QuantShape, ...] = (
     QuantShape("llama-3-8b gate_up", torch.bfloat16, 512, 28672, 4096, bits=8,
                mode="w8a8 dynamic"),
     QuantShape("llama-3-8b qkv", torch.float16, 1, 6144, 4096, bits=8, mode="w8a8 static"),
+    QuantShape("llama-3-8b down", torch.bfloat16, 1, 4096, 14336, bits=8, mode="w8a8 dynamic"),
     QuantShape("llama-3-8b down", torch.bfloat16, 512, 4096, 14336, bits=8, mode="w8a16"),
     QuantShape("llama-3-8b qkv", torch.float32, 1, 6144, 4096, bits=8, mode="w8a16"),
 )
 
 
 def _quant_launch(shape: QuantShape) -> None:
-    from omniinfer.kernels.triton import quant_gemm as ops
-    from omniinfer.kernels.triton.dequant_linear import wn_linear
+    from omniinfer.kernels.triton.dequant_linear import int8_linear, wn_linear
 
     meta = dict(device="meta")
     x = torch.empty(shape.m, shape.k, dtype=shape.dtype, **meta)
     bias = torch.empty(shape.n, dtype=shape.dtype, **meta) if shape.has_bias else None
     if shape.mode != "weight-only":
         static = torch.empty(1, **meta) if shape.mode == "w8a8 static" else None
-        ops.int8_matmul(x, torch.empty(shape.n, shape.k, dtype=torch.int8, **meta),
-                        torch.empty(shape.n, **meta), static, shape.mode != "w8a16", bias)
+        int8_linear(x, torch.empty(shape.n, shape.k, dtype=torch.int8, **meta),
+                    torch.empty(shape.n, **meta), static, shape.mode != "w8a16", bias)
         return
     groups = 1 if shape.group_size == -1 else -(-shape.k // shape.group_size)
     scale_dtype = torch.float16 if shape.dtype == torch.float32 else shape.dtype
@@ -277,14 +277,16 @@ def _quant_launch(shape: QuantShape) -> None:
 
 def quant_launches() -> list[KernelLaunch]:
     """What the quantized linear layers launch: through `wn_linear`, the split-K GEMV (wn_gemv)
-    for a few rows and `wn_dequantize` (then torch's matmul) for more; `int8_matmul` (with its
-    activation quantization for W8A8). (wn_matmul's tl.dot GEMM, which no layer launches, is
-    timed by benchmarks/quant_kernels.py --path fused.)"""
-    from omniinfer.kernels.triton.dequant_linear import wn_fused_max_m
+    for a few rows and `wn_dequantize` (then torch's matmul) for more; through `int8_linear`,
+    `int8_matmul` (with its activation quantization for W8A8; W8A16 up to INT8_FUSED_MAX_M rows)
+    or `int8_dequantize`. (wn_matmul's tl.dot GEMM, which no layer launches, is timed by
+    benchmarks/quant_kernels.py --path fused.)"""
+    from omniinfer.kernels.triton.dequant_linear import INT8_FUSED_MAX_M, wn_fused_max_m
 
     launches = []
     for shape in _QUANT:
-        op = ("int8_matmul" if shape.mode != "weight-only"
+        op = (("int8_dequantize" if shape.mode == "w8a16" and shape.m > INT8_FUSED_MAX_M else "int8_matmul")
+              if shape.mode != "weight-only"
               else "wn_gemv" if shape.m <= wn_fused_max_m(shape.has_g_idx) else "wn_dequantize")
         launches.append(KernelLaunch(op, shape.label(), shape, partial(_quant_launch, shape)))
     return launches

@@ -9,13 +9,14 @@ on an H200 (benchmarks/gguf_tiles.py, scripts/gpu_check.sh; docs/quantization.md
 gate_up as Q4_K at 512 rows, fused 1,481 us, dequantised + F.linear 322 us, dense bf16
 F.linear 161 us; at 1 row the fused GEMV wins (163 us against 208).
 
-``gguf_linear`` and ``wn_linear`` pick between them by the rows (the bounds below). The
+``gguf_linear``, ``wn_linear`` and ``int8_linear`` (weight-only int8) pick between them by the
+rows (the bounds below). The
 dequantised weight is transient: at most ``DEQUANT_WORKSPACE_BYTES`` live at a time (wider
 layers go in output chunks; each chunk is two more launches, whose host time showed on the
 H200 with 64 MiB chunks, so 256 MiB holds a Llama-3-8B layer's bfloat16 weight whole). A layer
 never holds a float copy of its weight; a CUDA graph's pool reuses the workspace from layer to
-layer. The KV-cache budget does not count it: it fits in what gpu_memory_utilization leaves
-(10% by default). Numerics: the reference's, the weight rounded once to x's dtype and
+layer. The accelerators' KV-cache budget keeps room for it (platforms/interface.py,
+`dequant_workspace_bytes`). Numerics: the reference's, the weight rounded once to x's dtype and
 multiplied by torch's matmul (float32 sums); only the order of the sums differs from the fused
 kernels'.
 """
@@ -32,12 +33,15 @@ from omniinfer.kernels.triton.gguf_gemm import gguf_dequantize, gguf_matmul
 from omniinfer.kernels.triton.quant_gemm import (
     INTERPRETED,
     bf16_round,
+    check_int8_weight,
     check_qweight,
+    int8_matmul,
     matrix_rows,
     wn_matmul,
     wn_tile,
     wn_tiles,
 )
+from omniinfer.quantization.base import DEQUANT_WORKSPACE_BYTES  # noqa: F401 (read at each call: tests patch it here)
 
 # Rows up to which the fused kernels run (more: dequantise, then torch's matmul), from an H200
 # (bfloat16, Llama-3-8B's gate_up and down; benchmarks/gguf_tiles.py and quant_kernels.py --path,
@@ -48,7 +52,12 @@ GGUF_FUSED_MAX_M = 4
 GGUF_FUSED_MAX_M_OF = {"Q8_0": 8}
 WN_FUSED_MAX_M = 1
 WN_G_IDX_FUSED_MAX_M = 0
-DEQUANT_WORKSPACE_BYTES = 256 << 20
+# int8 weight-only (W8A16): int8_matmul's tl.dot tiles ran gate_up at the dense product's speed
+# at 1-8 rows (H200: 57-60 us against 57-62) and at 0.39x at 512 rows (414 against 161), reading
+# the weight once per 64 rows. Not measured between, nor the int8 route itself: this bound is
+# where the tiles, at that rate (~52 us a pass of gate_up), pass the dequantised route's cost
+# estimated from Q8_0's (dequantise ~140 us, then the dense product). W8A8 keeps its int8 product.
+INT8_FUSED_MAX_M = 128
 
 
 def gguf_fused_max_m(type_name: str) -> int:
@@ -87,6 +96,22 @@ def wn_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         x, x2, qweight.shape[1], bias,
         lambda n0, n1: wn_dequantize(qweight, scales, zeros, g_idx, bits, group_size,
                                      x2.shape[1], x.dtype, n0, n1), n_major=False)
+
+
+def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                input_scale: torch.Tensor | None = None, quantize_activations: bool = True,
+                bias: torch.Tensor | None = None, fused_max_m: int | None = None) -> torch.Tensor:
+    """``x @ (weight * weight_scale[:, None]).T (+ bias)`` (quant_gemm.int8_matmul's arguments):
+    `int8_matmul` for W8A8 and for W8A16 up to `fused_max_m` rows (default INT8_FUSED_MAX_M),
+    else the W8A16 weight dequantised (int8_dequantize) in chunks of outputs and multiplied by
+    torch."""
+    x2 = matrix_rows(x)
+    if quantize_activations or x2.shape[0] <= (INT8_FUSED_MAX_M if fused_max_m is None else fused_max_m):
+        return int8_matmul(x, weight, weight_scale, input_scale, quantize_activations, bias)
+    check_int8_weight(weight, x2.shape[1])
+    return _dequantized_product(
+        x, x2, weight.shape[0], bias,
+        lambda n0, n1: int8_dequantize(weight[n0:n1], weight_scale[n0:n1], x.dtype), n_major=True)
 
 
 def _dequantized_product(x: torch.Tensor, x2: torch.Tensor, n: int, bias: torch.Tensor | None,
@@ -152,4 +177,37 @@ def wn_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
             BITS=bits, GROUP_SIZE=tile["GROUP_SIZE"], TILE_IN_ONE_GROUP=tile["TILE_IN_ONE_GROUP"],
             HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None, BLOCK_K=block_k,
             BLOCK_N=block_n, ROUND_BF16=INTERPRETED and dtype == torch.bfloat16, num_warps=4)
+    return out
+
+
+@triton.jit
+def _int8_dequantize_kernel(w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_on,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr):
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    ok = (n < N)[:, None] & (k < K)[None, :]
+    codes = tl.load(w_ptr + n.to(tl.int64)[:, None] * stride_wn + k[None, :], mask=ok, other=0)
+    w = codes.to(tl.float32) * tl.load(scale_ptr + n, mask=n < N, other=0.0)[:, None]
+    if ROUND_BF16:
+        w = bf16_round(w)
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * stride_on + k[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=ok)
+
+
+def int8_dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype,
+                    block_n: int = 32, block_k: int = 256) -> torch.Tensor:
+    """W [N, K] in `dtype` from int8 codes [N, K] (contiguous rows) and float32 scales [N]:
+    ``code * scale`` in float32 rounded once to `dtype` (the ReferenceKernel's weight)."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be int8 [N, K], got {tuple(weight.shape)}")
+    n, k = weight.shape
+    check_int8_weight(weight, k)
+    if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != (n,):
+        raise ValueError(f"weight_scale must be float32 [{n}], got {weight_scale.dtype} "
+                         f"{tuple(weight_scale.shape)}")
+    out = torch.empty(n, k, dtype=dtype, device=weight.device)
+    if n and k:
+        _int8_dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+            weight, weight_scale, out, n, k, weight.stride(0), out.stride(0), BLOCK_N=block_n,
+            BLOCK_K=block_k, ROUND_BF16=INTERPRETED and dtype == torch.bfloat16, num_warps=4)
     return out
