@@ -102,12 +102,17 @@ def wn_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k0, k, k_ok, n, n_
 
 @triton.jit
 def program_tile(M, N, K, k_per_split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A weight-only program's part of the grid (N tiles, M tiles, K splits): its M tile's index,
-    its split, its rows and outputs, and the inputs [k_start, k_end) it sums."""
-    pid_m = tl.program_id(1)
+    """A weight-only program's part of the grid (M tiles, N tiles, K splits): its M tile's index,
+    its split, its rows and outputs, and the inputs [k_start, k_end) it sums. The M tiles are
+    the grid's fastest dimension, so the programs that read one tile of the weight run
+    together and all but the first can find it in the cache. (With the N tiles fastest, a GPU
+    runs one M tile's programs across the whole weight before the next M tile's: a weight larger
+    than the cache is read from memory once per M tile, 8 times at 512 rows. Reasoned from the
+    H200's 512-row int8 times, 0.39-0.50x dense; not yet measured since.)"""
+    pid_m = tl.program_id(0)
     split = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k_start = split * k_per_split
     return pid_m, split, rows, n, k_start, tl.minimum(K, k_start + k_per_split)
 
@@ -311,7 +316,7 @@ def launch_weight_only(kernel, x: torch.Tensor, x2: torch.Tensor, weights: tuple
     k_per_split = cfg.pop("k_per_split")
     out = (torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1
            else torch.empty(m, n, dtype=x.dtype, device=x.device))
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]), split)
     has_bias = bias is not None and split == 1
     kernel[grid](x2, *weights, bias if has_bias else x2, out, m, n, k, k_per_split, x2.stride(0),
                  out.stride(-2), out.stride(0) if split > 1 else 0, *scalars,
@@ -339,19 +344,23 @@ def quantize_int8_rows(x: torch.Tensor, static_scale: torch.Tensor | None = None
     return q, scale
 
 
-def int8_tiles(m: int, n: int, k: int, programs: int = 512) -> dict:
+def int8_tiles(m: int, n: int, k: int, float32_dot: bool = False, programs: int = 512) -> dict:
     """`int8_matmul`'s launch configuration for an [m, k] x [k, n] product: 64 x 64 output
     tiles (tl.dot needs 16 or more of each), and K split until about `programs` run where the
     tiles alone are fewer (Llama-3-8B's down, 4096 outputs, was 64 programs at decode: 0.37x
-    the dense product's speed on an H200, 2026-12-04; its gate_up, 448 tiles, ran at 1.0x)."""
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    the dense product's speed on an H200, 2026-12-04; its gate_up, 448 tiles, ran at 1.0x).
+    `float32_dot` (W8A16 on float32 activations: FMAs on register tiles) takes wn_tiles' tile
+    that does not spill on NVIDIA, K 32 on 8 warps (python -m omniinfer.testing.kernels_aot)."""
+    wide = float32_dot and not INTERPRETED
+    block_m = min(32 if wide else 64, max(16, triton.next_power_of_2(m)))
+    block_k = 32 if wide else 64
     tiles = triton.cdiv(n, 64) * triton.cdiv(m, block_m)
-    k_tiles = triton.cdiv(k, 64)
+    k_tiles = triton.cdiv(k, block_k)
     split = max(1, min(programs // tiles, k_tiles // 2))  # each split >= 2 K tiles
     split = 1 << (split.bit_length() - 1)
-    k_per_split = triton.cdiv(k_tiles, split) * 64
-    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, split_k=triton.cdiv(k, k_per_split),
-                k_per_split=k_per_split, num_warps=4)
+    k_per_split = triton.cdiv(k_tiles, split) * block_k
+    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, split_k=triton.cdiv(k, k_per_split),
+                k_per_split=k_per_split, num_warps=8 if wide else 4)
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -371,7 +380,8 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     a, a_scale = (quantize_int8_rows(x2, input_scale) if quantize_activations
                   else (x2, weight_scale))
     return launch_weight_only(_int8_matmul_kernel, x, a, (a_scale, weight, weight_scale),
-                              (weight.stride(0),), n, int8_tiles(m, n, k), bias,
+                              (weight.stride(0),), n,
+                              int8_tiles(m, n, k, x.dtype == torch.float32 and not quantize_activations), bias,
                               INT8_ACTIVATIONS=quantize_activations)
 
 
