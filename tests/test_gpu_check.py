@@ -44,7 +44,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     # int8 weight-only around its bound, both ways (what INT8_FUSED_MAX_M should be)
     for path in ("fused", "dequant"):
         rows = json.loads((tmp_path / f"int8_{path}.json").read_text())["results"]
-        assert [(r["format"], r["rows"], r["ok"]) for r in rows] == [("int8-w8a16", m, True) for m in (64, 128, 256)]
+        assert [(r["format"], r["rows"], r["ok"]) for r in rows] == [("int8-w8a16", m, True) for m in (64, 128, 256, 512)]
     # a quantized model, loaded as a user loads it, followed transformers
     [model] = json.loads((tmp_path / "quant_models.json").read_text())
     assert model["case"] == "gguf-q4_k_m" and model["ok"] and model["platform"] == "cpu"

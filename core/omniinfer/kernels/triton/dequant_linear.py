@@ -56,7 +56,9 @@ WN_G_IDX_FUSED_MAX_M = 0
 # at 1-8 rows (H200: 57-60 us against 57-62) and at 0.39x at 512 rows (414 against 161), reading
 # the weight once per 64 rows. Not measured between, nor the int8 route itself: this bound is
 # where the tiles, at that rate (~52 us a pass of gate_up), pass the dequantised route's cost
-# estimated from Q8_0's (dequantise ~140 us, then the dense product). W8A8 keeps its int8 product.
+# estimated from Q8_0's (dequantise ~140 us, then the dense product). The tiles' grid now runs
+# the rows' tiles together (quant_gemm.program_tile), which may move the crossover up: gpu_check
+# times both at 64-512 rows. W8A8 keeps its int8 product.
 INT8_FUSED_MAX_M = 128
 
 
@@ -183,6 +185,7 @@ def wn_dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 @triton.jit
 def _int8_dequantize_kernel(w_ptr, scale_ptr, out_ptr, N, K, stride_wn, stride_on,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """W [N, K] in out's dtype, a BLOCK_N x BLOCK_K tile a program: ``code * scale[n]``."""
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     ok = (n < N)[:, None] & (k < K)[None, :]
