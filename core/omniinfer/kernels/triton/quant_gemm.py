@@ -261,12 +261,8 @@ def wn_tiles(m: int, n: int, k: int, group_size: int, has_g_idx: bool, bits: int
     if m <= GEMV_MAX_M:
         block_m = triton.next_power_of_2(m)
         n_tiles = triton.cdiv(n, block_n)
-        k_tiles = triton.cdiv(k, block_k)
         # enough programs to cover a large GPU several times over (~512), each >= 2 K tiles
-        split = max(1, min(programs // n_tiles, k_tiles // 2))
-        split = 1 << (split.bit_length() - 1)
-        k_per_split = triton.cdiv(k_tiles, split) * block_k
-        split = triton.cdiv(k, k_per_split)
+        split, k_per_split = split_k(n_tiles, k, block_k, programs)
         return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, split_k=split,
                     k_per_split=k_per_split, USE_DOT=False, GROUP_SIZE=group,
                     TILE_IN_ONE_GROUP=one_group, num_warps=num_warps)
@@ -354,13 +350,19 @@ def int8_tiles(m: int, n: int, k: int, float32_dot: bool = False, programs: int 
     wide = float32_dot and not INTERPRETED
     block_m = min(32 if wide else 64, max(16, triton.next_power_of_2(m)))
     block_k = 32 if wide else 64
-    tiles = triton.cdiv(n, 64) * triton.cdiv(m, block_m)
+    split, k_per_split = split_k(triton.cdiv(n, 64) * triton.cdiv(m, block_m), k, block_k, programs)
+    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, split_k=split,
+                k_per_split=k_per_split, num_warps=8 if wide else 4)
+
+
+def split_k(tiles: int, k: int, block_k: int, programs: int) -> tuple[int, int]:
+    """(splits, inputs per split): K split in a power of two until about `programs` run beside
+    `tiles` output tiles, each split at least 2 K tiles."""
     k_tiles = triton.cdiv(k, block_k)
-    split = max(1, min(programs // tiles, k_tiles // 2))  # each split >= 2 K tiles
+    split = max(1, min(programs // tiles, k_tiles // 2))
     split = 1 << (split.bit_length() - 1)
     k_per_split = triton.cdiv(k_tiles, split) * block_k
-    return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, split_k=triton.cdiv(k, k_per_split),
-                k_per_split=k_per_split, num_warps=8 if wide else 4)
+    return triton.cdiv(k, k_per_split), k_per_split
 
 
 def int8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
