@@ -157,6 +157,11 @@ typedef struct {
 } xq;
 
 #if defined(__AVX2__)
+/* x's 4 int8 at p (any alignment) in every 32-bit lane. A load the broadcast folds into
+ * (vpbroadcastd m32, or vpdpbusd's {1to8} operand): copying x's words to an int32 array first made
+ * gcc move them through general registers, 2-3 more instructions a step */
+typedef int32_t omni_i32u __attribute__((aligned(1), may_alias));
+INLINE __m256i x4_at(const int8_t *p) { return _mm256_set1_epi32(*(const omni_i32u *)p); }
 /* a Q4_0X8 block's (or a Q4_KX8 sub-block's) 4 chunks of nibbles at p -> its 8 code vectors */
 INLINE void x8_nibbles(const uint8_t *p, __m256i c[8]) {
     const __m256i nib = _mm256_set1_epi8(15);
@@ -169,15 +174,15 @@ INLINE void x8_nibbles(const uint8_t *p, __m256i c[8]) {
 /* the 8 rows' Sum code * x over those 8 code vectors and x's 32 int8 at x (codes 0..15: the
  * vpmaddubsw sums fit int16, 8 pairs of at most 15 * 127) */
 INLINE __m256i x8_nibble_dot(const __m256i c[8], const int8_t *x) {
-    int32_t x4[8];
-    memcpy(x4, x, 32);
 #if defined(DPBUSD256)
-    __m256i s = _mm256_setzero_si256();
-    for (int j = 0; j < 8; j++) s = DPBUSD256(s, c[j], _mm256_set1_epi32(x4[j]));
-    return s;
+    /* two chains of 4: half the dependent vpdpbusd latency of one chain of 8 */
+    __m256i s[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) s[j & 1] = DPBUSD256(s[j & 1], c[j], x4_at(x + 4 * j));
+    return _mm256_add_epi32(s[0], s[1]);
 #else
-    __m256i s16 = _mm256_maddubs_epi16(c[0], _mm256_set1_epi32(x4[0]));
-    for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[j], _mm256_set1_epi32(x4[j])));
+    __m256i s16 = _mm256_maddubs_epi16(c[0], x4_at(x));
+    for (int j = 1; j < 8; j++) s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[j], x4_at(x + 4 * j)));
     return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
 #endif
 }
@@ -201,14 +206,12 @@ INLINE __m256i x8_dot5(const __m256i c[8], const int8_t *x) {
 #if defined(DPBUSD256)
     return x8_nibble_dot(c, x);
 #else
-    int32_t x4[8];
-    memcpy(x4, x, 32);
     const __m256i one = _mm256_set1_epi16(1);
     __m256i s[2];
     for (int h = 0; h < 2; h++) {
-        __m256i s16 = _mm256_maddubs_epi16(c[4 * h], _mm256_set1_epi32(x4[4 * h]));
+        __m256i s16 = _mm256_maddubs_epi16(c[4 * h], x4_at(x + 16 * h));
         for (int j = 1; j < 4; j++)
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[4 * h + j], _mm256_set1_epi32(x4[4 * h + j])));
+            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(c[4 * h + j], x4_at(x + 16 * h + 4 * j)));
         s[h] = _mm256_madd_epi16(s16, one);
     }
     return _mm256_add_epi32(s[0], s[1]);

@@ -29,20 +29,19 @@ INLINE void iq4_codes(const uint8_t *p, __m256i u[8], __m256i c[8]) {
  * (v + 128) x - 128 Sum x; else |v| times x with v's sign (a vpmaddubsw pair at most 2 * 127 *
  * 127: one fits int16, so each is widened) */
 INLINE __m256i iq4_dot(const __m256i u[8], const __m256i c[8], const int8_t *x, int32_t isum) {
-    int32_t x4[8];
-    memcpy(x4, x, 32);
 #if defined(DPBUSD256)
     (void)c;
-    __m256i s = _mm256_set1_epi32(-128 * isum);
+    __m256i s2[2] = {_mm256_set1_epi32(-128 * isum), _mm256_setzero_si256()};
 #pragma GCC unroll 8
-    for (int j = 0; j < 8; j++) s = DPBUSD256(s, u[j], _mm256_set1_epi32(x4[j]));
+    for (int j = 0; j < 8; j++) s2[j & 1] = DPBUSD256(s2[j & 1], u[j], x4_at(x + 4 * j));
+    __m256i s = _mm256_add_epi32(s2[0], s2[1]);
 #else
     (void)isum;
     const __m256i one = _mm256_set1_epi16(1);
     __m256i s = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int j = 0; j < 8; j++) {
-        __m256i p = _mm256_maddubs_epi16(u[j], _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), c[j]));
+        __m256i p = _mm256_maddubs_epi16(u[j], _mm256_sign_epi8(x4_at(x + 4 * j), c[j]));
         s = _mm256_add_epi32(s, _mm256_madd_epi16(p, one));
     }
 #endif

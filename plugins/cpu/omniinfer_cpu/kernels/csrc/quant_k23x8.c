@@ -84,16 +84,15 @@ INLINE void k23_rows(const uint8_t *g, const xq *X, int m0, const int MB, float 
             int xb = 8 * b + s;
             for (int m = 0; m < MB; m++) {
                 size_t r = (size_t)(m0 + m);
-                int32_t x4[8];
-                memcpy(x4, X->q + r * X->K + 32 * xb, 32);
+                const int8_t *x4 = X->q + r * X->K + 32 * xb;
                 __m256i h[2];
 #pragma GCC unroll 2
                 for (int half = 0; half < 2; half++) {
-                    h[half] = _mm256_maddubs_epi16(c[4 * half], _mm256_set1_epi32(x4[4 * half]));
+                    h[half] = _mm256_maddubs_epi16(c[4 * half], x4_at(x4 + 16 * half));
 #pragma GCC unroll 3
                     for (int k = 1; k < 4; k++)
                         h[half] = _mm256_add_epi16(
-                            h[half], _mm256_maddubs_epi16(c[4 * half + k], _mm256_set1_epi32(x4[4 * half + k])));
+                            h[half], _mm256_maddubs_epi16(c[4 * half + k], x4_at(x4 + 16 * half + 4 * k)));
                 }
                 __m256i t = _mm256_add_epi32(_mm256_madd_epi16(h[0], sc0), _mm256_madd_epi16(h[1], sc1));
                 acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dw, _mm256_set1_ps(X->d[r * nbx + xb])),

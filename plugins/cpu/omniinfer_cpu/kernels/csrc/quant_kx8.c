@@ -92,19 +92,18 @@ INLINE void k6_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
                 k6_codes(cs, 2 * half + 1, &c[2], &c[3]);
                 for (int m = 0; m < MB; m++) {
                     size_t r = (size_t)(m0 + m);
-                    int32_t x4[4];
-                    memcpy(x4, X->q + r * X->K + 32 * xb + 16 * half, 16);
+                    const int8_t *x4 = X->q + r * X->K + 32 * xb + 16 * half;
 #if defined(DPBUSD256)
                     __m256i v = _mm256_setzero_si256();
 #pragma GCC unroll 4
-                    for (int j = 0; j < 4; j++) v = DPBUSD256(v, c[j], _mm256_set1_epi32(x4[j]));
+                    for (int j = 0; j < 4; j++) v = DPBUSD256(v, c[j], x4_at(x4 + 4 * j));
 #else  /* a pair of products is at most 2 * 63 * 127: two vpmaddubsw sums fit int16, not four */
                     const __m256i one = _mm256_set1_epi16(1);
                     __m256i v = _mm256_add_epi32(
-                        _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(c[0], _mm256_set1_epi32(x4[0])),
-                                                           _mm256_maddubs_epi16(c[1], _mm256_set1_epi32(x4[1]))), one),
-                        _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(c[2], _mm256_set1_epi32(x4[2])),
-                                                           _mm256_maddubs_epi16(c[3], _mm256_set1_epi32(x4[3]))), one));
+                        _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(c[0], x4_at(x4)),
+                                                           _mm256_maddubs_epi16(c[1], x4_at(x4 + 4))), one),
+                        _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(c[2], x4_at(x4 + 8)),
+                                                           _mm256_maddubs_epi16(c[3], x4_at(x4 + 12))), one));
 #endif
                     /* d * scale * (d_x * Sum q x - 32 * the half's sum of x) */
                     __m256 e = _mm256_fmsub_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(X->d[r * nbx + xb]),

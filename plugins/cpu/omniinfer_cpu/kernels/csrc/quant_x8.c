@@ -35,17 +35,17 @@ INLINE void q8_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
         }
         for (int m = 0; m < MB; m++) {
             size_t r = (size_t)(m0 + m);
-            int32_t x4[8];
-            memcpy(x4, X->q + r * X->K + 32 * b, 32);
+            const int8_t *xb = X->q + r * X->K + 32 * b;
 #if defined(DPBUSD256)
-            __m256i s = _mm256_set1_epi32(-128 * X->isum[r * (X->K / 32) + b]);
+            __m256i s2[2] = {_mm256_set1_epi32(-128 * X->isum[r * (X->K / 32) + b]), _mm256_setzero_si256()};
 #pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) s = DPBUSD256(s, u[j], _mm256_set1_epi32(x4[j]));
+            for (int j = 0; j < 8; j++) s2[j & 1] = DPBUSD256(s2[j & 1], u[j], x4_at(xb + 4 * j));
+            __m256i s = _mm256_add_epi32(s2[0], s2[1]);
 #else
             __m256i s = _mm256_setzero_si256();
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {  /* |c| times x with c's sign; a pair is at most 2 * 128 * 127 */
-                __m256i p = _mm256_maddubs_epi16(u[j], _mm256_sign_epi8(_mm256_set1_epi32(x4[j]), c[j]));
+                __m256i p = _mm256_maddubs_epi16(u[j], _mm256_sign_epi8(x4_at(xb + 4 * j), c[j]));
                 s = _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
             }
 #endif
