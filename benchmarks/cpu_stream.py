@@ -6,7 +6,12 @@ a torch sum over 256 MiB timed in the same round (the read bandwidth a streaming
 reach). Each kernel is first checked against the reference (dequantise, then F.linear).
 
     python benchmarks/cpu_stream.py [--kind gguf:Q4_0 ...] [--level avx2 --level avx2_vnni]
-        [--rows 32768] [--cols 4096] [--rounds 9] [--json out.json]
+        [--rows 32768] [--cols 4096] [--layers N] [--rounds 9] [--json out.json]
+
+--layers N times a decode step's products instead: N layers of the medium model (Qwen2.5-0.5B
+shape: qkv 1152 x 896, o 896 x 896, gate_up 9728 x 896, down 896 x 4864), each layer its own
+copy of the weights, called one after another as the layers run them: short products, where
+how fast a stream starts counts (kinds in blocks of 256 are skipped: 896 is not a multiple).
 
 Levels (OMNIINFER_CPU_ISA names; default the one loaded) are timed in turns, round by round. To
 compare with an older revision, run this script from a worktree of it
@@ -32,6 +37,7 @@ from common import machine_line  # noqa: E402
 KINDS = ("gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1", "gguf:Q4_K", "gguf:Q5_K", "gguf:Q6_K",
          "gguf:IQ4_NL", "gguf:IQ4_XS", "gguf:Q2_K", "gguf:Q3_K", "bfloat16", "float32")
 READ_BYTES = 1 << 28
+MEDIUM_LAYER = ((1152, 896), (896, 896), (9728, 896), (896, 4864))
 
 
 def piece_of(kind: str, weight: torch.Tensor):
@@ -83,6 +89,7 @@ def kernel_at(level: str, kind: str, piece):
 
 
 def main() -> None:
+    from omniinfer.quantization.gguf_blocks import BY_NAME
     from omniinfer_cpu.kernels import build, isa
     from omniinfer_cpu.quant import ACT_ENV
 
@@ -91,11 +98,15 @@ def main() -> None:
     parser.add_argument("--level", action="append", help="an ISA level to time (repeatable)")
     parser.add_argument("--rows", type=int, default=32768)
     parser.add_argument("--cols", type=int, default=4096, help="a multiple of 256")
+    parser.add_argument("--layers", type=int, default=0, help="time N medium-model layers' products instead")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--json")
     args = parser.parse_args()
     if args.cols % 256 or args.cols <= 0 or args.rows <= 0:
         parser.error(f"--rows {args.rows} --cols {args.cols}: positive, cols a multiple of 256")
+    if args.layers < 0:
+        parser.error(f"--layers {args.layers}: a count of layers, 0 (one weight) or more")
+    shapes = MEDIUM_LAYER if args.layers else ((args.rows, args.cols),)
     valid = [lv.name for lv in isa.runnable_levels()]
     for level in args.level or []:
         if level not in valid:
@@ -105,29 +116,46 @@ def main() -> None:
     levels = args.level or [build.load().level.name]
     os.environ[ACT_ENV] = "int8"
     print(machine_line())
-    print(f"threads {torch.get_num_threads()}; weight {args.rows} x {args.cols}; medians of {args.rounds} rounds")
+    what = f"{args.layers} medium layers" if args.layers else f"weight {args.rows} x {args.cols}"
+    print(f"threads {torch.get_num_threads()}; {what}; medians of {args.rounds} rounds")
     gen = torch.Generator().manual_seed(0)
     src = torch.ones(READ_BYTES // 4)
     results = []
     for kind in args.kind or KINDS:
-        from omniinfer.quantization.base import dequantize_piece
+        from omniinfer.quantization.base import QuantPiece, dequantize_piece
 
-        weight = torch.randn(args.rows, args.cols, generator=gen) * 0.05
-        x = torch.randn(1, args.cols, generator=gen)
-        if kind in ("float32", "bfloat16"):
-            piece, want = weight, F.linear(x.to(getattr(torch, kind)).float(), weight.to(getattr(torch, kind)).float())
-        else:
-            piece = piece_of(kind, weight)
-            want = F.linear(x, dequantize_piece(piece))
-        del weight
-        kernels = {}
-        for level in levels:
-            kernels[level] = kernel_at(level, kind, piece)
-            got = kernels[level].apply(x)  # int8 x: within 1% of the output's scale; bf16: its rounding
-            err = float((got - want).abs().max() / want.abs().max())
-            if err > 0.02:
-                sys.exit(f"error: {kind} at {level} is {err:.3f} (relative) from the reference")
-        nbytes = kernels[levels[0]].nbytes
+        block = BY_NAME[kind[5:]].block if kind.startswith("gguf:") else 1
+        if args.layers and 896 % block:
+            print(f"  {kind:10s} skipped: in blocks of {block}, and the medium model's rows are 896 wide")
+            continue
+        kernels = {level: [] for level in levels}
+        xs = {}
+        for rows, cols in shapes:
+            weight = torch.randn(rows, cols, generator=gen) * 0.05
+            x = xs.setdefault(cols, torch.randn(1, cols, generator=gen))
+            if kind in ("float32", "bfloat16"):
+                piece, want = weight, F.linear(x.to(getattr(torch, kind)).float(),
+                                               weight.to(getattr(torch, kind)).float())
+            else:
+                piece = piece_of(kind, weight)
+                want = F.linear(x, dequantize_piece(piece))
+            del weight
+            for level in levels:
+                kernel = kernel_at(level, kind, piece)
+                got = kernel.apply(x)  # int8 x: within 1% of the output's scale; bf16: its rounding
+                err = float((got - want).abs().max() / want.abs().max())
+                if err > 0.02:
+                    sys.exit(f"error: {kind} at {level} is {err:.3f} (relative) from the reference")
+                kernels[level].append((kernel, x))
+                for _ in range(1, args.layers):  # every layer its own copy of the bytes
+                    copy = piece.clone() if isinstance(piece, torch.Tensor) else QuantPiece(
+                        piece.kind, piece.shape, {k: t.clone() for k, t in piece.tensors.items()})
+                    kernels[level].append((kernel_at(level, kind, copy), x))
+        if args.layers:  # in a decode step's order: layer by layer
+            for level in levels:
+                calls = kernels[level]
+                kernels[level] = [calls[p * args.layers + i] for i in range(args.layers) for p in range(len(shapes))]
+        nbytes = sum(k.nbytes for k, _ in kernels[levels[0]])
         times = {level: [] for level in levels}
         reads = []
         for r in range(args.rounds):
@@ -137,7 +165,8 @@ def main() -> None:
             reads.append(READ_BYTES / (time.perf_counter() - t0) / 1e9)
             for level in levels[r % len(levels):] + levels[:r % len(levels)]:
                 t0 = time.perf_counter()
-                kernels[level].apply(x)
+                for kernel, x in kernels[level]:
+                    kernel.apply(x)
                 times[level].append(time.perf_counter() - t0)
         read = statistics.median(reads)
         for level in levels:

@@ -390,7 +390,9 @@ int omni_qlinear_q8(const void *x, int64_t ldx, const uint8_t *w, const float *s
         int64_t n0, n1;
         thread_share(N, &n0, &n1);
         float out[QMB];
-        for (int64_t n = n0; n < n1; n++)
+        for (int64_t i = 0; i < n_steps(n0, n1); i++) {
+            int64_t n = streamed_unit(i, n0, n1);
+            if (n >= n1) continue;
             for (int m0 = 0; m0 < M; m0 += QMB) {
                 int mb = M - m0 < QMB ? M - m0 : QMB;
                 xq X = {qx + (size_t)m0 * K, dx + (size_t)m0 * (K / 32), sx + (size_t)m0 * (K / 16),
@@ -399,6 +401,7 @@ int omni_qlinear_q8(const void *x, int64_t ldx, const uint8_t *w, const float *s
                 for (int m = 0; m < mb; m++)
                     st1(y, dt, (size_t)(m0 + m) * ldy + n, kind == I8 ? out[m] * scale[n] : out[m]);
             }
+        }
     }
     free(qx);
     return 0;

@@ -219,7 +219,9 @@ void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy
         float out[XMB][8];
         for (int c0 = 0; c0 < M; c0 += mc) {
             int c1 = M - c0 < mc ? M : c0 + mc;
-            for (int64_t g = g0; g < g1; g++)
+            for (int64_t i = 0; i < n_steps(g0, g1); i++) {
+                int64_t g = streamed_unit(i, g0, g1);
+                if (g >= g1) continue;
                 for (int m0 = c0; m0 < c1; m0 += XMB) {
                     int mb = c1 - m0 < XMB ? c1 - m0 : XMB;
                     group(w + (size_t)g * group_bytes, X, m0, mb, out);
@@ -227,6 +229,7 @@ void omni_qx8_rows(int kind, const uint8_t *w, const xq *X, void *y, int64_t ldy
                         for (int r = 0; r < 8 && 8 * g + r < N; r++)
                             st1(y, dt, (size_t)(m0 + m) * ldy + 8 * g + r, out[m][r]);
                 }
+            }
         }
     }
 }
