@@ -168,6 +168,25 @@ def test_cpu_stream(tmp_path):
     assert all(r["level"] == level and r["gbps"] > 0 and r["read_fraction"] > 0 for r in rows)
 
 
+
+def test_cpu_stream_layers(tmp_path):
+    """--layers N: the medium model's four products per layer, every layer its own copy, in a
+    decode step's order; a kind in blocks of 256 cannot tile 896 columns and says so."""
+    from omniinfer_cpu.kernels import build
+
+    if build.load() is None:
+        pytest.skip(f"omni_qlinear needs the CPU kernels: {build.unavailable_reason()}")
+    out = tmp_path / "l.json"
+    text = run("cpu_stream.py", "--layers", "2", "--kind", "gguf:Q4_0", "--kind", "gguf:Q4_K", "--kind", "bfloat16",
+               "--rounds", "1", "--json", str(out))
+    assert "2 medium layers" in text
+    assert "gguf:Q4_K  skipped: in blocks of 256" in text
+    rows = {r["kind"]: r for r in json.loads(out.read_text())}
+    assert sorted(rows) == ["bfloat16", "gguf:Q4_0"]
+    weights = 2 * (1152 * 896 + 896 * 896 + 9728 * 896 + 896 * 4864)  # two layers' weights
+    assert rows["gguf:Q4_0"]["mb"] == pytest.approx(weights * 18 / 32 / 1e6)
+    assert rows["bfloat16"]["mb"] == pytest.approx(weights * 2 / 1e6)
+
 def test_cpu_paged_attention_kernel_ab(tmp_path):
     """Two sources timed side by side (here the same one twice), each checked against torch."""
     out = tmp_path / "k.json"
