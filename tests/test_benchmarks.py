@@ -329,6 +329,19 @@ def test_llama_cpp_comparison_without_its_tools_is_a_skipped_row(tmp_path):
     assert "llama.cpp     skipped: llama-bench not found" in text
 
 
+
+def test_a_crashing_llama_cpp_tool_is_a_skipped_row_naming_the_signal(tmp_path):
+    """llama.cpp's native build dies of SIGSEGV / SIGILL in its AMX path on some VMs: the row
+    says which signal, not a bare negative exit status."""
+    from omniinfer.benchmarks import llama_cpp
+    from omniinfer.benchmarks.perf import SkippedRun
+
+    tool = tmp_path / "llama-bench"
+    tool.write_text("#!/bin/sh\necho 'load time 1 ms' >&2\nkill -SEGV $$\n")
+    tool.chmod(0o755)
+    with pytest.raises(SkippedRun, match="^llama-bench died of SIGSEGV after: load time 1 ms$"):
+        llama_cpp._run([str(tool)])
+
 def test_latency_of_a_gguf_file_reports_its_resident_memory():
     """The model as a Q8_0 file: the weights held are the file's bytes (no float copy), measured
     in a fresh process."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 
 ENV_BIN = "LLAMA_CPP_BIN"
@@ -43,6 +44,13 @@ def _run(cmd: list[str]) -> str:
     from omniinfer.benchmarks.perf import SkippedRun
 
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if out.returncode < 0:  # a crash says which signal (a native build's AMX path on some VMs: SIGSEGV, SIGILL)
+        try:
+            name = signal.Signals(-out.returncode).name
+        except ValueError:
+            name = f"signal {-out.returncode}"
+        last = (out.stderr.strip().splitlines() or [""])[-1]
+        raise SkippedRun(f"{os.path.basename(cmd[0])} died of {name}" + (f" after: {last}" if last else ""))
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
         raise SkippedRun(f"{os.path.basename(cmd[0])} failed: {last}")
