@@ -1,6 +1,7 @@
 """Batch-1 products on the CPU against the machine's read bandwidth: one row of x times a weight
 larger than the caches (GGUF formats through ``omni_qlinear``, int8 activations, as decode runs
-it, every GGUF kind repacked in groups of 8 rows; float32 / bfloat16 through the CPU linear method,
+it, every GGUF kind repacked in groups of 8 rows; ``int8``, a float weight quantised per output
+channel as ``quantization="int8"`` does, row by row; float32 / bfloat16 through the CPU linear method,
 ``omni_linear``), the weight's bytes over the call's time, next to
 a torch sum over 256 MiB timed in the same round (the read bandwidth a streaming kernel can
 reach). Each kernel is first checked against the reference (dequantise, then F.linear).
@@ -35,7 +36,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import machine_line  # noqa: E402
 
 KINDS = ("gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1", "gguf:Q4_K", "gguf:Q5_K", "gguf:Q6_K",
-         "gguf:IQ4_NL", "gguf:IQ4_XS", "gguf:Q2_K", "gguf:Q3_K", "bfloat16", "float32")
+         "gguf:IQ4_NL", "gguf:IQ4_XS", "gguf:Q2_K", "gguf:Q3_K", "int8", "bfloat16", "float32")
 READ_BYTES = 1 << 28
 MEDIUM_LAYER = ((1152, 896), (896, 896), (9728, 896), (896, 4864))
 
@@ -46,6 +47,10 @@ def piece_of(kind: str, weight: torch.Tensor):
     from omniinfer.quantization.base import QuantPiece
     from omniinfer.testing import kquant
 
+    if kind == "int8":  # quantization="int8": per output channel, symmetric (omni_qlinear's rows)
+        from omniinfer.quantization import int8
+
+        return int8.quantize(weight)
     name = kind.split(":")[1]
     w = weight.numpy()
     data = kquant.QUANTIZERS[name](w) if name in kquant.QUANTIZERS else \

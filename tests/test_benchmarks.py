@@ -164,7 +164,7 @@ def test_cpu_stream(tmp_path):
     rows = json.loads(out.read_text())
     assert [r["kind"] for r in rows] == ["gguf:Q4_0", "gguf:Q8_0", "gguf:Q4_1", "gguf:Q5_0", "gguf:Q5_1", "gguf:Q4_K",
                                          "gguf:Q5_K", "gguf:Q6_K", "gguf:IQ4_NL", "gguf:IQ4_XS", "gguf:Q2_K",
-                                         "gguf:Q3_K", "bfloat16", "float32"]
+                                         "gguf:Q3_K", "int8", "bfloat16", "float32"]
     assert all(r["level"] == level and r["gbps"] > 0 and r["read_fraction"] > 0 for r in rows)
 
 
