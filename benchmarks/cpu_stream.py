@@ -133,7 +133,7 @@ def main() -> None:
         if args.layers and 896 % block:
             print(f"  {kind:10s} skipped: in blocks of {block}, and the medium model's rows are 896 wide")
             continue
-        kernels = {level: [] for level in levels}
+        pieces = []  # (piece, x) a shape, each checked against the reference at every level
         xs = {}
         for rows, cols in shapes:
             weight = torch.randn(rows, cols, generator=gen) * 0.05
@@ -146,20 +146,19 @@ def main() -> None:
                 want = F.linear(x, dequantize_piece(piece))
             del weight
             for level in levels:
-                kernel = kernel_at(level, kind, piece)
-                got = kernel.apply(x)  # int8 x: within 1% of the output's scale; bf16: its rounding
+                got = kernel_at(level, kind, piece).apply(x)  # int8 x: within 1% of the output's scale
                 err = float((got - want).abs().max() / want.abs().max())
                 if err > 0.02:
                     sys.exit(f"error: {kind} at {level} is {err:.3f} (relative) from the reference")
-                kernels[level].append((kernel, x))
-                for _ in range(1, args.layers):  # every layer its own copy of the bytes
-                    copy = piece.clone() if isinstance(piece, torch.Tensor) else QuantPiece(
-                        piece.kind, piece.shape, {k: t.clone() for k, t in piece.tensors.items()})
-                    kernels[level].append((kernel_at(level, kind, copy), x))
-        if args.layers:  # in a decode step's order: layer by layer
-            for level in levels:
-                calls = kernels[level]
-                kernels[level] = [calls[p * args.layers + i] for i in range(args.layers) for p in range(len(shapes))]
+            pieces.append((piece, x))
+
+        def copy(piece):  # a layer's own bytes
+            return piece.clone() if isinstance(piece, torch.Tensor) else QuantPiece(
+                piece.kind, piece.shape, {k: t.clone() for k, t in piece.tensors.items()})
+
+        # the calls in a decode step's order: layer by layer (the first layer on the pieces themselves)
+        kernels = {level: [(kernel_at(level, kind, piece if layer == 0 else copy(piece)), x)
+                           for layer in range(max(1, args.layers)) for piece, x in pieces] for level in levels}
         nbytes = sum(k.nbytes for k, _ in kernels[levels[0]])
         times = {level: [] for level in levels}
         reads = []
