@@ -392,6 +392,15 @@ def test_quant_moe_times_the_loop_and_the_one_call():
     assert "8 experts, 256 wide" in out and out.count(" ms, one call ") == 2
 
 
+def test_quant_moe_decode_steps_route_each_token_anew():
+    out = run("quant_moe.py", "--experts", "8", "--hidden", "256", "--intermediate", "256", "--top-k", "2",
+              "--decode-steps", "4", "--rounds", "1", "--kinds", "Q4_0", "Q8_0")
+    # 2 experts a token: gate/up 512 rows of 256 in Q4_0 (144 B a row), down 256 rows of 256 in Q8_0 (272 B)
+    routed = 2 * (512 * 144 + 256 * 272) / 2**20
+    assert "decode: 4 tokens x 1 rounds, each routed anew" in out and f"routed weights {routed:.1f} MiB" in out
+    assert " ms, one call " not in out
+
+
 def test_sliding_kv(tmp_path):
     out = tmp_path / "skv.json"
     text = run("sliding_kv.py", "--tokens", "640", "--window", "64", "--layers", "6", "--chunk", "64",

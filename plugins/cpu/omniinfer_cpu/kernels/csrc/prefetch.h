@@ -22,7 +22,9 @@ INLINE void prefetch_ahead(const void *p, int bytes) {
  * of batch-1 products (`benchmarks/cpu_stream.py --layers 24`, 3 rounds each way) went Q4_0
  * 15.4-16.0 -> 17.4-19.6 GB/s, Q5_0 16.2-16.7 -> 18.2-19.7, Q8_0 18.0-20.0 -> 21.0-21.9; decode
  * of the medium q4_0 file 19.9 -> 17.4 ms/token. One long weight (32768 x 4096) gained nothing
- * measurable; 3-4 runs measured as 2, 8 less. The order of the units changes, not any sum. */
+ * measurable; 3-4 runs measured as 2, 8 less. The MoE experts' groups (quant_moe_tokens.c), one
+ * token routed anew each call from a 392 MB layer (`benchmarks/quant_moe.py --decode-steps`):
+ * ~1.44 -> ~1.31 ms a token. The order of the units changes, not any sum. */
 #define WEIGHT_STREAMS 2
 
 INLINE int64_t n_steps(int64_t n0, int64_t n1) {

@@ -12,6 +12,7 @@
 
 #include "omni.h"
 #include "omni_api.h"
+#include "prefetch.h"
 #include "quant_blocks.h"
 
 #define QMOE_CHUNK 256
@@ -30,19 +31,18 @@ static void expert_groups(x8_group_fn group, const uint8_t *w, size_t group_byte
 }
 
 /* every hit expert's groups of its N-row weight against its pairs' rows, the (expert, group)
- * items shared out as one range (inside a parallel region) */
+ * items shared out as one range (inside a parallel region), read as prefetch.h's interleaved runs */
 static void all_experts(int kind, const int64_t *w, const int64_t *hit, int nh, const int *start, const xq *X,
                         float *y, int N) {
     x8_group_fn group = omni_x8_group(kind);
     size_t group_bytes = 8 * qrow_bytes(kind, X->K);
     int64_t G = N / 8, i0, i1;
     thread_share((int64_t)nh * G, &i0, &i1);
-    while (i0 < i1) {
-        int h = (int)(i0 / G);
-        int64_t g0 = i0 % G, g1 = (int64_t)(h + 1) * G < i1 ? G : i1 - (int64_t)h * G;
-        int64_t e = hit[h];
-        expert_groups(group, (const uint8_t *)(intptr_t)w[e], group_bytes, X, start[e], start[e + 1], g0, g1, y, N);
-        i0 = (int64_t)h * G + g1;
+    for (int64_t i = 0; i < n_steps(i0, i1); i++) {
+        int64_t item = streamed_unit(i, i0, i1);
+        if (item >= i1) continue;
+        int64_t e = hit[item / G], g = item % G;
+        expert_groups(group, (const uint8_t *)(intptr_t)w[e], group_bytes, X, start[e], start[e + 1], g, g + 1, y, N);
     }
 }
 
