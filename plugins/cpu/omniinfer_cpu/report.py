@@ -31,7 +31,7 @@ def kernel_report() -> dict:
 
     if kernels is None:
         for name in ("packed GEMM", "coded weight copies", "int8 LM head", "decoder stack",
-                     "paged attention", "layer ops", "mixture of experts"):
+                     "paged attention", "layer ops", "mixture of experts", "AMX quantised prefills"):
             family(name, False, f"no compiled kernels: {why}; torch's ops run instead")
         report["cpu_kernel_families"] = families
         return report
@@ -73,5 +73,13 @@ def kernel_report() -> dict:
            f"omni_moe for up to {MOE_ROWS} tokens a step: each token reads only its routed experts' "
            "weights (float32, bfloat16); prefills run the torch reference (oneDNN per expert); MoE "
            "layers are not in the decoder stack")
+    family("AMX quantised prefills", kernels.amx == "on",
+           f"GGUF products of {AMX_ROWS}+ rows (prefills, batches; {AMX_ROWS_ROWWISE}+ for Q4_1, Q5_0, Q5_1, "
+           "Q5_K, IQ4_XS, Q2_K, Q3_K) on AMX's bfloat16 tiles (quant_amx.c: x and weights rounded to "
+           f"bfloat16, float32 sums); {build.ENV_AMX}=0 keeps them on the int8 path" if kernels.amx == "on"
+           else f"{kernels.amx}: products of many rows stay on the int8 path")
     report["cpu_kernel_families"] = families
     return report
+
+
+AMX_ROWS, AMX_ROWS_ROWWISE = 32, 256  # (quant_blocks.h's AMX_MIN_ROWS, AMX_MIN_ROWS_ROWWISE)

@@ -22,8 +22,10 @@ def level_params(levels=None):
 
 @pytest.fixture(params=level_params())
 def isa_level(request, monkeypatch):
-    """The kernels of one ISA level, and the engine capped to it (OMNIINFER_CPU_ISA)."""
+    """The kernels of one ISA level, and the engine capped to it (OMNIINFER_CPU_ISA); AMX's tiles
+    off (OMNIINFER_CPU_AMX=0: the level's own products; test_quant_amx.py turns them on)."""
     monkeypatch.setenv(isa.ENV_ISA, request.param)
+    monkeypatch.setenv(build.ENV_AMX, "0")
     build.reset()
     kernels = build.load()
     if kernels is None:

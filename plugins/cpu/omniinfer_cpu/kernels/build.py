@@ -41,6 +41,9 @@ logger = init_logger(__name__)
 
 ENV_SWITCH = "OMNIINFER_CPU_KERNELS"  # "0" turns the compiled kernels off
 ENV_CACHE = "OMNIINFER_CPU_KERNEL_CACHE"  # where libraries built at first use go
+ENV_AMX = "OMNIINFER_CPU_AMX"  # "0" keeps prefills off AMX's tiles (quant_amx.c)
+AMX_STATES = {1: "on", 0: f"off ({ENV_AMX}=0)", -1: "this level's library has no AMX code (avx512_bf16's has)",
+              -2: "the CPU or the OS cannot run AMX-BF16 tiles"}
 CSRC = Path(__file__).parent / "csrc"  # one C file per kernel family, omni.h shared
 PREBUILT = Path(__file__).parent / "lib"  # where setup.py puts a wheel's libraries
 MANIFEST = "manifest.json"
@@ -82,6 +85,9 @@ SIGNATURES = {
     "omni_quant_supported": ([_I32], _I32),
     # x, ldx, w (blocks, or int8 q), scale (int8's, else NULL), y, ldy, M, N, K, kind, dtype, nthreads
     "omni_qlinear": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
+    # on (1: the AMX tiles for prefills where the CPU has them, quant_amx.c; 0: off) -> 1 on, 0 off,
+    # -1 no AMX code at this level, -2 the CPU or the OS cannot run it
+    "omni_amx_enable": ([_I32], _I32),
     # w (blocks, or int8 q), scale (int8's, else NULL), kind, N, K, ids (int64 [n]), n, out [n, K],
     # dtype, nthreads
     "omni_qrows": ([_P, _P, _I32, _I32, _I32, _P, _I32, _P, _I32, _I32], _I32),
@@ -191,6 +197,12 @@ class Kernels:
         built_for = self.isa().decode()
         if built_for != level.name:
             raise KernelsUnavailable(f"{path} was built for {built_for}, not {level.name}")
+        self.set_amx(os.environ.get(ENV_AMX, "1").strip().lower() not in ("0", "false", "off", "no"))
+
+    def set_amx(self, on: bool) -> str:
+        """Turn quantised prefills' AMX tiles on or off (tests compare the two); says which and why."""
+        self.amx = AMX_STATES[self.amx_enable(1 if on else 0)]
+        return self.amx
 
     @property
     def isa_level(self) -> str:

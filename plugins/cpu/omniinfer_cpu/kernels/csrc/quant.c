@@ -182,6 +182,8 @@ int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scal
      * and Q4_1, Q5_0, Q5_1, Q5_K have no int8 path but theirs */
     int x8 = is_x8(kind);
     if (q8 && !x8 && kind > I8) return -1;
+    if (q8 && x8 && omni_amx_takes(kind, M, K) && omni_qamx(x, ldx, w, y, ldy, M, N, K, kind, dt, nthreads) == 0)
+        return 0;  /* (AMX's bfloat16 tiles for prefills: quant_amx.c; out of memory: the int8 path) */
     if (q8 && (M <= QGEMM_ROWS || x8)) return omni_qlinear_q8(x, ldx, w, scale, y, ldy, M, N, K, kind, dt, nthreads);
     if (x8) return -1;
     int ldxs = K / 16;

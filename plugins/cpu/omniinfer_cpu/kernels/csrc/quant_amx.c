@@ -1,0 +1,325 @@
+/* omni_qamx: omni_qlinear's product for many rows of x (prefills) on AMX's bfloat16 tiles, for
+ * weights in groups of 8 rows (is_x8), on CPUs with AMX-BF16 (Intel Xeon since Sapphire Rapids).
+ * The int8 path (quant_x8.c) multiplies with AVX-512 VNNI, 64 products an instruction; one
+ * tdpbf16ps is 16 x 16 x 32 = 8192. Each thread decodes a panel of 32 weight rows into float32
+ * (omni_decode_qrow: the reference's values), rounds them to bfloat16 in the tiles' pair layout
+ * (K/2 rows of 16 columns x 2), and multiplies every row of x (rounded to bfloat16 once a call)
+ * against it in 32 x 32 tiles, the sums in float32 over all of K: no per-block scale in the loop,
+ * the scales are in the decoded weights. Numerics: x and the weights rounded to bfloat16 (8
+ * significant bits, where the int8 path rounds x to int8 blocks and keeps the weights' codes
+ * exact), products summed in float32 by the tile unit (its order; denormals are flushed). No
+ * float copy of the weight outlives the call: a panel is a thread's scratch (K x 32 x 6 bytes).
+ *
+ * Only built into the libraries that have AVX-512 BF16 (the level avx512_bf16); the tile code is
+ * compiled for AMX by function attributes and runs only after omni_amx_enable(1) found the CPU's
+ * AMX-TILE and AMX-BF16 bits, the OS's tile state enabled (XCR0 bits 17-18) and the kernel's
+ * permission granted (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA): nothing here executes an AMX
+ * instruction on a CPU without them. */
+#include "omni_api.h"
+#include "quant_blocks.h"
+
+static int amx_on = 0;
+
+#if defined(__x86_64__) && defined(__AVX512BF16__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define AMX_BUILT 1
+
+static int amx_usable(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    if (!(d & (1u << 24)) || !(d & (1u << 22))) return 0;  /* AMX-TILE, AMX-BF16 */
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0;  /* OSXSAVE: xgetbv works */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return 0;  /* the OS saves XTILECFG and XTILEDATA */
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+#define AMX_TILE 16   /* rows (and float32 columns) of a tile */
+#define AMX_KSTEP 32  /* bfloat16 values of K a tile row holds (64 bytes) */
+#define AMX_PANEL 32  /* weight rows a thread decodes at a time: two B tiles of 16 columns */
+
+/* tiles 0-3: C (x rows 0-15 / 16-31 by panel columns 0-15 / 16-31), 4-5: A (x), 6-7: B (weights) */
+__attribute__((target("amx-tile,amx-bf16"))) static void panel_product(const uint16_t *xb, int Mp, int K,
+                                                                       const uint16_t *wb, float *c,
+                                                                       void *y, int64_t ldy, int M, int n0,
+                                                                       int ncols, int dt) {
+    const int64_t xstride = 2 * (int64_t)K;
+    for (int m0 = 0; m0 < Mp; m0 += 2 * AMX_TILE) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int k0 = 0; k0 < K; k0 += AMX_KSTEP) {
+            _tile_loadd(4, xb + (size_t)m0 * K + k0, xstride);
+            _tile_loadd(5, xb + (size_t)(m0 + AMX_TILE) * K + k0, xstride);
+            _tile_loadd(6, wb + (size_t)(k0 / 2) * 2 * AMX_TILE, 64);
+            _tile_loadd(7, wb + (size_t)K * AMX_TILE + (size_t)(k0 / 2) * 2 * AMX_TILE, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c, 2 * AMX_TILE * 4);
+        _tile_stored(1, c + AMX_TILE, 2 * AMX_TILE * 4);
+        _tile_stored(2, c + AMX_TILE * 2 * AMX_TILE, 2 * AMX_TILE * 4);
+        _tile_stored(3, c + AMX_TILE * 2 * AMX_TILE + AMX_TILE, 2 * AMX_TILE * 4);
+        for (int m = m0; m < m0 + 2 * AMX_TILE && m < M; m++)
+            for (int j = 0; j < ncols; j++) st1(y, dt, (size_t)m * ldy + n0 + j, c[(m - m0) * 2 * AMX_TILE + j]);
+    }
+}
+
+/* ---- a group of 8 weight rows decoded into a panel's B tiles ------------------------------------
+ * The groups hold 4 consecutive weights of a row in a 32-bit lane (a chunk: 8 rows x 4 bytes);
+ * decoded to float32, a chunk is two vectors, rows 0-3 and 4-7 (lane 4r + i: row r's weight i).
+ * Rounded to bfloat16, the even 32-bit words (each row's weights 0, 1) are B's row k / 2 and the
+ * odd ones (2, 3) the next: 8 of the 16 columns of each (b: the group's first column there). */
+static void emit_chunk(uint16_t *b, __m512 lo, __m512 hi) {
+    const __m512i evens_odds = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    __m512i words = _mm512_permutexvar_epi32(evens_odds, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    _mm256_storeu_si256((__m256i *)b, _mm512_castsi512_si256(words));
+    _mm256_storeu_si256((__m256i *)(b + 2 * AMX_TILE), _mm512_extracti64x4_epi64(words, 1));
+}
+
+/* 8 per-row floats (rows' d, ...) -> the lanes of rows 0-3 (hi: 4-7), each 4 times */
+static __m512 rows_lo(__m256 v) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm512_castps256_ps512(v));
+}
+static __m512 rows_hi(__m256 v) {
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
+                                 _mm512_castps256_ps512(v));
+}
+static __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+
+/* a Q4_0X8 chunk's codes (32 bytes at p): low nibbles (weights 0-3 of each row) or high (4-7) */
+static __m512i nibbles(const uint8_t *p, int half, int high) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * half)));
+    return high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
+}
+
+/* group g's K columns (kind, group_bytes each) -> B rows: b at the group's first column of row 0 */
+static int decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
+    const __m512 eight = _mm512_set1_ps(8.f), thirty_two = _mm512_set1_ps(32.f);
+    if (kind == Q8_0X8) {  /* blocks of 272: d, then 8 chunks: weight 4j + i */
+        for (int blk = 0; blk < K / 32; blk++, g += 272) {
+            __m256 d = f16x8(g);
+            __m512 dlo = rows_lo(d), dhi = rows_hi(d);
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *c = g + 16 + 32 * j;
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+                __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+                emit_chunk(b + (size_t)(32 * blk + 4 * j) * AMX_TILE, lo * dlo, hi * dhi);
+            }
+        }
+        return 1;
+    }
+    if (kind == Q4_0X8 || kind == IQ4_NLX8) {  /* blocks of 144: d, 4 chunks: weights 8c + i, 8c + 4 + i */
+        const __m512i table = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
+        for (int blk = 0; blk < K / 32; blk++, g += 144) {
+            __m256 d = f16x8(g);
+            __m512 dlo = rows_lo(d), dhi = rows_hi(d);
+            for (int c = 0; c < 4; c++)
+                for (int h = 0; h < 2; h++) {
+                    __m512i lo = nibbles(g + 16 + 32 * c, 0, h), hi = nibbles(g + 16 + 32 * c, 1, h);
+                    __m512 flo, fhi;
+                    if (kind == IQ4_NLX8) {
+                        flo = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lo, table));
+                        fhi = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(hi, table));
+                    } else {
+                        flo = _mm512_cvtepi32_ps(lo) - eight;
+                        fhi = _mm512_cvtepi32_ps(hi) - eight;
+                    }
+                    emit_chunk(b + (size_t)(32 * blk + 8 * c + 4 * h) * AMX_TILE, flo * dlo, fhi * dhi);
+                }
+        }
+        return 1;
+    }
+    if (kind == Q4_KX8) {  /* blocks of 1152: d, dmin, 12 scale bytes a row, 8 sub-blocks as Q4_0X8's */
+        for (int blk = 0; blk < K / 256; blk++, g += 1152) {
+            float d[8], dmin[8];
+            _mm256_storeu_ps(d, f16x8(g));
+            _mm256_storeu_ps(dmin, f16x8(g + 16));
+            uint8_t sc[8][8], mn[8][8];
+            for (int r = 0; r < 8; r++) {
+                uint8_t packed[12];
+                for (int t = 0; t < 12; t++) packed[t] = g[32 + 8 * t + r];
+                k_scales(packed, sc[r], mn[r]);
+            }
+            for (int s = 0; s < 8; s++) {
+                float ds[8], dm[8];
+                for (int r = 0; r < 8; r++) ds[r] = d[r] * (float)sc[r][s], dm[r] = dmin[r] * (float)mn[r][s];
+                __m512 slo = rows_lo(_mm256_loadu_ps(ds)), shi = rows_hi(_mm256_loadu_ps(ds));
+                __m512 mlo = rows_lo(_mm256_loadu_ps(dm)), mhi = rows_hi(_mm256_loadu_ps(dm));
+                const uint8_t *cs = g + 128 + 128 * s;
+                for (int c = 0; c < 4; c++)
+                    for (int h = 0; h < 2; h++) {
+                        __m512 flo = _mm512_cvtepi32_ps(nibbles(cs + 32 * c, 0, h));
+                        __m512 fhi = _mm512_cvtepi32_ps(nibbles(cs + 32 * c, 1, h));
+                        emit_chunk(b + (size_t)(256 * blk + 32 * s + 8 * c + 4 * h) * AMX_TILE, flo * slo - mlo,
+                                   fhi * shi - mhi);
+                    }
+            }
+        }
+        return 1;
+    }
+    if (kind == Q6_KX8) {  /* blocks of 1680: d, 16 int8 scales a row, sub-blocks of 192 at 144 */
+        for (int blk = 0; blk < K / 256; blk++, g += 1680) {
+            float d[8];
+            _mm256_storeu_ps(d, f16x8(g));
+            for (int s = 0; s < 8; s++) {
+                const uint8_t *cs = g + 144 + 192 * s;
+                for (int c = 0; c < 4; c++) {
+                    float ds[8];  /* weights 32 s + 8 c + 0..7: scale 2 s + c / 2 */
+                    for (int r = 0; r < 8; r++) ds[r] = d[r] * (float)(int8_t)g[16 + 8 * (2 * s + c / 2) + r];
+                    __m512 slo = rows_lo(_mm256_loadu_ps(ds)), shi = rows_hi(_mm256_loadu_ps(ds));
+                    const int sh = 4 * (c & 1);
+                    for (int h = 0; h < 2; h++) {  /* h: the low nibble with bits sh, sh + 1 on top, or high */
+                        __m512i q[2];
+                        for (int half = 0; half < 2; half++) {
+                            __m512i top = _mm512_cvtepu8_epi32(
+                                _mm_loadu_si128((const __m128i *)(cs + 128 + 32 * (c / 2) + 16 * half)));
+                            top = _mm512_and_si512(_mm512_srli_epi32(top, sh + 2 * h), _mm512_set1_epi32(3));
+                            q[half] = _mm512_or_si512(nibbles(cs + 32 * c, half, h), _mm512_slli_epi32(top, 4));
+                        }
+                        emit_chunk(b + (size_t)(256 * blk + 32 * s + 8 * c + 4 * h) * AMX_TILE,
+                                   (_mm512_cvtepi32_ps(q[0]) - thirty_two) * slo,
+                                   (_mm512_cvtepi32_ps(q[1]) - thirty_two) * shi);
+                    }
+                }
+            }
+        }
+        return 1;
+    }
+    return 0;
+}
+
+/* whether decode_group has `kind` (the others decode row by row, omni_decode_qrow: slower) */
+static int vector_decoded(int kind) {
+    return kind == Q8_0X8 || kind == Q4_0X8 || kind == IQ4_NLX8 || kind == Q4_KX8 || kind == Q6_KX8;
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) static void tiles_on(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = AMX_TILE;
+    /* (not _tile_loadconfig: gcc's tells the compiler it reads 8 bytes, and gcc 12 then dropped the
+     * stores of the rows and columns before it: a general protection fault) */
+    __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
+__attribute__((target("amx-tile"))) static void tiles_off(void) { _tile_release(); }
+
+/* y [M, ldy] (dt) = x [M, ldx] (dt) @ W^T, W's N rows in groups of 8 of `kind` (is_x8), K % 32 == 0.
+ * Returns 0; -1 out of memory or AMX not enabled. */
+int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, void *y, int64_t ldy, int M, int N, int K, int kind,
+              int dt, int nthreads) {
+    if (!amx_on || !is_x8(kind) || K % AMX_KSTEP || M < 1 || N < 1) return -1;
+    int Mp = (M + 2 * AMX_TILE - 1) / (2 * AMX_TILE) * (2 * AMX_TILE);
+    uint16_t *xb = aligned_alloc(64, ((size_t)Mp * K * 2 + 63) / 64 * 64);
+    if (!xb) return -1;
+    for (int m = 0; m < Mp; m++) {  /* x rounded to bfloat16 once; the padding rows zero */
+        uint16_t *o = xb + (size_t)m * K;
+        if (m >= M)
+            memset(o, 0, sizeof(uint16_t) * K);
+        else if (dt == BF16)
+            memcpy(o, (const uint16_t *)x + (size_t)m * ldx, sizeof(uint16_t) * K);
+        else
+            for (int k = 0; k < K; k += 32) {
+                const float *r = (const float *)x + (size_t)m * ldx + k;
+                _mm512_storeu_si512(o + k, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(r + 16), _mm512_loadu_ps(r)));
+            }
+    }
+    int64_t panels = (N + AMX_PANEL - 1) / AMX_PANEL;
+    size_t group_bytes = 8 * qrow_bytes(kind, K);
+    if (nthreads < 1) nthreads = 1;
+    nthreads = threads_for((int64_t)N * K, nthreads);
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        float *row = malloc(sizeof(float) * (size_t)K);
+        uint16_t *wb = aligned_alloc(64, (size_t)K * AMX_PANEL * 2);
+        float *c = aligned_alloc(64, sizeof(float) * 4 * AMX_TILE * AMX_TILE);
+        if (!row || !wb || !c) failed = 1;
+        int64_t p0, p1;
+        thread_share(panels, &p0, &p1);
+        if (!failed && p0 < p1) {
+            tiles_on();
+            for (int64_t p = p0; p < p1; p++) {
+                int n0 = (int)(p * AMX_PANEL), ncols = N - n0 < AMX_PANEL ? N - n0 : AMX_PANEL;
+                /* B tile t holds columns 16 t.. of the panel: row k/2 = 16 pairs (w[n][k], w[n][k+1]) */
+                if (vector_decoded(kind)) {
+                    for (int q = 0; q < AMX_PANEL / 8; q++) {
+                        uint16_t *b = wb + (size_t)(q / 2) * K * AMX_TILE + 8 * 2 * (q % 2);
+                        if (8 * q < ncols)
+                            decode_group(kind, w + (size_t)(n0 / 8 + q) * group_bytes, K, b);
+                        else
+                            for (int k = 0; k < K; k += 2) memset(b + (size_t)k * AMX_TILE, 0, 32);
+                    }
+                } else
+                for (int j = 0; j < AMX_PANEL; j++) {
+                    uint16_t *b = wb + (size_t)(j / AMX_TILE) * K * AMX_TILE + 2 * (j % AMX_TILE);
+                    if (j < ncols) {
+                        omni_decode_qrow(w, NULL, kind, n0 + j, K, row);
+                        for (int k = 0; k < K; k += 2) {
+                            b[(size_t)k * AMX_TILE] = to_bf16(row[k]);
+                            b[(size_t)k * AMX_TILE + 1] = to_bf16(row[k + 1]);
+                        }
+                    } else {
+                        for (int k = 0; k < K; k += 2) b[(size_t)k * AMX_TILE] = b[(size_t)k * AMX_TILE + 1] = 0;
+                    }
+                }
+                panel_product(xb, Mp, K, wb, c, y, ldy, M, n0, ncols, dt);
+            }
+            tiles_off();
+        }
+        free(row), free(wb), free(c);
+    }
+    free(xb);
+    return failed ? -1 : 0;
+}
+/* quant.c: whether omni_qlinear's M rows of `kind` go to omni_qamx */
+int omni_amx_takes(int kind, int M, int K) {
+    return amx_on && is_x8(kind) && K % AMX_KSTEP == 0 &&
+           M >= (vector_decoded(kind) ? AMX_MIN_ROWS : AMX_MIN_ROWS_ROWWISE);
+}
+#else
+#define AMX_BUILT 0
+int omni_amx_takes(int kind, int M, int K) {
+    (void)kind, (void)M, (void)K;
+    return 0;
+}
+int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, void *y, int64_t ldy, int M, int N, int K, int kind,
+              int dt, int nthreads) {
+    (void)x, (void)ldx, (void)w, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)kind, (void)dt,
+        (void)nthreads;
+    return -1;
+}
+#endif
+
+/* on: 1 turns the AMX path on where this library and this CPU can run it, 0 off. Returns whether
+ * it is on now; -1 when `on` asked for it and this library has no AMX code (built below
+ * avx512_bf16, or for another architecture), -2 when the CPU or the OS cannot run it. */
+int omni_amx_enable(int on) {
+    if (!on) return amx_on = 0;
+#if AMX_BUILT
+    static int usable = -1;
+    if (usable < 0) usable = amx_usable();
+    if (!usable) return -2;
+    return amx_on = 1;
+#else
+    return -1;
+#endif
+}
