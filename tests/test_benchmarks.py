@@ -291,6 +291,17 @@ def test_transformers_refusing_its_cache_skips_that_row(monkeypatch, tmp_path):
     assert "transformers cont.   skipped: transformers refused" in table
 
 
+def test_a_gguf_throughput_table_says_what_its_mfu_is_against():
+    from omniinfer.benchmarks import perf
+
+    run = {"output_tokens_per_s": 250.0, "total_tokens_per_s": 750.0, "requests_per_s": 3.9, "mfu": 1.94}
+    result = {"shape": "medium", "num_prompts": 32, "input_len": 128, "output_len": 64, "threads": 2,
+              "matmul_peak_gflops": 314.0, "omniinfer": run}
+    note = "(MFU: against torch's float32 matmul peak; a GGUF file's products"
+    assert note in perf.throughput_table({**result, "dtype": "gguf q4_0"})
+    assert note not in perf.throughput_table({**result, "dtype": "float32"})
+
+
 def test_every_result_names_the_cpu_and_its_isa_level():
     from omniinfer.benchmarks.perf import machine, machine_line
 

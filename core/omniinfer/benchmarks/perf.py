@@ -154,6 +154,9 @@ def throughput_table(r: dict) -> str:
     lines = [f"throughput: {r['shape']} {r['dtype']}  N={r['num_prompts']} I={r['input_len']} "
              f"O={r['output_len']}  threads={r['threads']}  matmul peak {r['matmul_peak_gflops']:.0f} GFLOP/s"
              + runs, machine_line(r.get("machine"))]
+    if str(r.get("dtype", "")).startswith("gguf"):
+        lines.append("  (MFU: against torch's float32 matmul peak; a GGUF file's products run int8 dots or "
+                     "bfloat16 tiles, which can pass it)")
     e = r["omniinfer"]
     steps = r.get("num_scheduler_steps", 1)
     rows = [(f"omniinfer ({steps} steps)" if steps > 1 else "omniinfer", e)]
