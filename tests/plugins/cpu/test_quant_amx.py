@@ -22,7 +22,8 @@ from omniinfer_cpu.kernels import build, isa  # noqa: E402
 from omniinfer_cpu.quant import ACT_ENV, CpuQuantKernel  # noqa: E402
 from omniinfer_cpu.report import AMX_ROWS, AMX_ROWS_ROWWISE  # noqa: E402
 
-VECTOR_DECODED = ("gguf:Q8_0", "gguf:Q4_0", "gguf:IQ4_NL", "gguf:Q4_K", "gguf:Q6_K")  # (quant_amx.c's decode_group)
+VECTOR_DECODED = ("gguf:Q8_0", "gguf:Q4_0", "gguf:IQ4_NL", "gguf:Q4_K", "gguf:Q6_K", "gguf:Q4_1", "gguf:Q5_0",
+                  "gguf:Q5_1", "gguf:Q5_K")  # (quant_amx.c's decode_group)
 
 
 def amx_kernels():

@@ -109,6 +109,16 @@ static __m512i nibbles(const uint8_t *p, int half, int high) {
     return high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
 }
 
+/* chunk c's codes (low nibbles h = 0, high h = 1) of rows 0-3 (half 0) or 4-7, with their fifth
+ * bits from hb (bit 2c + h of byte 4r + i) where the kind has them (hb non-NULL) */
+static __m512i codes(const uint8_t *p, const uint8_t *hb, int half, int c, int h) {
+    __m512i q = nibbles(p + 32 * c, half, h);
+    if (!hb) return q;
+    __m512i top = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(hb + 16 * half)));
+    top = _mm512_and_si512(_mm512_srli_epi32(top, 2 * c + h), _mm512_set1_epi32(1));
+    return _mm512_or_si512(q, _mm512_slli_epi32(top, 4));
+}
+
 /* group g's K columns (kind, group_bytes each) -> B rows: b at the group's first column of row 0 */
 static int decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
     const __m512 eight = _mm512_set1_ps(8.f), thirty_two = _mm512_set1_ps(32.f);
@@ -146,8 +156,27 @@ static int decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
         }
         return 1;
     }
-    if (kind == Q4_KX8) {  /* blocks of 1152: d, dmin, 12 scale bytes a row, 8 sub-blocks as Q4_0X8's */
-        for (int blk = 0; blk < K / 256; blk++, g += 1152) {
+    if (kind == Q4_1X8 || kind == Q5_0X8 || kind == Q5_1X8) {  /* d (m), 4 chunks (32 bytes of fifth bits) */
+        const int has_min = kind != Q5_0X8, has_hi = kind != Q4_1X8;
+        const int bytes = 144 + 16 * has_min + 32 * has_hi;
+        const __m512 offset = _mm512_set1_ps(has_min ? 0.f : 16.f);  /* (Q5_0: d (q - 16)) */
+        for (int blk = 0; blk < K / 32; blk++, g += bytes) {
+            __m256 d = f16x8(g), m = has_min ? f16x8(g + 16) : _mm256_setzero_ps();
+            __m512 dlo = rows_lo(d), dhi = rows_hi(d), mlo = rows_lo(m), mhi = rows_hi(m);
+            const uint8_t *p = g + 16 + 16 * has_min, *hb = has_hi ? p + 128 : NULL;
+            for (int c = 0; c < 4; c++)
+                for (int h = 0; h < 2; h++) {
+                    __m512 qlo = _mm512_cvtepi32_ps(codes(p, hb, 0, c, h)), qhi = _mm512_cvtepi32_ps(codes(p, hb, 1, c, h));
+                    __m512 lo = has_min ? qlo * dlo + mlo : (qlo - offset) * dlo;
+                    __m512 hi = has_min ? qhi * dhi + mhi : (qhi - offset) * dhi;
+                    emit_chunk(b + (size_t)(32 * blk + 8 * c + 4 * h) * AMX_TILE, lo, hi);
+                }
+        }
+        return 1;
+    }
+    if (kind == Q4_KX8 || kind == Q5_KX8) {  /* d, dmin, 12 scale bytes a row, 8 sub-blocks (+ fifth bits) */
+        const int hi5 = kind == Q5_KX8;
+        for (int blk = 0; blk < K / 256; blk++, g += hi5 ? 1408 : 1152) {
             float d[8], dmin[8];
             _mm256_storeu_ps(d, f16x8(g));
             _mm256_storeu_ps(dmin, f16x8(g + 16));
@@ -162,11 +191,11 @@ static int decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
                 for (int r = 0; r < 8; r++) ds[r] = d[r] * (float)sc[r][s], dm[r] = dmin[r] * (float)mn[r][s];
                 __m512 slo = rows_lo(_mm256_loadu_ps(ds)), shi = rows_hi(_mm256_loadu_ps(ds));
                 __m512 mlo = rows_lo(_mm256_loadu_ps(dm)), mhi = rows_hi(_mm256_loadu_ps(dm));
-                const uint8_t *cs = g + 128 + 128 * s;
+                const uint8_t *cs = g + 128 + (128 + 32 * hi5) * s, *hb = hi5 ? cs + 128 : NULL;
                 for (int c = 0; c < 4; c++)
                     for (int h = 0; h < 2; h++) {
-                        __m512 flo = _mm512_cvtepi32_ps(nibbles(cs + 32 * c, 0, h));
-                        __m512 fhi = _mm512_cvtepi32_ps(nibbles(cs + 32 * c, 1, h));
+                        __m512 flo = _mm512_cvtepi32_ps(codes(cs, hb, 0, c, h));
+                        __m512 fhi = _mm512_cvtepi32_ps(codes(cs, hb, 1, c, h));
                         emit_chunk(b + (size_t)(256 * blk + 32 * s + 8 * c + 4 * h) * AMX_TILE, flo * slo - mlo,
                                    fhi * shi - mhi);
                     }
@@ -207,7 +236,8 @@ static int decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
 
 /* whether decode_group has `kind` (the others decode row by row, omni_decode_qrow: slower) */
 static int vector_decoded(int kind) {
-    return kind == Q8_0X8 || kind == Q4_0X8 || kind == IQ4_NLX8 || kind == Q4_KX8 || kind == Q6_KX8;
+    return kind == Q8_0X8 || kind == Q4_0X8 || kind == IQ4_NLX8 || kind == Q4_KX8 || kind == Q6_KX8 ||
+           kind == Q4_1X8 || kind == Q5_0X8 || kind == Q5_1X8 || kind == Q5_KX8;
 }
 
 __attribute__((target("amx-tile,amx-bf16"))) static void tiles_on(void) {
