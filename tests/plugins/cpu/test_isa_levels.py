@@ -120,7 +120,11 @@ def test_env_reports_the_level_and_the_kernel_families(isa_level):
     assert report["cpu_kernels"].startswith(f"{name} (capped by {isa.ENV_ISA}={name})")
     families = report["cpu_kernel_families"]
     assert set(families) == {"packed GEMM", "coded weight copies", "int8 LM head", "decoder stack",
-                             "paged attention", "layer ops", "mixture of experts"}
+                             "paged attention", "layer ops", "mixture of experts", "AMX quantised prefills"}
+    # (the fixture sets OMNIINFER_CPU_AMX=0; below avx512_bf16 the library has no tile code at all)
+    amx = families["AMX quantised prefills"]
+    assert not amx["active"] and amx["why"].startswith(
+        "off (OMNIINFER_CPU_AMX=0)" if name == "avx512_bf16" else "this level's library has no AMX code")
     assert families["packed GEMM"]["active"] and families["decoder stack"]["active"]
     assert families["mixture of experts"]["active"] and "routed experts" in families["mixture of experts"]["why"]
     coded = name in ("avx512_vbmi", "avx512_bf16")

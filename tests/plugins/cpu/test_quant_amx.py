@@ -111,8 +111,8 @@ def test_levels_without_the_tile_code_say_so():
     if not below:
         pytest.skip("this CPU runs no CPU kernel level below avx512_bf16")
     kernels = build.load_level(below[0].name)
-    assert kernels.set_amx(True) == "this level's library has no AMX code (avx512_bf16's has)"
-    assert kernels.set_amx(False) == f"off ({build.ENV_AMX}=0)"
+    for on in (True, False):
+        assert kernels.set_amx(on) == "this level's library has no AMX code (avx512_bf16's has)"
 
 
 def test_a_gguf_models_prefills_on_the_tiles_follow_transformers(amx, tmp_path):

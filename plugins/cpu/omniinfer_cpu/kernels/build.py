@@ -86,7 +86,7 @@ SIGNATURES = {
     # x, ldx, w (blocks, or int8 q), scale (int8's, else NULL), y, ldy, M, N, K, kind, dtype, nthreads
     "omni_qlinear": ([_P, _I64, _P, _P, _P, _I64, _I32, _I32, _I32, _I32, _I32, _I32], _I32),
     # on (1: the AMX tiles for prefills where the CPU has them, quant_amx.c; 0: off) -> 1 on, 0 off,
-    # -1 no AMX code at this level, -2 the CPU or the OS cannot run it
+    # -1 no AMX code at this level (either way), -2 the CPU or the OS cannot run it
     "omni_amx_enable": ([_I32], _I32),
     # w (blocks, or int8 q), scale (int8's, else NULL), kind, N, K, ids (int64 [n]), n, out [n, K],
     # dtype, nthreads

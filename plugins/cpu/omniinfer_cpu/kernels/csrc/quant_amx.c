@@ -340,16 +340,17 @@ int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, void *y, int64_t ldy
 #endif
 
 /* on: 1 turns the AMX path on where this library and this CPU can run it, 0 off. Returns whether
- * it is on now; -1 when `on` asked for it and this library has no AMX code (built below
- * avx512_bf16, or for another architecture), -2 when the CPU or the OS cannot run it. */
+ * it is on now; -1 when this library has no AMX code (built below avx512_bf16, or for another
+ * architecture), -2 when `on` asked for it and the CPU or the OS cannot run it. */
 int omni_amx_enable(int on) {
-    if (!on) return amx_on = 0;
 #if AMX_BUILT
+    if (!on) return amx_on = 0;
     static int usable = -1;
     if (usable < 0) usable = amx_usable();
     if (!usable) return -2;
     return amx_on = 1;
 #else
+    (void)on;
     return -1;
 #endif
 }
