@@ -125,8 +125,9 @@ class CpuQuantKernel(QuantKernel):
                 self.piece = quant_x8.repack(original, self.w, piece.shape)  # (replaces the layer's piece)
                 self.w, self.code = self.piece.tensors["blocks8"], X8_CODES[original] | QACT_INT8
         rewrite = f", as {LATTICE_AS[original_kind[5:]]}" if original_kind[5:] in LATTICE_AS else ""
-        amx = ", AMX tiles for prefills" if self.k.amx == "on" and "blocks8" in self.piece.tensors else ""
-        self.name = f"cpu ({self.k.level.name}, {self.activations} activations{rewrite}{amx})"
+        amx = " + AMX tiles for prefills" if self.k.amx == "on" and self.activations == "int8" and (
+            "blocks8" in self.piece.tensors or self.code == KIND_CODES["int8"] | QACT_INT8) else ""
+        self.name = f"cpu ({self.k.level.name}{amx}, {self.activations} activations{rewrite})"
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         rows, cols = self.piece.shape

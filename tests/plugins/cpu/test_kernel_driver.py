@@ -225,7 +225,7 @@ def quant_cases(gen):
                 out.append((("qlinear", [m, 19, 512, code, dt, 2], [], [x, blocks, scale,
                                                                          torch.zeros(m, 19, dtype=TORCH_DTYPE[dt])]),
                             lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
-            # the int8-activation path (kind | QACT_INT8; up to 8 rows, beyond: the float panels) against
+            # the int8-activation path (kind | QACT_INT8; up to 8 rows, int8 rows up to 96, beyond: the float panels) against
             # x rounded as it rounds it; the GGUF kinds also as their rows repacked in groups of 8 (the
             # only int8 path Q4_1 / Q5_0 / Q5_1 / Q5_K have)
             rounded = F.linear(int8_blocks(x).double(), ref.double())
@@ -233,7 +233,7 @@ def quant_cases(gen):
             rows_as_stored = [(code, blocks)] if code is not None and code <= KIND_CODES["int8"] else []
             for c, w in rows_as_stored + ([(x8, repack(f"gguf:{kind}", blocks, (19, 512)).tensors["blocks8"])]
                                           if x8 else []):
-                want = rounded if m <= 8 or c == x8 else want  # (the X8 groups: int8 at any row count)
+                want = rounded if m <= 8 or c == x8 or kind == "int8" else want  # (the X8 groups: int8 at any row count)
                 out.append((("qlinear", [m, 19, 512, c | QACT_INT8, dt, 2], [], [x, w, scale,
                                                                           torch.zeros(m, 19, dtype=TORCH_DTYPE[dt])]),
                             lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))

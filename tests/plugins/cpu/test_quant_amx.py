@@ -22,7 +22,8 @@ from omniinfer_cpu.kernels import build, isa  # noqa: E402
 from omniinfer_cpu.quant import ACT_ENV, CpuQuantKernel  # noqa: E402
 from omniinfer_cpu.report import AMX_ROWS, AMX_ROWS_ROWWISE  # noqa: E402
 
-VECTOR_DECODED = ("gguf:Q8_0", "gguf:Q4_0", "gguf:IQ4_NL", "gguf:Q4_K", "gguf:Q6_K", "gguf:Q4_1", "gguf:Q5_0",
+AMX_KINDS = GGUF_KINDS + ["int8"]  # (int8: quantization="int8" and W8A8 rows, a scale each)
+VECTOR_DECODED = ("int8", "gguf:Q8_0", "gguf:Q4_0", "gguf:IQ4_NL", "gguf:Q4_K", "gguf:Q6_K", "gguf:Q4_1", "gguf:Q5_0",
                   "gguf:Q5_1", "gguf:Q5_K")  # (quant_amx.c's decode_group)
 
 
@@ -55,24 +56,26 @@ def bf16_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.bfloat16().double(), w.bfloat16().double())
 
 
-@pytest.mark.parametrize("kind", GGUF_KINDS)
+@pytest.mark.parametrize("kind", AMX_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiles_multiply_the_bfloat16_rounded_numbers(amx, kind, dtype):
-    """Row counts around the thresholds, weights of 8-13-37-70 rows (a last group padded, a last
-    panel of 32 part-filled), x with strided rows; bfloat16 x is multiplied as it is."""
-    gen = torch.Generator().manual_seed(GGUF_KINDS.index(kind))
+    """Row counts around the thresholds, weights of 8, 37 and 70 rows (a last group padded or
+    absent, a last panel of 32 part-filled), x with strided rows; bfloat16 x is multiplied as it
+    is. Below the threshold the int8 path's numbers (x in int8 blocks of 32)."""
+    gen = torch.Generator().manual_seed(AMX_KINDS.index(kind))
     threshold = AMX_ROWS if kind in VECTOR_DECODED else AMX_ROWS_ROWWISE
     for rows, cols in ((8, 256), (37, 512), (70, 256)):
         weight = torch.randn(rows, cols, generator=gen) * 0.05
         kernel = CpuQuantKernel(piece_of(kind, weight))
-        assert kernel.name.endswith(", AMX tiles for prefills)"), kernel.name
-        w = dequantize_piece(kernel.piece)
+        assert kernel.name.startswith("cpu (avx512_bf16 + AMX tiles for prefills, int8 activations"), kernel.name
+        w = dequantize_piece(kernel.piece).float()
         for m in (threshold - 1, threshold, threshold + 1, threshold + 33):
             x = torch.randn(m, cols + 8, generator=gen)[:, 4:4 + cols].to(dtype)
             x[0, :32] *= 50  # (a block far larger than the rest: the int8 path's own scale, the tiles' none)
             got = kernel.apply(x).double()
             assert got.shape == (m, rows)
-            tiles, int8 = bf16_reference(x, w), F.linear(int8_blocks(x).double(), w.double())
+            tiles = bf16_reference(x, w)
+            int8 = F.linear(int8_blocks(x).double(), w.double())  # (int8 rows too: row dots to I8_DOT_ROWS)
             want = tiles if m >= threshold else int8
             if dtype == torch.float32:
                 torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
@@ -131,7 +134,7 @@ def test_a_gguf_models_prefills_on_the_tiles_follow_transformers(amx, tmp_path):
     llm = LLM(path, num_kv_blocks=64, max_num_batched_tokens=256, max_num_seqs=4)
     try:
         names = kernel_names(llm)
-        assert names and all(n.endswith("AMX tiles for prefills)") for n in names), names
+        assert names and all(n.startswith("cpu (avx512_bf16 + AMX tiles for prefills,") for n in names), names
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     finally:

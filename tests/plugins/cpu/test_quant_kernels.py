@@ -94,12 +94,13 @@ def test_int8_activations_match_x_rounded_the_same_way(isa_level, kind, dtype, m
         kernel = CpuQuantKernel(piece)
         assert kernel.name == f"cpu ({isa_level.level.name}, int8 activations)"
         w = dequantize_piece(piece).double()
-        for m in (1, 2, 3, 5, 8, 9, 70):
+        for m in (1, 2, 3, 5, 8, 9, 70, 96, 97):
             x = torch.randn(m, cols + 8, generator=gen)[:, 4:4 + cols].to(dtype)
             x[0, :32] *= 50  # one block far larger than the rest: its own scale
             got = kernel.apply(x)
             exact = F.linear(x.double(), w)
-            rounded = m <= 8 or kind.startswith("gguf:")  # (more rows: float panels; GGUF's groups of 8: int8)
+            # (more rows: float panels; GGUF's groups of 8: int8; int8 rows: int8 up to 96, quant.c's I8_DOT_ROWS)
+            rounded = m <= 8 or kind.startswith("gguf:") or (kind == "int8" and m <= 96)
             want = F.linear(int8_blocks(x).double(), w) if rounded else exact
             assert got.dtype == dtype and got.shape == (m, rows)
             if dtype == torch.float32:

@@ -17,10 +17,8 @@
  *                        the kernels above (no Python between them: at batch 1 ~10% of a token).
  * lm_head_q8.c           omni_linear_argmax_q8: batch-1 greedy tokens from an int8 copy of the head.
  * quant.c (+ quant_blocks.h, quant_gemm.c)  omni_qlinear: y = x @ W^T from GGUF blocks / int8 rows,
- *                        float activations; quant_q8.c, quant_*x8.c: x rounded to int8 blocks (rows in
- *                        groups of 8); quant_moe*.c: omni_qmoe(_tokens), routed quantised experts;
- *                        quant_amx.c: many rows on AMX's bfloat16 tiles (avx512_bf16 only, where
- *                        the CPU and the OS allow them: omni_amx_enable).
+ *                        float activations; quant_q8.c, quant_*x8.c: x as int8 blocks (rows in groups
+ *                        of 8); quant_amx.c: AMX tiles; quant_moe*.c: omni_qmoe(_tokens), experts.
  * omni_isa() (linear.c)  the level this library was built for (build.py checks it at load).
  *
  * Written with GCC vector extensions whose width is the target's register: VL float lanes, 16 on

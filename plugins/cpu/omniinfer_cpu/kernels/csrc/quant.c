@@ -7,11 +7,17 @@
  * each 16 weights computed once per call; so a result differs from dequantise-then-multiply by
  * float32 rounding only. Each thread takes a contiguous range of W's rows and reads each once per
  * group of up to 4 x rows. A kind with QACT_INT8 set takes quant_q8.c's int8-activation path
- * (up to QGEMM_ROWS rows; the groups of 8 of quant_x8.c at any row count). */
+ * (up to QGEMM_ROWS rows, I8_DOT_ROWS for int8 rows; the groups of 8 of quant_x8.c at any row
+ * count; AMX's tiles from 32 rows where the CPU has them, quant_amx.c). */
 #include "quant_blocks.h"
 
 #define QMB 4  /* x rows a weight row meets while its block is in registers */
 #define QGEMM_ROWS 8  /* above this many rows, quant_gemm.c's panels */
+/* int8 rows (quantization="int8", W8A8) with int8 activations: their row dots up to this many
+ * rows. The panels decode the whole weight to float32 first: a 9728 x 896 weight's took 11.8 ms
+ * at 16 rows where the dots took 2.7 (64 rows: 14.8 against 10.8; 128: 19.1 against 21.6; 2-core
+ * Xeon 6/167, avx512_bf16 and avx2 alike) */
+#define I8_DOT_ROWS 96
 
 int omni_quant_supported(int kind) { return (kind & ~QACT_INT8) >= 0 && (kind & ~QACT_INT8) < NUM_KINDS; }
 
@@ -177,14 +183,15 @@ int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scal
         (kind != I8 && K % 16) || (q8 && K % 32))
         return -1;
     if (kind == I8 && !scale) return -1;
-    /* int8 activations: up to QGEMM_ROWS rows, and the X8 groups at any row count (their grouped
-     * sums beat the float panels from 16 rows to prefills); they have no float-activation path,
-     * and Q4_1, Q5_0, Q5_1, Q5_K have no int8 path but theirs */
+    /* int8 activations: up to QGEMM_ROWS rows (int8 rows: I8_DOT_ROWS), and the X8 groups at any
+     * row count (their grouped sums beat the float panels from 16 rows to prefills); they have no
+     * float-activation path, and Q4_1, Q5_0, Q5_1, Q5_K have no int8 path but theirs */
     int x8 = is_x8(kind);
     if (q8 && !x8 && kind > I8) return -1;
-    if (q8 && x8 && omni_amx_takes(kind, M, K) && omni_qamx(x, ldx, w, y, ldy, M, N, K, kind, dt, nthreads) == 0)
+    if (q8 && omni_amx_takes(kind, M, K) && omni_qamx(x, ldx, w, scale, y, ldy, M, N, K, kind, dt, nthreads) == 0)
         return 0;  /* (AMX's bfloat16 tiles for prefills: quant_amx.c; out of memory: the int8 path) */
-    if (q8 && (M <= QGEMM_ROWS || x8)) return omni_qlinear_q8(x, ldx, w, scale, y, ldy, M, N, K, kind, dt, nthreads);
+    if (q8 && (M <= QGEMM_ROWS || x8 || (kind == I8 && M <= I8_DOT_ROWS)))
+        return omni_qlinear_q8(x, ldx, w, scale, y, ldy, M, N, K, kind, dt, nthreads);
     if (x8) return -1;
     int ldxs = K / 16;
     float *xf = malloc(sizeof(float) * ((size_t)M * K + (size_t)M * (ldxs > 0 ? ldxs : 1)));

@@ -234,9 +234,26 @@ static int decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
     return 0;
 }
 
+/* int8 rows (quantization="int8", W8A8: q [N, K] and a scale a row) r .. r + rows - 1 (rows <= 8)
+ * -> B, as a Q8_0X8 group: chunk j gathered from the 8 rows (4 bytes each; absent rows read as
+ * zeros, never touched), times each row's scale */
+static void decode_i8_rows(const int8_t *q, const float *scale, int rows, int K, uint16_t *b) {
+    const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(K));
+    const __m256i present = _mm256_cmpgt_epi32(_mm256_set1_epi32(rows), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    float s[8] = {0};
+    for (int r = 0; r < rows; r++) s[r] = scale[r];
+    __m512 slo = rows_lo(_mm256_loadu_ps(s)), shi = rows_hi(_mm256_loadu_ps(s));
+    for (int j = 0; j < K / 4; j++) {
+        __m256i chunk = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)(q + 4 * j), at, present, 1);
+        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(chunk)));
+        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(chunk, 1)));
+        emit_chunk(b + (size_t)(4 * j) * AMX_TILE, lo * slo, hi * shi);
+    }
+}
+
 /* whether decode_group has `kind` (the others decode row by row, omni_decode_qrow: slower) */
 static int vector_decoded(int kind) {
-    return kind == Q8_0X8 || kind == Q4_0X8 || kind == IQ4_NLX8 || kind == Q4_KX8 || kind == Q6_KX8 ||
+    return kind == I8 || kind == Q8_0X8 || kind == Q4_0X8 || kind == IQ4_NLX8 || kind == Q4_KX8 || kind == Q6_KX8 ||
            kind == Q4_1X8 || kind == Q5_0X8 || kind == Q5_1X8 || kind == Q5_KX8;
 }
 
@@ -252,11 +269,11 @@ __attribute__((target("amx-tile,amx-bf16"))) static void tiles_on(void) {
 
 __attribute__((target("amx-tile"))) static void tiles_off(void) { _tile_release(); }
 
-/* y [M, ldy] (dt) = x [M, ldx] (dt) @ W^T, W's N rows in groups of 8 of `kind` (is_x8), K % 32 == 0.
- * Returns 0; -1 out of memory or AMX not enabled. */
-int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, void *y, int64_t ldy, int M, int N, int K, int kind,
-              int dt, int nthreads) {
-    if (!amx_on || !is_x8(kind) || K % AMX_KSTEP || M < 1 || N < 1) return -1;
+/* y [M, ldy] (dt) = x [M, ldx] (dt) @ W^T, W's N rows in groups of 8 of `kind` (is_x8), or int8
+ * rows (I8: w is q [N, K], scale [N]); K % 32 == 0. Returns 0; -1 out of memory or AMX not on. */
+int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy, int M, int N,
+              int K, int kind, int dt, int nthreads) {
+    if (!amx_on || !(is_x8(kind) || (kind == I8 && scale)) || K % AMX_KSTEP || M < 1 || N < 1) return -1;
     int Mp = (M + 2 * AMX_TILE - 1) / (2 * AMX_TILE) * (2 * AMX_TILE);
     uint16_t *xb = aligned_alloc(64, ((size_t)Mp * K * 2 + 63) / 64 * 64);
     if (!xb) return -1;
@@ -273,7 +290,7 @@ int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, void *y, int64_t ldy
             }
     }
     int64_t panels = (N + AMX_PANEL - 1) / AMX_PANEL;
-    size_t group_bytes = 8 * qrow_bytes(kind, K);
+    size_t group_bytes = 8 * (kind == I8 ? (size_t)K : qrow_bytes(kind, K));
     if (nthreads < 1) nthreads = 1;
     nthreads = threads_for((int64_t)N * K, nthreads);
     int failed = 0;
@@ -293,7 +310,10 @@ int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, void *y, int64_t ldy
                 if (vector_decoded(kind)) {
                     for (int q = 0; q < AMX_PANEL / 8; q++) {
                         uint16_t *b = wb + (size_t)(q / 2) * K * AMX_TILE + 8 * 2 * (q % 2);
-                        if (8 * q < ncols)
+                        if (8 * q < ncols && kind == I8)
+                            decode_i8_rows((const int8_t *)w + (size_t)(n0 + 8 * q) * K, scale + n0 + 8 * q,
+                                           ncols - 8 * q < 8 ? ncols - 8 * q : 8, K, b);
+                        else if (8 * q < ncols)
                             decode_group(kind, w + (size_t)(n0 / 8 + q) * group_bytes, K, b);
                         else
                             for (int k = 0; k < K; k += 2) memset(b + (size_t)k * AMX_TILE, 0, 32);
@@ -322,7 +342,7 @@ int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, void *y, int64_t ldy
 }
 /* quant.c: whether omni_qlinear's M rows of `kind` go to omni_qamx */
 int omni_amx_takes(int kind, int M, int K) {
-    return amx_on && is_x8(kind) && K % AMX_KSTEP == 0 &&
+    return amx_on && (is_x8(kind) || kind == I8) && K % AMX_KSTEP == 0 &&
            M >= (vector_decoded(kind) ? AMX_MIN_ROWS : AMX_MIN_ROWS_ROWWISE);
 }
 #else
@@ -331,9 +351,9 @@ int omni_amx_takes(int kind, int M, int K) {
     (void)kind, (void)M, (void)K;
     return 0;
 }
-int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, void *y, int64_t ldy, int M, int N, int K, int kind,
-              int dt, int nthreads) {
-    (void)x, (void)ldx, (void)w, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)kind, (void)dt,
+int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy, int M, int N,
+              int K, int kind, int dt, int nthreads) {
+    (void)x, (void)ldx, (void)w, (void)scale, (void)y, (void)ldy, (void)M, (void)N, (void)K, (void)kind, (void)dt,
         (void)nthreads;
     return -1;
 }
