@@ -1,5 +1,6 @@
 /* omni_qamx: omni_qlinear's product for many rows of x (prefills) on AMX's bfloat16 tiles, for
- * weights in groups of 8 rows (is_x8), on CPUs with AMX-BF16 (Intel Xeon since Sapphire Rapids).
+ * weights in groups of 8 rows (is_x8) or int8 rows (I8, a scale each), on CPUs with AMX-BF16
+ * (Intel Xeon since Sapphire Rapids).
  * The int8 path (quant_x8.c) multiplies with AVX-512 VNNI, 64 products an instruction; one
  * tdpbf16ps is 16 x 16 x 32 = 8192. Each thread decodes a panel of 32 weight rows into float32
  * (omni_decode_qrow: the reference's values), rounds them to bfloat16 in the tiles' pair layout
