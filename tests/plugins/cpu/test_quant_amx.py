@@ -20,11 +20,9 @@ from test_quant_kernels import GGUF_KINDS, int8_blocks, piece_of  # noqa: E402
 from omniinfer.quantization.base import dequantize_piece  # noqa: E402
 from omniinfer_cpu.kernels import build, isa  # noqa: E402
 from omniinfer_cpu.quant import ACT_ENV, CpuQuantKernel  # noqa: E402
-from omniinfer_cpu.report import AMX_ROWS, AMX_ROWS_ROWWISE  # noqa: E402
+from omniinfer_cpu.report import AMX_ROWS  # noqa: E402
 
 AMX_KINDS = GGUF_KINDS + ["int8"]  # (int8: quantization="int8" and W8A8 rows, a scale each)
-VECTOR_DECODED = ("int8", "gguf:Q8_0", "gguf:Q4_0", "gguf:IQ4_NL", "gguf:Q4_K", "gguf:Q6_K", "gguf:Q4_1", "gguf:Q5_0",
-                  "gguf:Q5_1", "gguf:Q5_K")  # (quant_amx.c's decode_group)
 
 
 def amx_kernels():
@@ -59,11 +57,11 @@ def bf16_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("kind", AMX_KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiles_multiply_the_bfloat16_rounded_numbers(amx, kind, dtype):
-    """Row counts around the thresholds, weights of 8, 37 and 70 rows (a last group padded or
+    """Row counts around the threshold, weights of 8, 37 and 70 rows (a last group padded or
     absent, a last panel of 32 part-filled), x with strided rows; bfloat16 x is multiplied as it
     is. Below the threshold the int8 path's numbers (x in int8 blocks of 32)."""
     gen = torch.Generator().manual_seed(AMX_KINDS.index(kind))
-    threshold = AMX_ROWS if kind in VECTOR_DECODED else AMX_ROWS_ROWWISE
+    threshold = AMX_ROWS
     for rows, cols in ((8, 256), (37, 512), (70, 256)):
         weight = torch.randn(rows, cols, generator=gen) * 0.05
         kernel = CpuQuantKernel(piece_of(kind, weight))

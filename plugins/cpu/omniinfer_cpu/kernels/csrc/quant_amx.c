@@ -3,7 +3,8 @@
  * (Intel Xeon since Sapphire Rapids).
  * The int8 path (quant_x8.c) multiplies with AVX-512 VNNI, 64 products an instruction; one
  * tdpbf16ps is 16 x 16 x 32 = 8192. Each thread decodes a panel of 32 weight rows into float32
- * (omni_decode_qrow: the reference's values), rounds them to bfloat16 in the tiles' pair layout
+ * in vector registers (the reference's values: a scale times a code is exact in float32, a
+ * minimum subtracted once), rounds them to bfloat16 in the tiles' pair layout
  * (K/2 rows of 16 columns x 2), and multiplies every row of x (rounded to bfloat16 once a call)
  * against it in 32 x 32 tiles, the sums in float32 over all of K: no per-block scale in the loop,
  * the scales are in the decoded weights. Numerics: x and the weights rounded to bfloat16 (8
@@ -102,6 +103,8 @@ static __m512 rows_hi(__m256 v) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
                                  _mm512_castps256_ps512(v));
 }
+/* 8 rows' bytes (row r's in byte r of v) -> 8 float32 lanes */
+static __m256 row_bytes(uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v))); }
 static __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
 /* a Q4_0X8 chunk's codes (32 bytes at p): low nibbles (weights 0-3 of each row) or high (4-7) */
@@ -121,7 +124,7 @@ static __m512i codes(const uint8_t *p, const uint8_t *hb, int half, int c, int h
 }
 
 /* group g's K columns (kind, group_bytes each) -> B rows: b at the group's first column of row 0 */
-static int decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
+static void decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
     const __m512 eight = _mm512_set1_ps(8.f), thirty_two = _mm512_set1_ps(32.f);
     if (kind == Q8_0X8) {  /* blocks of 272: d, then 8 chunks: weight 4j + i */
         for (int blk = 0; blk < K / 32; blk++, g += 272) {
@@ -134,7 +137,7 @@ static int decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
                 emit_chunk(b + (size_t)(32 * blk + 4 * j) * AMX_TILE, lo * dlo, hi * dhi);
             }
         }
-        return 1;
+        return;
     }
     if (kind == Q4_0X8 || kind == IQ4_NLX8) {  /* blocks of 144: d, 4 chunks: weights 8c + i, 8c + 4 + i */
         const __m512i table = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
@@ -155,7 +158,7 @@ static int decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
                     emit_chunk(b + (size_t)(32 * blk + 8 * c + 4 * h) * AMX_TILE, flo * dlo, fhi * dhi);
                 }
         }
-        return 1;
+        return;
     }
     if (kind == Q4_1X8 || kind == Q5_0X8 || kind == Q5_1X8) {  /* d (m), 4 chunks (32 bytes of fifth bits) */
         const int has_min = kind != Q5_0X8, has_hi = kind != Q4_1X8;
@@ -173,7 +176,7 @@ static int decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
                     emit_chunk(b + (size_t)(32 * blk + 8 * c + 4 * h) * AMX_TILE, lo, hi);
                 }
         }
-        return 1;
+        return;
     }
     if (kind == Q4_KX8 || kind == Q5_KX8) {  /* d, dmin, 12 scale bytes a row, 8 sub-blocks (+ fifth bits) */
         const int hi5 = kind == Q5_KX8;
@@ -202,7 +205,7 @@ static int decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
                     }
             }
         }
-        return 1;
+        return;
     }
     if (kind == Q6_KX8) {  /* blocks of 1680: d, 16 int8 scales a row, sub-blocks of 192 at 144 */
         for (int blk = 0; blk < K / 256; blk++, g += 1680) {
@@ -230,9 +233,65 @@ static int decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
                 }
             }
         }
-        return 1;
+        return;
     }
-    return 0;
+    if (kind == IQ4_XSX8) {  /* blocks of 1088 (256 weights): d, scales, sub-blocks of 128 at 64 as IQ4_NLX8's */
+        const __m512i table = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
+        for (int blk = 0; blk < K / 256; blk++, g += 1088) {
+            __m256 d = f16x8(g);
+            for (int s = 0; s < 8; s++) {
+                __m256 dl = d * (row_bytes(xs_scales(g, s)) - _mm256_set1_ps(32.f));  /* d * (scale - 32) */
+                __m512 dlo = rows_lo(dl), dhi = rows_hi(dl);
+                const uint8_t *cs = g + 64 + 128 * s;
+                for (int c = 0; c < 4; c++)
+                    for (int h = 0; h < 2; h++) {
+                        __m512 flo = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(nibbles(cs + 32 * c, 0, h), table));
+                        __m512 fhi = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(nibbles(cs + 32 * c, 1, h), table));
+                        emit_chunk(b + (size_t)(256 * blk + 32 * s + 8 * c + 4 * h) * AMX_TILE, flo * dlo, fhi * dhi);
+                    }
+            }
+        }
+        return;
+    }
+    if (kind == Q2_KX8 || kind == Q3_KX8) {  /* 2-bit codes in 2 vectors a sub-block (Q3_K: + a hmask bit) */
+        const int q3 = kind == Q3_KX8;
+        for (int blk = 0; blk < K / 256; blk++, g += q3 ? 880 : 672) {
+            __m256 d = f16x8(g), dmin = q3 ? _mm256_setzero_ps() : f16x8(g + 16);
+            for (int s = 0; s < 8; s++) {
+                const uint8_t *cs = g + (q3 ? 112 + 96 * s : 160 + 64 * s);
+                for (int a = 0; a < 2; a++) {  /* weights 32 s + 16 a ..: scale t = 2 s + a */
+                    __m256 dl, ml = _mm256_setzero_ps();
+                    if (q3) {  /* d * (s - 32) * (v - 4) */
+                        dl = d * (row_bytes(k3_scales(g, 2 * s + a)) - _mm256_set1_ps(32.f));
+                    } else {  /* (d * scale) * q - dmin * minimum */
+                        uint64_t sb;
+                        memcpy(&sb, g + 32 + 8 * (2 * s + a), 8);
+                        dl = d * row_bytes(sb & 0x0f0f0f0f0f0f0f0full);
+                        ml = dmin * row_bytes((sb >> 4) & 0x0f0f0f0f0f0f0f0full);
+                    }
+                    __m512 dlh[2] = {rows_lo(dl), rows_hi(dl)}, mlh[2] = {rows_lo(ml), rows_hi(ml)};
+                    for (int bb = 0; bb < 4; bb++) {  /* chunk k = 4 a + bb: weights 32 s + 4 k + i */
+                        const int k = 4 * a + bb;
+                        __m512 v[2];
+                        for (int half = 0; half < 2; half++) {
+                            __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(cs + 32 * a + 16 * half)));
+                            q = _mm512_and_si512(_mm512_srli_epi32(q, 2 * bb), _mm512_set1_epi32(3));
+                            if (q3) {
+                                __m512i hm = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(cs + 64 + 16 * half)));
+                                q = _mm512_or_si512(q, _mm512_slli_epi32(
+                                    _mm512_and_si512(_mm512_srli_epi32(hm, k), _mm512_set1_epi32(1)), 2));
+                                v[half] = (_mm512_cvtepi32_ps(q) - _mm512_set1_ps(4.f)) * dlh[half];
+                            } else {
+                                v[half] = _mm512_cvtepi32_ps(q) * dlh[half] - mlh[half];
+                            }
+                        }
+                        emit_chunk(b + (size_t)(256 * blk + 32 * s + 4 * k) * AMX_TILE, v[0], v[1]);
+                    }
+                }
+            }
+        }
+        return;
+    }
 }
 
 /* int8 rows (quantization="int8", W8A8: q [N, K] and a scale a row) r .. r + rows - 1 (rows <= 8)
@@ -250,12 +309,6 @@ static void decode_i8_rows(const int8_t *q, const float *scale, int rows, int K,
         __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(chunk, 1)));
         emit_chunk(b + (size_t)(4 * j) * AMX_TILE, lo * slo, hi * shi);
     }
-}
-
-/* whether decode_group has `kind` (the others decode row by row, omni_decode_qrow: slower) */
-static int vector_decoded(int kind) {
-    return kind == I8 || kind == Q8_0X8 || kind == Q4_0X8 || kind == IQ4_NLX8 || kind == Q4_KX8 || kind == Q6_KX8 ||
-           kind == Q4_1X8 || kind == Q5_0X8 || kind == Q5_1X8 || kind == Q5_KX8;
 }
 
 __attribute__((target("amx-tile,amx-bf16"))) static void tiles_on(void) {
@@ -297,10 +350,9 @@ int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, const float *scale, 
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        float *row = malloc(sizeof(float) * (size_t)K);
         uint16_t *wb = aligned_alloc(64, (size_t)K * AMX_PANEL * 2);
         float *c = aligned_alloc(64, sizeof(float) * 4 * AMX_TILE * AMX_TILE);
-        if (!row || !wb || !c) failed = 1;
+        if (!wb || !c) failed = 1;
         int64_t p0, p1;
         thread_share(panels, &p0, &p1);
         if (!failed && p0 < p1) {
@@ -308,43 +360,28 @@ int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, const float *scale, 
             for (int64_t p = p0; p < p1; p++) {
                 int n0 = (int)(p * AMX_PANEL), ncols = N - n0 < AMX_PANEL ? N - n0 : AMX_PANEL;
                 /* B tile t holds columns 16 t.. of the panel: row k/2 = 16 pairs (w[n][k], w[n][k+1]) */
-                if (vector_decoded(kind)) {
-                    for (int q = 0; q < AMX_PANEL / 8; q++) {
-                        uint16_t *b = wb + (size_t)(q / 2) * K * AMX_TILE + 8 * 2 * (q % 2);
-                        if (8 * q < ncols && kind == I8)
-                            decode_i8_rows((const int8_t *)w + (size_t)(n0 + 8 * q) * K, scale + n0 + 8 * q,
-                                           ncols - 8 * q < 8 ? ncols - 8 * q : 8, K, b);
-                        else if (8 * q < ncols)
-                            decode_group(kind, w + (size_t)(n0 / 8 + q) * group_bytes, K, b);
-                        else
-                            for (int k = 0; k < K; k += 2) memset(b + (size_t)k * AMX_TILE, 0, 32);
-                    }
-                } else
-                for (int j = 0; j < AMX_PANEL; j++) {
-                    uint16_t *b = wb + (size_t)(j / AMX_TILE) * K * AMX_TILE + 2 * (j % AMX_TILE);
-                    if (j < ncols) {
-                        omni_decode_qrow(w, NULL, kind, n0 + j, K, row);
-                        for (int k = 0; k < K; k += 2) {
-                            b[(size_t)k * AMX_TILE] = to_bf16(row[k]);
-                            b[(size_t)k * AMX_TILE + 1] = to_bf16(row[k + 1]);
-                        }
-                    } else {
-                        for (int k = 0; k < K; k += 2) b[(size_t)k * AMX_TILE] = b[(size_t)k * AMX_TILE + 1] = 0;
-                    }
+                for (int q = 0; q < AMX_PANEL / 8; q++) {
+                    uint16_t *b = wb + (size_t)(q / 2) * K * AMX_TILE + 8 * 2 * (q % 2);
+                    if (8 * q < ncols && kind == I8)
+                        decode_i8_rows((const int8_t *)w + (size_t)(n0 + 8 * q) * K, scale + n0 + 8 * q,
+                                       ncols - 8 * q < 8 ? ncols - 8 * q : 8, K, b);
+                    else if (8 * q < ncols)
+                        decode_group(kind, w + (size_t)(n0 / 8 + q) * group_bytes, K, b);
+                    else
+                        for (int k = 0; k < K; k += 2) memset(b + (size_t)k * AMX_TILE, 0, 32);
                 }
                 panel_product(xb, Mp, K, wb, c, y, ldy, M, n0, ncols, dt);
             }
             tiles_off();
         }
-        free(row), free(wb), free(c);
+        free(wb), free(c);
     }
     free(xb);
     return failed ? -1 : 0;
 }
 /* quant.c: whether omni_qlinear's M rows of `kind` go to omni_qamx */
 int omni_amx_takes(int kind, int M, int K) {
-    return amx_on && (is_x8(kind) || kind == I8) && K % AMX_KSTEP == 0 &&
-           M >= (vector_decoded(kind) ? AMX_MIN_ROWS : AMX_MIN_ROWS_ROWWISE);
+    return amx_on && (is_x8(kind) || kind == I8) && K % AMX_KSTEP == 0 && M >= AMX_MIN_ROWS;
 }
 #else
 #define AMX_BUILT 0

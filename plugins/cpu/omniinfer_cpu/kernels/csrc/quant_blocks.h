@@ -300,14 +300,10 @@ void omni_quantize_x(const void *x, int64_t ldx, int dt, int M, int K, int8_t *q
 int omni_qlinear_q8(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy,
                     int M, int N, int K, int kind, int dt, int nthreads);
 
-/* quant_rows.c: row r of W [N, K] of `kind` decoded to K float32 values (the reference's) */
-void omni_decode_qrow(const uint8_t *w, const float *scale, int kind, int64_t r, int K, float *out);
-
 /* quant_amx.c: products of at least AMX_MIN_ROWS rows of x on weights in groups of 8 (and int8
- * rows) go to AMX's bfloat16 tiles once omni_amx_enable(1) turned them on; AMX_MIN_ROWS_ROWWISE
- * for the kinds it decodes row by row (the crossovers measured: docs/quantization.md) */
+ * rows) go to AMX's bfloat16 tiles once omni_amx_enable(1) turned them on (the crossover
+ * measured: docs/quantization.md) */
 #define AMX_MIN_ROWS 32
-#define AMX_MIN_ROWS_ROWWISE 256
 int omni_amx_takes(int kind, int M, int K);
 int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy, int M, int N,
               int K, int kind, int dt, int nthreads);

@@ -136,8 +136,8 @@ NO_CONTRACT static void decode_x8_row(const uint8_t *w, int kind, int64_t r, int
     }
 }
 
-/* row r of W [N, K] of `kind` -> out (float32, K values); quant_amx.c decodes its panels with it */
-NO_CONTRACT void omni_decode_qrow(const uint8_t *w, const float *scale, int kind, int64_t r, int K, float *out) {
+/* row r of W [N, K] of `kind` -> out (float32, K values) */
+NO_CONTRACT static void decode_row(const uint8_t *w, const float *scale, int kind, int64_t r, int K, float *out) {
     size_t rb = qrow_bytes(kind, K);
     if (kind == I8) {
         const int8_t *q = (const int8_t *)w + (size_t)r * K;
@@ -227,7 +227,7 @@ int omni_qrows(const uint8_t *w, const float *scale, int kind, int N, int K, con
         if (dt != F32 && !row) failed = 1;
         for (int64_t i = i0; i < i1 && !failed; i++) {
             float *o = dt == F32 ? (float *)out + (size_t)i * K : row;
-            omni_decode_qrow(w, scale, kind, ids[i], K, o);
+            decode_row(w, scale, kind, ids[i], K, o);
             if (dt != F32)
                 for (int k = 0; k < K; k++) st1(out, dt, (size_t)i * K + k, row[k]);
         }
