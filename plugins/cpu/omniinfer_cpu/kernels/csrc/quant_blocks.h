@@ -304,6 +304,11 @@ int omni_qlinear_q8(const void *x, int64_t ldx, const uint8_t *w, const float *s
  * rows) go to AMX's bfloat16 tiles once omni_amx_enable(1) turned them on (the crossover
  * measured: docs/quantization.md) */
 #define AMX_MIN_ROWS 32
+#define AMX_TILE 16  /* rows (and float32 columns) of a tile */
+/* quant_amx_decode.c: group g (`kind`'s X8 layout; K columns) or int8 rows q .. (rows <= 8, a
+ * scale each) -> a panel's B rows in bfloat16 pairs, b at the group's first column of row 0 */
+void omni_amx_decode_group(int kind, const uint8_t *g, int K, uint16_t *b);
+void omni_amx_decode_i8_rows(const int8_t *q, const float *scale, int rows, int K, uint16_t *b);
 int omni_amx_takes(int kind, int M, int K);
 int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy, int M, int N,
               int K, int kind, int dt, int nthreads);
