@@ -47,6 +47,21 @@ static __m512i codes(const uint8_t *p, const uint8_t *hb, int half, int c, int h
     return _mm512_or_si512(q, _mm512_slli_epi32(top, 4));
 }
 
+/* group g of Q4_KX8 / Q5_KX8: sub-block s's 6-bit scales and minimums of the 8 rows (byte r: row
+ * r's), from the 12 scale bytes at g + 32 (byte 32 + 8t + r: row r's byte t) as k_scales unpacks
+ * them, on 64-bit words byte by byte */
+static void k4_scales(const uint8_t *g, int s, uint64_t *sc, uint64_t *mn) {
+    const uint64_t low6 = 0x3f3f3f3f3f3f3f3full, low4 = 0x0f0f0f0f0f0f0f0full, top2 = 0x0303030303030303ull;
+    uint64_t t[3];  /* bytes s, s + 4, s + 8 (s < 4), or s - 4, s, s + 4 */
+    for (int i = 0; i < 3; i++) memcpy(&t[i], g + 32 + 8 * (s % 4 + 4 * i), 8);
+    if (s < 4) {
+        *sc = t[0] & low6, *mn = t[1] & low6;
+    } else {
+        *sc = (t[2] & low4) | (((t[0] >> 6) & top2) << 4);
+        *mn = ((t[2] >> 4) & low4) | (((t[1] >> 6) & top2) << 4);
+    }
+}
+
 /* group g's K columns (kind, group_bytes each) -> B rows: b at the group's first column of row 0 */
 void omni_amx_decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
     const __m512 eight = _mm512_set1_ps(8.f), thirty_two = _mm512_set1_ps(32.f);
@@ -105,20 +120,12 @@ void omni_amx_decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
     if (kind == Q4_KX8 || kind == Q5_KX8) {  /* d, dmin, 12 scale bytes a row, 8 sub-blocks (+ fifth bits) */
         const int hi5 = kind == Q5_KX8;
         for (int blk = 0; blk < K / 256; blk++, g += hi5 ? 1408 : 1152) {
-            float d[8], dmin[8];
-            _mm256_storeu_ps(d, f16x8(g));
-            _mm256_storeu_ps(dmin, f16x8(g + 16));
-            uint8_t sc[8][8], mn[8][8];
-            for (int r = 0; r < 8; r++) {
-                uint8_t packed[12];
-                for (int t = 0; t < 12; t++) packed[t] = g[32 + 8 * t + r];
-                k_scales(packed, sc[r], mn[r]);
-            }
+            __m256 d = f16x8(g), dmin = f16x8(g + 16);
             for (int s = 0; s < 8; s++) {
-                float ds[8], dm[8];
-                for (int r = 0; r < 8; r++) ds[r] = d[r] * (float)sc[r][s], dm[r] = dmin[r] * (float)mn[r][s];
-                __m512 slo = rows_lo(_mm256_loadu_ps(ds)), shi = rows_hi(_mm256_loadu_ps(ds));
-                __m512 mlo = rows_lo(_mm256_loadu_ps(dm)), mhi = rows_hi(_mm256_loadu_ps(dm));
+                uint64_t sc, mn;
+                k4_scales(g, s, &sc, &mn);
+                __m256 ds = d * row_bytes(sc), dm = dmin * row_bytes(mn);
+                __m512 slo = rows_lo(ds), shi = rows_hi(ds), mlo = rows_lo(dm), mhi = rows_hi(dm);
                 const uint8_t *cs = g + 128 + (128 + 32 * hi5) * s, *hb = hi5 ? cs + 128 : NULL;
                 for (int c = 0; c < 4; c++)
                     for (int h = 0; h < 2; h++) {
