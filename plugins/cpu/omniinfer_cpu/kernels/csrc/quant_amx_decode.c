@@ -31,20 +31,38 @@ static __m512 rows_hi(__m256 v) {
 static __m256 row_bytes(uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v))); }
 static __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
-/* a Q4_0X8 chunk's codes (32 bytes at p): low nibbles (weights 0-3 of each row) or high (4-7) */
-static __m512i nibbles(const uint8_t *p, int half, int high) {
-    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * half)));
-    return high ? _mm512_srli_epi32(v, 4) : _mm512_and_si512(v, _mm512_set1_epi32(15));
+/* 64 codes as int8 (v: bytes 0-31 one chunk, 32-63 another, `step` columns on) -> B, each row's
+ * code times s plus m (rows 0-3 of a chunk: lo, 4-7: hi), o at the first chunk's first column */
+static void emit_bytes(uint16_t *o, int step, __m512i v, __m512 slo, __m512 shi, __m512 mlo, __m512 mhi) {
+#define OMNI_LANES(k) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(v, k)))
+    emit_chunk(o, _mm512_fmadd_ps(OMNI_LANES(0), slo, mlo), _mm512_fmadd_ps(OMNI_LANES(1), shi, mhi));
+    emit_chunk(o + (size_t)step * AMX_TILE, _mm512_fmadd_ps(OMNI_LANES(2), slo, mlo),
+               _mm512_fmadd_ps(OMNI_LANES(3), shi, mhi));
+#undef OMNI_LANES
 }
 
-/* chunk c's codes (low nibbles h = 0, high h = 1) of rows 0-3 (half 0) or 4-7, with their fifth
- * bits from hb (bit 2c + h of byte 4r + i) where the kind has them (hb non-NULL) */
-static __m512i codes(const uint8_t *p, const uint8_t *hb, int half, int c, int h) {
-    __m512i q = nibbles(p + 32 * c, half, h);
-    if (!hb) return q;
-    __m512i top = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(hb + 16 * half)));
-    top = _mm512_and_si512(_mm512_srli_epi32(top, 2 * c + h), _mm512_set1_epi32(1));
-    return _mm512_or_si512(q, _mm512_slli_epi32(top, 4));
+/* one run of 32 columns in Q4_0X8's 4 chunks (128 bytes at p; byte 4r + i of chunk c: row r's
+ * column 8c + i in the low nibble, 8c + 4 + i in the high), with fifth bits from hb where the kind
+ * has them (bit 2c + h of byte 4r + i: chunk c's low (h = 0) or high nibble's), assembled bytewise
+ * 64 codes at a time; then looked up in `adjust` (a 16-entry table in each 128-bit lane, lookup)
+ * or less `adjust` bytewise (0, 8 or 16); then times s plus m into B at o (the run's first column) */
+static void nibble_run(uint16_t *o, const uint8_t *p, const uint8_t *hb, int lookup, __m512i adjust, __m512 slo,
+                       __m512 shi, __m512 mlo, __m512 mhi) {
+    const __m512i low4 = _mm512_set1_epi8(0x0f), bit4 = _mm512_set1_epi8(0x10);
+    __m512i fifth = hb ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)hb)) : _mm512_setzero_si512();
+    for (int pair = 0; pair < 2; pair++) {  /* chunks 2 pair, 2 pair + 1 */
+        __m512i n = _mm512_loadu_si512(p + 64 * pair);
+        __m512i q[2] = {_mm512_and_si512(n, low4), _mm512_and_si512(_mm512_srli_epi16(n, 4), low4)};
+        if (hb) {  /* chunk c's bits 2c, 2c + 1 down to bits 0, 1: shifts 4 pair, 4 pair + 2 by half */
+            __m512i t = _mm512_srlv_epi16(fifth, _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * pair)),
+                                                                      _mm256_set1_epi16((short)(4 * pair + 2)), 1));
+            q[0] = _mm512_or_si512(q[0], _mm512_and_si512(_mm512_slli_epi16(t, 4), bit4));
+            q[1] = _mm512_or_si512(q[1], _mm512_and_si512(_mm512_slli_epi16(t, 3), bit4));
+        }
+        for (int h = 0; h < 2; h++)
+            emit_bytes(o + (size_t)(16 * pair + 4 * h) * AMX_TILE, 8,
+                       lookup ? _mm512_shuffle_epi8(adjust, q[h]) : _mm512_sub_epi8(q[h], adjust), slo, shi, mlo, mhi);
+    }
 }
 
 /* group g of Q4_KX8 / Q5_KX8: sub-block s's 6-bit scales and minimums of the 8 rows (byte r: row
@@ -64,56 +82,28 @@ static void k4_scales(const uint8_t *g, int s, uint64_t *sc, uint64_t *mn) {
 
 /* group g's K columns (kind, group_bytes each) -> B rows: b at the group's first column of row 0 */
 void omni_amx_decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
-    const __m512 eight = _mm512_set1_ps(8.f), thirty_two = _mm512_set1_ps(32.f);
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512i iq4 = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
     if (kind == Q8_0X8) {  /* blocks of 272: d, then 8 chunks: weight 4j + i */
         for (int blk = 0; blk < K / 32; blk++, g += 272) {
             __m256 d = f16x8(g);
-            __m512 dlo = rows_lo(d), dhi = rows_hi(d);
-            for (int j = 0; j < 8; j++) {
-                const uint8_t *c = g + 16 + 32 * j;
-                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
-                __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
-                emit_chunk(b + (size_t)(32 * blk + 4 * j) * AMX_TILE, lo * dlo, hi * dhi);
-            }
+            for (int j = 0; j < 8; j += 2)
+                emit_bytes(b + (size_t)(32 * blk + 4 * j) * AMX_TILE, 4, _mm512_loadu_si512(g + 16 + 32 * j),
+                           rows_lo(d), rows_hi(d), zero, zero);
         }
         return;
     }
-    if (kind == Q4_0X8 || kind == IQ4_NLX8) {  /* blocks of 144: d, 4 chunks: weights 8c + i, 8c + 4 + i */
-        const __m512i table = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
-        for (int blk = 0; blk < K / 32; blk++, g += 144) {
-            __m256 d = f16x8(g);
-            __m512 dlo = rows_lo(d), dhi = rows_hi(d);
-            for (int c = 0; c < 4; c++)
-                for (int h = 0; h < 2; h++) {
-                    __m512i lo = nibbles(g + 16 + 32 * c, 0, h), hi = nibbles(g + 16 + 32 * c, 1, h);
-                    __m512 flo, fhi;
-                    if (kind == IQ4_NLX8) {
-                        flo = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(lo, table));
-                        fhi = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(hi, table));
-                    } else {
-                        flo = _mm512_cvtepi32_ps(lo) - eight;
-                        fhi = _mm512_cvtepi32_ps(hi) - eight;
-                    }
-                    emit_chunk(b + (size_t)(32 * blk + 8 * c + 4 * h) * AMX_TILE, flo * dlo, fhi * dhi);
-                }
-        }
-        return;
-    }
-    if (kind == Q4_1X8 || kind == Q5_0X8 || kind == Q5_1X8) {  /* d (m), 4 chunks (32 bytes of fifth bits) */
-        const int has_min = kind != Q5_0X8, has_hi = kind != Q4_1X8;
-        const int bytes = 144 + 16 * has_min + 32 * has_hi;
-        const __m512 offset = _mm512_set1_ps(has_min ? 0.f : 16.f);  /* (Q5_0: d (q - 16)) */
+    if (kind == Q4_0X8 || kind == IQ4_NLX8 || kind == Q4_1X8 || kind == Q5_0X8 || kind == Q5_1X8) {
+        /* blocks of 32 columns: d, m (Q4_1, Q5_1), 4 chunks, 32 bytes of fifth bits (Q5_0, Q5_1):
+         * d (q - 8) (Q4_0), d IQ4_VALUES[q] (IQ4_NL), d q + m (Q4_1, Q5_1), d (q - 16) (Q5_0) */
+        const int has_min = kind == Q4_1X8 || kind == Q5_1X8, has_hi = kind == Q5_0X8 || kind == Q5_1X8;
+        const int bytes = 144 + 16 * has_min + 32 * has_hi, lookup = kind == IQ4_NLX8;
+        const __m512i adjust = lookup ? iq4 : _mm512_set1_epi8(kind == Q4_0X8 ? 8 : kind == Q5_0X8 ? 16 : 0);
         for (int blk = 0; blk < K / 32; blk++, g += bytes) {
             __m256 d = f16x8(g), m = has_min ? f16x8(g + 16) : _mm256_setzero_ps();
-            __m512 dlo = rows_lo(d), dhi = rows_hi(d), mlo = rows_lo(m), mhi = rows_hi(m);
-            const uint8_t *p = g + 16 + 16 * has_min, *hb = has_hi ? p + 128 : NULL;
-            for (int c = 0; c < 4; c++)
-                for (int h = 0; h < 2; h++) {
-                    __m512 qlo = _mm512_cvtepi32_ps(codes(p, hb, 0, c, h)), qhi = _mm512_cvtepi32_ps(codes(p, hb, 1, c, h));
-                    __m512 lo = has_min ? qlo * dlo + mlo : (qlo - offset) * dlo;
-                    __m512 hi = has_min ? qhi * dhi + mhi : (qhi - offset) * dhi;
-                    emit_chunk(b + (size_t)(32 * blk + 8 * c + 4 * h) * AMX_TILE, lo, hi);
-                }
+            const uint8_t *p = g + 16 + 16 * has_min;
+            nibble_run(b + (size_t)32 * blk * AMX_TILE, p, has_hi ? p + 128 : NULL, lookup, adjust, rows_lo(d),
+                       rows_hi(d), rows_lo(m), rows_hi(m));
         }
         return;
     }
@@ -121,65 +111,52 @@ void omni_amx_decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
         const int hi5 = kind == Q5_KX8;
         for (int blk = 0; blk < K / 256; blk++, g += hi5 ? 1408 : 1152) {
             __m256 d = f16x8(g), dmin = f16x8(g + 16);
-            for (int s = 0; s < 8; s++) {
+            for (int s = 0; s < 8; s++) {  /* d sc q - dmin mn */
                 uint64_t sc, mn;
                 k4_scales(g, s, &sc, &mn);
-                __m256 ds = d * row_bytes(sc), dm = dmin * row_bytes(mn);
-                __m512 slo = rows_lo(ds), shi = rows_hi(ds), mlo = rows_lo(dm), mhi = rows_hi(dm);
-                const uint8_t *cs = g + 128 + (128 + 32 * hi5) * s, *hb = hi5 ? cs + 128 : NULL;
-                for (int c = 0; c < 4; c++)
-                    for (int h = 0; h < 2; h++) {
-                        __m512 flo = _mm512_cvtepi32_ps(codes(cs, hb, 0, c, h));
-                        __m512 fhi = _mm512_cvtepi32_ps(codes(cs, hb, 1, c, h));
-                        emit_chunk(b + (size_t)(256 * blk + 32 * s + 8 * c + 4 * h) * AMX_TILE, flo * slo - mlo,
-                                   fhi * shi - mhi);
-                    }
+                __m256 ds = d * row_bytes(sc), dm = -(dmin * row_bytes(mn));
+                const uint8_t *cs = g + 128 + (128 + 32 * hi5) * s;
+                nibble_run(b + (size_t)(256 * blk + 32 * s) * AMX_TILE, cs, hi5 ? cs + 128 : NULL, 0,
+                           _mm512_setzero_si512(), rows_lo(ds), rows_hi(ds), rows_lo(dm), rows_hi(dm));
             }
         }
         return;
     }
     if (kind == Q6_KX8) {  /* blocks of 1680: d, 16 int8 scales a row, sub-blocks of 192 at 144 */
+        /* codes assembled bytewise, 64 at a time: chunks 2p and 2p + 1 (their top bits in the same
+         * 32 bytes, at bits 0-3 and 4-7: the second half's shifted down by 4), minus 32 as int8 */
+        const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30), bias = _mm512_set1_epi8(32);
+        const __m512i second_half = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
         for (int blk = 0; blk < K / 256; blk++, g += 1680) {
-            float d[8];
-            _mm256_storeu_ps(d, f16x8(g));
+            __m256 d = f16x8(g);
             for (int s = 0; s < 8; s++) {
                 const uint8_t *cs = g + 144 + 192 * s;
-                for (int c = 0; c < 4; c++) {
-                    float ds[8];  /* weights 32 s + 8 c + 0..7: scale 2 s + c / 2 */
-                    for (int r = 0; r < 8; r++) ds[r] = d[r] * (float)(int8_t)g[16 + 8 * (2 * s + c / 2) + r];
-                    __m512 slo = rows_lo(_mm256_loadu_ps(ds)), shi = rows_hi(_mm256_loadu_ps(ds));
-                    const int sh = 4 * (c & 1);
-                    for (int h = 0; h < 2; h++) {  /* h: the low nibble with bits sh, sh + 1 on top, or high */
-                        __m512i q[2];
-                        for (int half = 0; half < 2; half++) {
-                            __m512i top = _mm512_cvtepu8_epi32(
-                                _mm_loadu_si128((const __m128i *)(cs + 128 + 32 * (c / 2) + 16 * half)));
-                            top = _mm512_and_si512(_mm512_srli_epi32(top, sh + 2 * h), _mm512_set1_epi32(3));
-                            q[half] = _mm512_or_si512(nibbles(cs + 32 * c, half, h), _mm512_slli_epi32(top, 4));
-                        }
-                        emit_chunk(b + (size_t)(256 * blk + 32 * s + 8 * c + 4 * h) * AMX_TILE,
-                                   (_mm512_cvtepi32_ps(q[0]) - thirty_two) * slo,
-                                   (_mm512_cvtepi32_ps(q[1]) - thirty_two) * shi);
-                    }
+                for (int p = 0; p < 2; p++) {  /* weights 32 s + 16 p ..: scale 2 s + p */
+                    __m128i sc = _mm_loadl_epi64((const __m128i *)(g + 16 + 8 * (2 * s + p)));
+                    __m256 ds = d * _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
+                    __m512 slo = rows_lo(ds), shi = rows_hi(ds);
+                    __m512i n = _mm512_loadu_si512(cs + 64 * p);
+                    __m512i t = _mm512_srlv_epi16(
+                        _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(cs + 128 + 32 * p))), second_half);
+                    __m512i q[2] = {  /* h = 0: the low nibbles, top bits 0-1; h = 1: the high, bits 2-3 */
+                        _mm512_or_si512(_mm512_and_si512(n, low4), _mm512_and_si512(_mm512_slli_epi16(t, 4), top2)),
+                        _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n, 4), low4),
+                                        _mm512_and_si512(_mm512_slli_epi16(t, 2), top2))};
+                    for (int h = 0; h < 2; h++)
+                        emit_bytes(b + (size_t)(256 * blk + 32 * s + 16 * p + 4 * h) * AMX_TILE, 8,
+                                   _mm512_sub_epi8(q[h], bias), slo, shi, zero, zero);
                 }
             }
         }
         return;
     }
     if (kind == IQ4_XSX8) {  /* blocks of 1088 (256 weights): d, scales, sub-blocks of 128 at 64 as IQ4_NLX8's */
-        const __m512i table = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
         for (int blk = 0; blk < K / 256; blk++, g += 1088) {
             __m256 d = f16x8(g);
             for (int s = 0; s < 8; s++) {
                 __m256 dl = d * (row_bytes(xs_scales(g, s)) - _mm256_set1_ps(32.f));  /* d * (scale - 32) */
-                __m512 dlo = rows_lo(dl), dhi = rows_hi(dl);
-                const uint8_t *cs = g + 64 + 128 * s;
-                for (int c = 0; c < 4; c++)
-                    for (int h = 0; h < 2; h++) {
-                        __m512 flo = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(nibbles(cs + 32 * c, 0, h), table));
-                        __m512 fhi = _mm512_cvtepi32_ps(_mm512_permutexvar_epi32(nibbles(cs + 32 * c, 1, h), table));
-                        emit_chunk(b + (size_t)(256 * blk + 32 * s + 8 * c + 4 * h) * AMX_TILE, flo * dlo, fhi * dhi);
-                    }
+                nibble_run(b + (size_t)(256 * blk + 32 * s) * AMX_TILE, g + 64 + 128 * s, NULL, 1, iq4, rows_lo(dl),
+                           rows_hi(dl), zero, zero);
             }
         }
         return;
@@ -200,23 +177,23 @@ void omni_amx_decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
                         dl = d * row_bytes(sb & 0x0f0f0f0f0f0f0f0full);
                         ml = dmin * row_bytes((sb >> 4) & 0x0f0f0f0f0f0f0f0full);
                     }
-                    __m512 dlh[2] = {rows_lo(dl), rows_hi(dl)}, mlh[2] = {rows_lo(ml), rows_hi(ml)};
-                    for (int bb = 0; bb < 4; bb++) {  /* chunk k = 4 a + bb: weights 32 s + 4 k + i */
+                    __m512 slo = rows_lo(dl), shi = rows_hi(dl), mlo = -rows_lo(ml), mhi = -rows_hi(ml);
+                    __m512i codes = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(cs + 32 * a)));
+                    __m512i hmask = q3 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(cs + 64)))
+                                       : _mm512_setzero_si512();
+                    for (int bb = 0; bb < 4; bb += 2) {  /* chunks k = 4 a + bb, k + 1: weights 32 s + 4 k + i */
                         const int k = 4 * a + bb;
-                        __m512 v[2];
-                        for (int half = 0; half < 2; half++) {
-                            __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(cs + 32 * a + 16 * half)));
-                            q = _mm512_and_si512(_mm512_srli_epi32(q, 2 * bb), _mm512_set1_epi32(3));
-                            if (q3) {
-                                __m512i hm = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(cs + 64 + 16 * half)));
-                                q = _mm512_or_si512(q, _mm512_slli_epi32(
-                                    _mm512_and_si512(_mm512_srli_epi32(hm, k), _mm512_set1_epi32(1)), 2));
-                                v[half] = (_mm512_cvtepi32_ps(q) - _mm512_set1_ps(4.f)) * dlh[half];
-                            } else {
-                                v[half] = _mm512_cvtepi32_ps(q) * dlh[half] - mlh[half];
-                            }
+                        __m512i q = _mm512_and_si512(
+                            _mm512_srlv_epi16(codes, _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * bb)),
+                                                                        _mm256_set1_epi16((short)(2 * bb + 2)), 1)),
+                            _mm512_set1_epi8(3));
+                        if (q3) {  /* hmask bit k (k + 1) as the third bit, less 4 */
+                            __m512i hb = _mm512_srlv_epi16(
+                                hmask, _mm512_inserti64x4(_mm512_set1_epi16((short)k), _mm256_set1_epi16((short)(k + 1)), 1));
+                            q = _mm512_or_si512(q, _mm512_and_si512(_mm512_slli_epi16(hb, 2), _mm512_set1_epi8(4)));
+                            q = _mm512_sub_epi8(q, _mm512_set1_epi8(4));
                         }
-                        emit_chunk(b + (size_t)(256 * blk + 32 * s + 4 * k) * AMX_TILE, v[0], v[1]);
+                        emit_bytes(b + (size_t)(256 * blk + 32 * s + 4 * k) * AMX_TILE, 4, q, slo, shi, mlo, mhi);
                     }
                 }
             }
