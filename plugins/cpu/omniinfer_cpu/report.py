@@ -74,7 +74,7 @@ def kernel_report() -> dict:
            "weights (float32, bfloat16); prefills run the torch reference (oneDNN per expert); MoE "
            "layers are not in the decoder stack")
     family("AMX quantised prefills", kernels.amx == "on",
-           f"GGUF and int8 products of {AMX_ROWS}+ rows (prefills, batches) on AMX's bfloat16 tiles "
+           f"GGUF products of {AMX_ROWS}+ rows and int8 of {AMX_ROWS_I8}+ (prefills, batches) on AMX's bfloat16 tiles "
            "(quant_amx.c: x and weights rounded to "
            f"bfloat16, float32 sums); {build.ENV_AMX}=0 keeps them on the int8 path" if kernels.amx == "on"
            else f"{kernels.amx}: products of many rows stay on the int8 path")
@@ -82,4 +82,4 @@ def kernel_report() -> dict:
     return report
 
 
-AMX_ROWS = 32  # (quant_blocks.h's AMX_MIN_ROWS)
+AMX_ROWS, AMX_ROWS_I8 = 16, 8  # (quant_blocks.h's AMX_MIN_ROWS, AMX_MIN_ROWS_I8)

@@ -20,7 +20,7 @@ from test_quant_kernels import GGUF_KINDS, int8_blocks, piece_of  # noqa: E402
 from omniinfer.quantization.base import dequantize_piece  # noqa: E402
 from omniinfer_cpu.kernels import build, isa  # noqa: E402
 from omniinfer_cpu.quant import ACT_ENV, CpuQuantKernel  # noqa: E402
-from omniinfer_cpu.report import AMX_ROWS  # noqa: E402
+from omniinfer_cpu.report import AMX_ROWS, AMX_ROWS_I8  # noqa: E402
 
 AMX_KINDS = GGUF_KINDS + ["int8"]  # (int8: quantization="int8" and W8A8 rows, a scale each)
 
@@ -61,7 +61,7 @@ def test_tiles_multiply_the_bfloat16_rounded_numbers(amx, kind, dtype):
     absent, a last panel of 32 part-filled), x with strided rows; bfloat16 x is multiplied as it
     is. Below the threshold the int8 path's numbers (x in int8 blocks of 32)."""
     gen = torch.Generator().manual_seed(AMX_KINDS.index(kind))
-    threshold = AMX_ROWS
+    threshold = AMX_ROWS_I8 if kind == "int8" else AMX_ROWS
     for rows, cols in ((8, 256), (37, 512), (70, 256)):
         weight = torch.randn(rows, cols, generator=gen) * 0.05
         kernel = CpuQuantKernel(piece_of(kind, weight))
@@ -140,3 +140,4 @@ def test_a_gguf_models_prefills_on_the_tiles_follow_transformers(amx, tmp_path):
     for prompt, out in zip(prompts, outs):
         [(_, steps)] = hf_greedy(os.path.dirname(path), [prompt], 8, os.path.basename(path))
         agreed_steps(out.outputs[0].token_ids, steps)
+

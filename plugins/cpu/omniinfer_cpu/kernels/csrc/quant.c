@@ -8,7 +8,7 @@
  * float32 rounding only. Each thread takes a contiguous range of W's rows and reads each once per
  * group of up to 4 x rows. A kind with QACT_INT8 set takes quant_q8.c's int8-activation path
  * (up to QGEMM_ROWS rows, I8_DOT_ROWS for int8 rows; the groups of 8 of quant_x8.c at any row
- * count; AMX's tiles from 32 rows where the CPU has them, quant_amx.c). */
+ * count; AMX's tiles from 16 rows (int8 rows: 8) where the CPU has them, quant_amx.c). */
 #include "quant_blocks.h"
 
 #define QMB 4  /* x rows a weight row meets while its block is in registers */

@@ -151,7 +151,8 @@ int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, const float *scale, 
 }
 /* quant.c: whether omni_qlinear's M rows of `kind` go to omni_qamx */
 int omni_amx_takes(int kind, int M, int K) {
-    return amx_on && (is_x8(kind) || kind == I8) && K % AMX_KSTEP == 0 && M >= AMX_MIN_ROWS;
+    return amx_on && (is_x8(kind) || kind == I8) && K % AMX_KSTEP == 0 &&
+           M >= (kind == I8 ? AMX_MIN_ROWS_I8 : AMX_MIN_ROWS);
 }
 #else
 #define AMX_BUILT 0

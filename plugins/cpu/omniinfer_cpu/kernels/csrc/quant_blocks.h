@@ -300,10 +300,11 @@ void omni_quantize_x(const void *x, int64_t ldx, int dt, int M, int K, int8_t *q
 int omni_qlinear_q8(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy,
                     int M, int N, int K, int kind, int dt, int nthreads);
 
-/* quant_amx.c: products of at least AMX_MIN_ROWS rows of x on weights in groups of 8 (and int8
- * rows) go to AMX's bfloat16 tiles once omni_amx_enable(1) turned them on (the crossover
- * measured: docs/quantization.md) */
-#define AMX_MIN_ROWS 32
+/* quant_amx.c: products of at least AMX_MIN_ROWS rows of x on weights in groups of 8 (AMX_MIN_ROWS_I8
+ * on int8 rows, whose int8 path is slower) go to AMX's bfloat16 tiles once omni_amx_enable(1) turned
+ * them on (the crossovers measured: docs/quantization.md) */
+#define AMX_MIN_ROWS 16
+#define AMX_MIN_ROWS_I8 8
 #define AMX_TILE 16  /* rows (and float32 columns) of a tile */
 /* quant_amx_decode.c: group g (`kind`'s X8 layout; K columns) or int8 rows q .. (rows <= 8, a
  * scale each) -> a panel's B rows in bfloat16 pairs, b at the group's first column of row 0 */
