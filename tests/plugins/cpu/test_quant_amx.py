@@ -141,3 +141,35 @@ def test_a_gguf_models_prefills_on_the_tiles_follow_transformers(amx, tmp_path):
         [(_, steps)] = hf_greedy(os.path.dirname(path), [prompt], 8, os.path.basename(path))
         agreed_steps(out.outputs[0].token_ids, steps)
 
+
+@pytest.mark.parametrize("kinds", [("gguf:Q4_K", "gguf:Q6_K"), ("gguf:Q8_0", "gguf:Q4_0")])
+def test_a_moe_chunks_experts_with_enough_tokens_take_the_tiles(amx, kinds):
+    """omni_qmoe_tokens with the tiles on: an expert given AMX_ROWS tokens or more multiplies them
+    on the tiles, the rest on the int8 groups, as the loop (each expert's tokens through its
+    CpuQuantKernel) does: experts 0 and 1 get 40 and 24 tokens, 2-5 ten each; tokens 40-51 see
+    none of the tiled experts."""
+    from test_quant_moe import Layer
+
+    layer = Layer(kinds, seed=5)
+    method = layer.moe_method
+    step = method.step
+    gen = torch.Generator().manual_seed(3)
+    tokens = 52
+    ids = torch.tensor([[0, 1] if t < 24 else [0, 2 + t % 4] if t < 40 else [2 + t % 4, 2 + (t + 1) % 4]
+                        for t in range(tokens)])
+    counts = torch.bincount(ids.flatten(), minlength=6)
+    assert counts[0] >= AMX_ROWS and counts[1] >= AMX_ROWS and (counts[2:] < AMX_ROWS).all(), counts
+    x = torch.randn(tokens, 256, generator=gen)
+    weights = torch.rand(tokens, 2, generator=gen)
+    got = step(x, weights, ids)
+    method.step = None
+    tiles = method.apply(layer, x, weights, ids)
+    amx.set_amx(False)
+    int8 = method.apply(layer, x, weights, ids)
+    amx.set_amx(True)
+    method.step = step
+    torch.testing.assert_close(got, tiles, rtol=1e-5, atol=1e-4)
+    # the tiled experts' tokens are where the two roundings differ; the rest are the int8 path's
+    tiled = (ids == 0).any(1) | (ids == 1).any(1)
+    assert (got[tiled] - tiles[tiled]).abs().max() < 0.2 * (int8[tiled] - tiles[tiled]).abs().max()
+    torch.testing.assert_close(got[~tiled], int8[~tiled], rtol=1e-5, atol=1e-4)

@@ -4,7 +4,9 @@
  * The (token, k) pairs are sorted by expert (then token), their x rows gathered and rounded to
  * int8 blocks; in one parallel region the threads share every hit expert's gate/up groups (each
  * group against all of its expert's rows, XMB at a time), then the SiLU-and-multiply and its
- * rounding, then the down groups; each token's terms are added in increasing expert order. Tokens
+ * rounding, then the down groups; each token's terms are added in increasing expert order. An
+ * expert with enough pairs for AMX's tiles (omni_amx_takes) multiplies its gate/up and down there
+ * instead (omni_qamx: x and the act rounded to bfloat16, as a dense layer's prefill). Tokens
  * go QMOE_CHUNK at a time (the buffers: ~(3I + 2H) floats a pair). Returns -1 for an id outside
  * [0, E), n outside [1, 64] or T < 1, -2 for formats this path does not run, -3 out of memory. */
 #include <stdlib.h>
@@ -50,7 +52,7 @@ static int chunk(const float *x, int T, const int64_t *w13, int kind13, const in
                  const int64_t *ids, const float *weights, int n, int E, float *out, int H, int I, int nthreads) {
     int P = T * n, rc = -3;
     int *start = calloc((size_t)E + 1, sizeof(int)), *pair = malloc(sizeof(int) * (size_t)P);
-    int64_t *hit = malloc(sizeof(int64_t) * (size_t)E);
+    int64_t *hit = malloc(sizeof(int64_t) * 3 * (size_t)E);  /* the hit experts, then tiled, dotted */
     /* per pair: x gathered (H) then gate_up (2I), act (I), y (H) */
     float *xg = malloc(sizeof(float) * (size_t)P * (2 * (size_t)H + 3 * (size_t)I));
     size_t qb = (size_t)P * (H + I) + sizeof(float) * 5 * (size_t)P * (H / 32 + I / 32) + 128;
@@ -81,16 +83,38 @@ static int chunk(const float *x, int T, const int64_t *w13, int kind13, const in
     int32_t *ia = (int32_t *)(s32a + (size_t)P * (I / 32));
     omni_quantize_x(xg, H, F32, P, H, qx, dx, sx, s32x, ix);
     xq X = {qx, dx, sx, s32x, ix, H}, A = {qa, da, sa, s32a, ia, I};
+    /* an expert with enough pairs for AMX's tiles takes them (quant_amx.c: x and the act rounded to
+     * bfloat16; each call threads its own panels); the rest share the int8 groups below */
+    int nt = 0, nd = 0;
+    int64_t *tiled = hit + nh, *dotted = tiled + nh;
+    for (int i = 0; i < nh; i++) {
+        int64_t e = hit[i];
+        int rows = start[e + 1] - start[e];
+        if (omni_amx_takes(kind13, rows, H) && omni_amx_takes(kind2, rows, I) &&
+            omni_qamx(xg + (size_t)start[e] * H, H, (const uint8_t *)(intptr_t)w13[e], NULL,
+                      gate_up + (size_t)start[e] * 2 * I, 2 * I, rows, 2 * I, H, kind13, F32, nthreads) == 0)
+            tiled[nt++] = e;
+        else
+            dotted[nd++] = e;
+    }
 #pragma omp parallel num_threads(nthreads)
     {
-        all_experts(kind13, w13, hit, nh, start, &X, gate_up, 2 * I);
+        all_experts(kind13, w13, dotted, nd, start, &X, gate_up, 2 * I);
 #pragma omp barrier
 #pragma omp single
         {
             omni_silu_and_mul(gate_up, act, P, I, F32, 1);
             omni_quantize_x(act, I, F32, P, I, qa, da, sa, s32a, ia);
         }
-        all_experts(kind2, w2, hit, nh, start, &A, y, H);
+        all_experts(kind2, w2, dotted, nd, start, &A, y, H);
+    }
+    for (int i = 0; i < nt; i++) {
+        int64_t e = tiled[i];
+        const uint8_t *w = (const uint8_t *)(intptr_t)w2[e];
+        if (omni_qamx(act + (size_t)start[e] * I, I, w, NULL, y + (size_t)start[e] * H, H, start[e + 1] - start[e], H,
+                      I, kind2, F32, nthreads))  /* (out of memory: its int8 groups, on this thread) */
+            expert_groups(omni_x8_group(kind2), w, 8 * qrow_bytes(kind2, I), &A, start[e], start[e + 1], 0, H / 8, y,
+                          H);
     }
     memset(out, 0, sizeof(float) * (size_t)T * H);
     for (int i = 0; i < P; i++) {  /* (in expert order: each token's terms by increasing expert) */
