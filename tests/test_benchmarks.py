@@ -403,6 +403,18 @@ def test_quant_moe_times_the_loop_and_the_one_call():
     assert "8 experts, 256 wide" in out and out.count(" ms, one call ") == 2
 
 
+def test_cpu_quant_tiles_times_both_paths_where_the_cpu_has_amx():
+    out = run("cpu_quant_tiles.py", "--kinds", "Q4_K", "int8", "--shape", "64", "256", "--rows", "4", "40",
+              "--repeats", "1")
+    assert out.count(" ms (err ") >= 4 and "AMX tiles: " in out
+    lines = [line for line in out.splitlines() if " rows  int8 path " in line]
+    assert len(lines) == 4
+    if "AMX tiles: on" in out:  # (40 rows: the tiles, 4: below their thresholds)
+        assert [" tiles " in line for line in lines] == [False, True, False, True], lines
+    else:
+        assert not any(" tiles " in line for line in lines), lines
+
+
 def test_quant_moe_decode_steps_route_each_token_anew():
     out = run("quant_moe.py", "--experts", "8", "--hidden", "256", "--intermediate", "256", "--top-k", "2",
               "--decode-steps", "4", "--rounds", "1", "--kinds", "Q4_0", "Q8_0")
