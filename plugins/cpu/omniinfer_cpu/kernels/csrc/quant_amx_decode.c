@@ -31,6 +31,12 @@ static __m512 rows_hi(__m256 v) {
 static __m256 row_bytes(uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v))); }
 static __m256 f16x8(const uint8_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 
+/* 16-bit shift counts: a in the low 256 bits, b in the high (each half of a vector of 64 codes its
+ * own bit position) */
+static __m512i by_half(int a, int b) {
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)a), _mm256_set1_epi16((short)b), 1);
+}
+
 /* 64 codes as int8 (v: bytes 0-31 one chunk, 32-63 another, `step` columns on) -> B, each row's
  * code times s plus m (rows 0-3 of a chunk: lo, 4-7: hi), o at the first chunk's first column */
 static void emit_bytes(uint16_t *o, int step, __m512i v, __m512 slo, __m512 shi, __m512 mlo, __m512 mhi) {
@@ -54,8 +60,7 @@ static void nibble_run(uint16_t *o, const uint8_t *p, const uint8_t *hb, int loo
         __m512i n = _mm512_loadu_si512(p + 64 * pair);
         __m512i q[2] = {_mm512_and_si512(n, low4), _mm512_and_si512(_mm512_srli_epi16(n, 4), low4)};
         if (hb) {  /* chunk c's bits 2c, 2c + 1 down to bits 0, 1: shifts 4 pair, 4 pair + 2 by half */
-            __m512i t = _mm512_srlv_epi16(fifth, _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * pair)),
-                                                                      _mm256_set1_epi16((short)(4 * pair + 2)), 1));
+            __m512i t = _mm512_srlv_epi16(fifth, by_half(4 * pair, 4 * pair + 2));
             q[0] = _mm512_or_si512(q[0], _mm512_and_si512(_mm512_slli_epi16(t, 4), bit4));
             q[1] = _mm512_or_si512(q[1], _mm512_and_si512(_mm512_slli_epi16(t, 3), bit4));
         }
@@ -126,7 +131,6 @@ void omni_amx_decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
         /* codes assembled bytewise, 64 at a time: chunks 2p and 2p + 1 (their top bits in the same
          * 32 bytes, at bits 0-3 and 4-7: the second half's shifted down by 4), minus 32 as int8 */
         const __m512i low4 = _mm512_set1_epi8(0x0f), top2 = _mm512_set1_epi8(0x30), bias = _mm512_set1_epi8(32);
-        const __m512i second_half = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
         for (int blk = 0; blk < K / 256; blk++, g += 1680) {
             __m256 d = f16x8(g);
             for (int s = 0; s < 8; s++) {
@@ -136,8 +140,8 @@ void omni_amx_decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
                     __m256 ds = d * _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc));
                     __m512 slo = rows_lo(ds), shi = rows_hi(ds);
                     __m512i n = _mm512_loadu_si512(cs + 64 * p);
-                    __m512i t = _mm512_srlv_epi16(
-                        _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(cs + 128 + 32 * p))), second_half);
+                    __m512i top = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(cs + 128 + 32 * p)));
+                    __m512i t = _mm512_srlv_epi16(top, by_half(0, 4));
                     __m512i q[2] = {  /* h = 0: the low nibbles, top bits 0-1; h = 1: the high, bits 2-3 */
                         _mm512_or_si512(_mm512_and_si512(n, low4), _mm512_and_si512(_mm512_slli_epi16(t, 4), top2)),
                         _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(n, 4), low4),
@@ -184,12 +188,10 @@ void omni_amx_decode_group(int kind, const uint8_t *g, int K, uint16_t *b) {
                     for (int bb = 0; bb < 4; bb += 2) {  /* chunks k = 4 a + bb, k + 1: weights 32 s + 4 k + i */
                         const int k = 4 * a + bb;
                         __m512i q = _mm512_and_si512(
-                            _mm512_srlv_epi16(codes, _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * bb)),
-                                                                        _mm256_set1_epi16((short)(2 * bb + 2)), 1)),
+                            _mm512_srlv_epi16(codes, by_half(2 * bb, 2 * bb + 2)),
                             _mm512_set1_epi8(3));
                         if (q3) {  /* hmask bit k (k + 1) as the third bit, less 4 */
-                            __m512i hb = _mm512_srlv_epi16(
-                                hmask, _mm512_inserti64x4(_mm512_set1_epi16((short)k), _mm256_set1_epi16((short)(k + 1)), 1));
+                            __m512i hb = _mm512_srlv_epi16(hmask, by_half(k, k + 1));
                             q = _mm512_or_si512(q, _mm512_and_si512(_mm512_slli_epi16(hb, 2), _mm512_set1_epi8(4)));
                             q = _mm512_sub_epi8(q, _mm512_set1_epi8(4));
                         }
