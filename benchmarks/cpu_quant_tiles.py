@@ -67,14 +67,15 @@ def main() -> int:
     parser.add_argument("--rows", nargs="+", type=int, default=[8, 16, 32, 512])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    os.environ.setdefault("OMNIINFER_CPU_QUANT_ACTIVATIONS", "int8")
 
     import torch
     import torch.nn.functional as F
 
     from omniinfer_cpu.kernels import build
+    from omniinfer_cpu.quant import ACT_ENV
     from omniinfer_cpu.report import AMX_ROWS, AMX_ROWS_I8
 
+    os.environ.setdefault(ACT_ENV, "int8")  # read when each kernel is made
     kernels = build.load()
     if kernels is None:
         print(f"CPU kernels unavailable: {build.unavailable_reason()}")
