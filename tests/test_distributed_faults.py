@@ -17,20 +17,30 @@ import pytest
 import torch
 
 from omniinfer import LLM, SamplingParams
+from omniinfer.distributed import parallel_state
+from omniinfer.distributed.parallel_state import ENV_TIMEOUT
 from omniinfer.executor.base import WorkerFailedError
-from omniinfer.testing.faults import ENV_FAULT
-from omniinfer.testing.processes import assert_no_child_processes, child_pids, wait_until_gone
+from omniinfer.testing.faults import ENV_FAULT, ENV_ORPHAN_PIDFILE
+from omniinfer.testing.processes import (
+    assert_no_child_processes,
+    child_pids,
+    is_alive,
+    wait_until_gone,
+)
 
 FAULTY = "omniinfer.testing.faults.FaultyWorker"
 PROMPTS = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 17, 30)]
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 FAIL_FAST_S = 10.0
+SHORT_TIMEOUT_S = "20"  # OMNIINFER_DIST_TIMEOUT_S where a gloo operation may be left to time out
 
 
 @pytest.fixture(autouse=True)
 def no_leftovers():
     yield
     assert_no_child_processes()
+    # groups whose collective was abandoned may wait out a gloo operation (SHORT_TIMEOUT_S)
+    parallel_state.wait_for_release(float(SHORT_TIMEOUT_S) + 10.0)
     assert not torch.distributed.is_initialized()
 
 
@@ -85,8 +95,12 @@ def test_killed_worker_fails_the_next_step(checkpoint_dir):
         assert elapsed < FAIL_FAST_S
 
 
-def test_killed_worker_during_generation(checkpoint_dir):
-    """SIGKILL while the driver is busy stepping (most likely inside a step's collectives)."""
+def test_killed_worker_during_generation(checkpoint_dir, monkeypatch):
+    """SIGKILL while the driver is busy stepping (most likely inside a step's collectives).
+    Now and then the kill lands in the middle of a message to the driver, and gloo then never
+    fails the driver's operation (it waits out its timeout): the executor's abandon ends the
+    step, and shutdown leaves the groups to be destroyed once that operation times out."""
+    monkeypatch.setenv(ENV_TIMEOUT, SHORT_TIMEOUT_S)
     long = SamplingParams(temperature=0, max_tokens=480, ignore_eos=True)
     with LLM(checkpoint_dir("llama"), tensor_parallel_size=2, num_kv_blocks=256) as llm:
         (pid,) = llm.llm_engine.executor.worker_pids
@@ -98,6 +112,34 @@ def test_killed_worker_during_generation(checkpoint_dir):
             llm.generate(PROMPTS, long, use_tqdm=False)
         timer.join()
         assert time.monotonic() - killed_at[0] < FAIL_FAST_S
+
+
+@pytest.mark.parametrize("kind", ["fork", "fork-setsid"])
+def test_dead_worker_whose_child_holds_its_sockets(kind, checkpoint_dir, monkeypatch, tmp_path):
+    """Rank 1 exits mid-step while a child it forked still holds its sockets, so neither the
+    driver's pipe nor gloo's sockets see the end of a stream: the death is noticed from its
+    exit status, and the driver's collective is abandoned rather than left waiting on a peer
+    whose socket stays open. The child goes with the worker's process group ("fork"); one that
+    left the group ("fork-setsid") is what only the abandon can get past."""
+    pidfile = tmp_path / "orphan.pid"
+    monkeypatch.setenv(ENV_FAULT, f"1:3:{kind}")
+    monkeypatch.setenv(ENV_ORPHAN_PIDFILE, str(pidfile))
+    monkeypatch.setenv(ENV_TIMEOUT, "60")  # without the abandon: fails in a minute, not ten
+    orphan = None
+    try:
+        with LLM(checkpoint_dir("llama"), tensor_parallel_size=2, worker_cls=FAULTY,
+                 num_kv_blocks=64) as llm:
+            error, elapsed = failing_generate(llm)
+            orphan = int(pidfile.read_text())
+            assert error.rank == 1 and "exited with code 17" in str(error)
+            assert elapsed < FAIL_FAST_S
+            if kind == "fork-setsid":
+                assert is_alive(orphan)  # its copies of the sockets were open all along
+        if kind == "fork":
+            assert wait_until_gone([orphan]) == []
+    finally:
+        if orphan is not None and is_alive(orphan):
+            os.kill(orphan, signal.SIGKILL)
 
 
 def test_shutdown_is_clean_and_idempotent(checkpoint_dir):

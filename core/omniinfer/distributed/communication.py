@@ -25,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from omniinfer.distributed import waits
+
 FIRST_BROADCAST_BYTES = 1 << 16
 _ALIGN = 16
 _HEADER = 16  # two int64: total bytes, metadata bytes
@@ -123,9 +125,9 @@ def broadcast_tensor_dict(tensor_dict: dict[str, Any] | None = None, src: int = 
     first = FIRST_BROADCAST_BYTES
     if dist.get_rank() == src:
         buffer, total = pack(tensor_dict)
-        dist.broadcast(buffer[:first], src=src, group=group)
+        waits.run(dist.broadcast, buffer[:first], src=src, group=group)
         if total > first:
-            dist.broadcast(buffer[first:total], src=src, group=group)
+            waits.run(dist.broadcast, buffer[first:total], src=src, group=group)
         BroadcastStats.num_bytes += total
         BroadcastStats.num_tensor_bytes += sum(v.numel() * v.element_size()
                                                for v in tensor_dict.values()
@@ -133,10 +135,10 @@ def broadcast_tensor_dict(tensor_dict: dict[str, Any] | None = None, src: int = 
         BroadcastStats.time_s += time.perf_counter() - start
         return tensor_dict
     buffer = torch.empty(first, dtype=torch.uint8)
-    dist.broadcast(buffer, src=src, group=group)
+    waits.run(dist.broadcast, buffer, src=src, group=group)
     total = int(buffer[:8].view(torch.int64).item())
     if total > first:
         buffer = torch.cat([buffer, torch.empty(total - first, dtype=torch.uint8)])
-        dist.broadcast(buffer[first:], src=src, group=group)
+        waits.run(dist.broadcast, buffer[first:], src=src, group=group)
     BroadcastStats.time_s += time.perf_counter() - start
     return unpack(buffer)

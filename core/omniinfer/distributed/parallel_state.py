@@ -12,11 +12,20 @@ rank 0 and each pipeline stage is a contiguous block of TP ranks. Three kinds of
   (see communication.py). Its timeout is effectively infinite because the other ranks wait
   in it for the next step however long the engine sits idle; a dead peer is noticed anyway
   (gloo fails a pending operation as soon as the peer's socket closes).
+
+Collectives on gloo groups are waited for through waits.py, so the executor can end a wait
+that a dead peer's socket did not (`waits.abandon`). Destroying a group waits for the operations
+in its threads, and gloo does not fail an operation whose peer died in the middle of a message
+(it waits out its timeout), so after an abandon the groups are destroyed on a thread of their
+own: shutdown waits RELEASE_WAIT_S for it, and if it is still stuck the process cannot start
+another distributed engine until the stuck operation times out (`OMNIINFER_DIST_TIMEOUT_S`).
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,11 +33,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from omniinfer.distributed import waits
 from omniinfer.distributed.communication import set_control_group
+from omniinfer.logger import init_logger
+
+logger = init_logger(__name__)
 
 ENV_TIMEOUT = "OMNIINFER_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0  # a backstop: dead workers are detected by the executor in seconds
 CONTROL_TIMEOUT = timedelta(days=3650)
+RELEASE_WAIT_S = 5.0  # how long shutdown waits for abandoned groups to be destroyed
+
+_release: threading.Thread | None = None  # destroying abandoned groups (see the top)
+_release_deadline = 0.0  # when their stuck operations time out at the latest
 
 
 @dataclass(slots=True)
@@ -58,8 +75,10 @@ def init_distributed_environment(rank: int, world_size: int, init_method: str,
                                  backend: str) -> None:
     """Join the default group (data plane, `backend`) and create the gloo control group."""
     if dist.is_initialized():
-        raise RuntimeError("torch.distributed is already initialised in this process: one "
-                           "distributed engine per process; shut the other one down first")
+        raise RuntimeError(pending_release() or (
+            "torch.distributed is already initialised in this process: one distributed engine "
+            "per process; shut the other one down first"))
+    waits.reset()  # an earlier engine's abandon
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
                             timeout=data_plane_timeout())
     try:
@@ -71,10 +90,39 @@ def init_distributed_environment(rank: int, world_size: int, init_method: str,
 
 
 def destroy_distributed_environment() -> None:
+    global _release, _release_deadline
     set_control_group(None)
     destroy_model_parallel()
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    if not waits.is_abandoned():
         dist.destroy_process_group()
+        return
+    _release_deadline = time.monotonic() + data_plane_timeout().total_seconds()
+    _release = threading.Thread(target=dist.destroy_process_group, name="omniinfer-release-groups",
+                                daemon=True)
+    _release.start()
+    _release.join(RELEASE_WAIT_S)
+    if _release.is_alive():
+        logger.warning("%s", pending_release())
+
+
+def wait_for_release(timeout_s: float) -> None:
+    """Wait up to `timeout_s` for abandoned groups to be destroyed, if they are being destroyed."""
+    if _release is not None:
+        _release.join(timeout_s)
+
+
+def pending_release() -> str | None:
+    """Why this process's process groups are not destroyed yet, if they are being destroyed."""
+    if _release is None or not _release.is_alive():
+        return None
+    left = max(0.0, _release_deadline - time.monotonic())
+    return (f"the process groups of an engine that failed are still being destroyed: a collective "
+            f"given up on after a rank died is still held by gloo (a peer that dies in the middle "
+            f"of a message leaves the receiving operation to wait out its timeout, "
+            f"{ENV_TIMEOUT}={data_plane_timeout().total_seconds():.0f} s); this process can start "
+            f"another distributed engine in about {left:.0f} s, or start it in a new process")
 
 
 def initialize_model_parallel(tp_size: int, pp_size: int, backend: str | None = None) -> None:
@@ -145,7 +193,7 @@ def is_last_pp_rank() -> bool:
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _STATE.tp_size == 1:
         return x
-    dist.all_reduce(x, group=_STATE.tp_group)
+    waits.run(dist.all_reduce, x, group=_STATE.tp_group)
     return x
 
 
@@ -153,7 +201,7 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _STATE.tp_size == 1:
         return x
     parts = [torch.empty_like(x) for _ in range(_STATE.tp_size)]
-    dist.all_gather(parts, x.contiguous(), group=_STATE.tp_group)
+    waits.run(dist.all_gather, parts, x.contiguous(), group=_STATE.tp_group)
     return torch.cat(parts, dim=dim)
 
 
@@ -163,7 +211,7 @@ def pp_send(tensors: list[torch.Tensor], stage: int) -> None:
     handles = [dist.isend(t.contiguous(), dst, group=_STATE.pp_group, tag=i)
                for i, t in enumerate(tensors) if t.numel()]
     for h in handles:
-        h.wait()
+        h.wait()  # not in slices: a gloo send/recv closes its pair when a wait times out
 
 
 def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
@@ -173,7 +221,7 @@ def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.dev
     out = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
     handles = [dist.irecv(t, src, group=_STATE.pp_group, tag=i) for i, t in enumerate(out) if t.numel()]
     for h in handles:
-        h.wait()
+        h.wait()  # not in slices: a gloo send/recv closes its pair when a wait times out
     return out
 
 

@@ -7,11 +7,12 @@ model and measure their KV-cache room (the smallest wins), allocate it, and the 
 enter their execution loop, where they wait for the driver's per-step broadcast.
 
 Faults: a subclass watches its workers (a pipe per process, a Ray object per loop) and calls
-`_worker_failed(rank, cause)` when one raises or dies. That records the failure and kills
-every other rank, which unblocks whatever collective the driver waits in (gloo fails a
-pending operation as soon as a peer's socket closes); the step in flight, or the next one,
-raises `WorkerFailedError` naming the rank and carrying the cause. Process groups also have
-a timeout (`OMNIINFER_DIST_TIMEOUT_S`) as the last resort against a rank that hangs alive.
+`_worker_failed(rank, cause)` when one raises or dies. That records the failure, kills every
+other rank, and abandons this process's collectives (distributed/waits.py): a gloo collective
+the driver waits in ends within a fraction of a second, whether or not gloo noticed the dead
+peer's socket closing. The step in flight, or the next one, raises `WorkerFailedError` naming
+the rank and carrying the cause. Process groups also have a timeout
+(`OMNIINFER_DIST_TIMEOUT_S`) as the last resort against a rank that hangs alive.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch.distributed
 
+from omniinfer.distributed import parallel_state, waits
 from omniinfer.executor.base import Executor, WorkerFailedError, resolve_worker_cls
 from omniinfer.logger import init_logger
 
@@ -65,8 +67,9 @@ class DistributedExecutor(Executor):
         self._is_shut_down = False
         self._loops_running = False
         if torch.distributed.is_initialized():
-            raise RuntimeError("torch.distributed is already initialised in this process (another "
-                               "distributed engine?): one per process; shut the other one down")
+            raise RuntimeError(parallel_state.pending_release() or (
+                "torch.distributed is already initialised in this process (another distributed "
+                "engine?): one per process; shut the other one down"))
         try:
             init_method, driver_local_rank = self._start_workers()
             self.driver = resolve_worker_cls(config)(
@@ -132,6 +135,7 @@ class DistributedExecutor(Executor):
             self._failure = WorkerFailedError(rank, cause, pid)
         logger.error("%s", self._failure)
         self._kill_workers()
+        waits.abandon(str(self._failure))
         if self.on_failure is not None:
             self.on_failure()
 
@@ -182,6 +186,7 @@ class DistributedExecutor(Executor):
                 stop.join(STOP_GRACE_S)
             # workers not in their loop (start-up failed) are not listening: no grace
             self._stop_workers(STOP_GRACE_S if stop is not None else 0.0)
+            waits.abandon("the engine shut down")  # a step still waiting on another thread ends
             if stop is not None:
                 stop.join(1.0)  # the workers are gone: let it finish before the groups go
         finally:

@@ -7,6 +7,10 @@ engine, which then shuts the workers down). One socket pair per worker carries i
 start-up calls and replies, and then serves as a health pipe: a reader thread here sees a
 worker's error report or, when it dies, the end of its stream; the worker sees the end of
 the driver's stream when the engine's process dies and exits.
+
+A worker's session is also its process group, so killing a worker kills the group: anything it
+forked goes too, and with it any copy of the worker's sockets (a gloo socket a child still
+holds keeps the driver's collective waiting on a dead rank).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import weakref
 from multiprocessing.connection import Connection, wait
 
@@ -106,22 +111,43 @@ class MultiprocessExecutor(DistributedExecutor):
 
     def _kill_workers(self) -> None:
         for proc in self._procs.values():
-            if proc.poll() is None:
-                proc.kill()
+            _kill_group(proc)
 
     def _stop_workers(self, timeout_s: float) -> None:
         procs = getattr(self, "_procs", {})
         for proc in procs.values():
-            try:
-                proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            _exited(proc, timeout_s)
+            _kill_group(proc)  # the worker if it is still there, and whatever it left behind
+            proc.wait()
             timeout_s = 0.5  # the first one used the grace period; the others had it too
         if getattr(self, "_reader", None) is not None:
             self._reader.join(2.0)  # it ends once every worker's stream has ended
         for conn in getattr(self, "_conns", {}).values():
             conn.close()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the worker's process group (its id is the worker's pid: the worker leads its own
+    session). Only while the worker is unreaped, a zombie at worst: until then its pid, and so
+    the group's id, cannot belong to anyone else."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _exited(proc: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait up to `timeout_s` for the worker to exit, without reaping it (see _kill_group)."""
+    deadline = time.monotonic() + timeout_s
+    while proc.returncode is None:
+        try:
+            if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:  # reaped by a wait elsewhere
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def _read_replies(executor_ref, conns: dict[int, Connection], procs: dict[int, subprocess.Popen],
@@ -134,24 +160,35 @@ def _read_replies(executor_ref, conns: dict[int, Connection], procs: dict[int, s
             ready = wait(list(rank_of), timeout=1.0)
         except OSError:  # a connection closed by shutdown
             return
+        failures = []
         for conn in ready:
             rank = rank_of[conn]
             try:
                 kind, value = conn.recv()
             except (EOFError, OSError):
                 del rank_of[conn]
-                try:
-                    code = procs[rank].wait(timeout=2.0)
-                except subprocess.TimeoutExpired:
-                    code = None
-                cause = describe_exit(code)
+                failures.append((rank, _death(procs[rank], 2.0)))
+                continue
+            if kind == "error":
+                failures.append((rank, f"raised {value}"))
             else:
-                if kind != "error":
-                    replies[rank].put((kind, value))
-                    continue
-                cause = f"raised {value}"
+                replies[rank].put((kind, value))
+        # A worker can exit with its stream still open: a child it forked holds the other end.
+        for conn, rank in list(rank_of.items()):
+            if conn not in ready and _exited(procs[rank], 0.0):
+                del rank_of[conn]
+                failures.append((rank, _death(procs[rank], 0.0)))
+        for rank, cause in failures:
             executor = executor_ref()
             if executor is None:
                 return
             executor._worker_failed(rank, cause, procs[rank].pid)
             del executor
+
+
+def _death(proc: subprocess.Popen, timeout_s: float) -> str:
+    """How a worker whose stream ended died (waiting up to `timeout_s` for it to exit); kills
+    its process group, since what it forked may hold its sockets (see the top)."""
+    exited = _exited(proc, timeout_s)
+    _kill_group(proc)
+    return describe_exit(proc.wait() if exited else None)

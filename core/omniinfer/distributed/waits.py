@@ -1,0 +1,84 @@
+"""Waiting for a collective in a way the executor can end.
+
+gloo fails a pending operation once a peer's socket closes, and that is how a rank blocked in a
+collective usually learns that a peer died. It is not enough on its own: a socket outlives its
+process while anything else holds it (a child the worker forked), and gloo has been seen to miss
+a killed peer now and then. The rank would then wait for its process group's timeout (ten
+minutes for the data plane).
+
+So collectives on gloo groups start asynchronously and are waited for in slices of `POLL`;
+between slices the wait looks whether this process has given up on its collectives
+(`abandon`, which the executor calls once it recorded a failed rank or shuts down) and if so
+raises `CollectiveAbandoned`. Other backends (NCCL and friends) are called as they are: their
+`wait()` orders streams rather than blocking the host, and they have watchdogs of their own.
+
+Only collectives: a gloo send or recv (`isend`/`irecv`, the pipeline's stage-to-stage tensors)
+closes its pair when a wait on it times out, so those are waited for in one piece.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+POLL = timedelta(seconds=0.2)
+
+_abandoned: str | None = None
+
+
+class CollectiveAbandoned(RuntimeError):
+    """A collective given up on because the engine failed or stopped."""
+
+
+def abandon(reason: str) -> None:
+    """Make every pending and later wait of this process raise CollectiveAbandoned(reason)."""
+    global _abandoned
+    if _abandoned is None:
+        _abandoned = reason
+
+
+def is_abandoned() -> bool:
+    return _abandoned is not None
+
+
+def reset() -> None:
+    """Forget `abandon` (a new engine is joining its process groups)."""
+    global _abandoned
+    _abandoned = None
+
+
+def _raise_if_abandoned() -> None:
+    if _abandoned is not None:
+        raise CollectiveAbandoned(f"collective abandoned: {_abandoned}")
+
+
+def wait(work, group) -> None:
+    """`work.wait()` for an async operation on `group`; on gloo in slices, raising
+    CollectiveAbandoned once the process gave up."""
+    if not is_gloo(group):
+        work.wait()
+        return
+    while True:
+        try:
+            work.wait(POLL)
+            return
+        except RuntimeError:
+            if work.is_completed():
+                break  # it failed (or finished right after the slice ran out): the plain wait says which
+            _raise_if_abandoned()
+    work.wait()
+
+
+def is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def run(op, *args, group, **kwargs) -> None:
+    """`op(*args, group=group, **kwargs)` for a torch.distributed collective `op`, waited for
+    with `wait` on gloo groups."""
+    _raise_if_abandoned()
+    if not is_gloo(group):
+        op(*args, group=group, **kwargs)
+        return
+    wait(op(*args, group=group, async_op=True, **kwargs), group)
