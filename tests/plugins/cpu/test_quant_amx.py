@@ -85,6 +85,20 @@ def test_tiles_multiply_the_bfloat16_rounded_numbers(amx, kind, dtype):
                 torch.testing.assert_close(got, want.bfloat16().double(), atol=2e-2 * big, rtol=1e-2)
 
 
+@pytest.mark.parametrize("kind", ["gguf:Q4_K", "gguf:Q8_0", "int8"])
+def test_a_thread_runs_x_over_spans_of_panels(amx, kind):
+    """K = 8192: a decoded panel of 32 rows is 512 KB, so a span (AMX_SPAN_BYTES, 1 MB) holds two.
+    200 rows are 7 panels, the last part-filled: with two threads 4 + 3, spans of 2 + 2 and 2 + 1.
+    145 rows of x are five blocks of 32, the last part-filled, 2.6 MB in bfloat16: enough for spans
+    (AMX_SPAN_MIN_X, 2 MB). Every output where it belongs."""
+    gen = torch.Generator().manual_seed(7)
+    weight = torch.randn(200, 8192, generator=gen) * 0.05
+    kernel = CpuQuantKernel(piece_of(kind, weight))
+    w = dequantize_piece(kernel.piece).float()
+    x = torch.randn(145, 8192, generator=gen)
+    torch.testing.assert_close(kernel.apply(x).double(), bf16_reference(x, w), atol=1e-4, rtol=1e-5)
+
+
 def test_the_switch_keeps_every_row_count_on_the_int8_path(amx, monkeypatch):
     weight = torch.randn(37, 512, generator=torch.Generator().manual_seed(1)) * 0.05
     piece = piece_of("gguf:Q4_0", weight)

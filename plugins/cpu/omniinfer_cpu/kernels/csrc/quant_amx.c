@@ -2,15 +2,16 @@
  * weights in groups of 8 rows (is_x8) or int8 rows (I8, a scale each), on CPUs with AMX-BF16
  * (Intel Xeon since Sapphire Rapids).
  * The int8 path (quant_x8.c) multiplies with AVX-512 VNNI, 64 products an instruction; one
- * tdpbf16ps is 16 x 16 x 32 = 8192. Each thread decodes a panel of 32 weight rows into float32
+ * tdpbf16ps is 16 x 16 x 32 = 8192. Each thread decodes panels of 32 weight rows into float32
  * in vector registers (quant_amx_decode.c; the reference's values: a scale times a code is exact, a
  * minimum subtracted once), rounds them to bfloat16 in the tiles' pair layout
- * (K/2 rows of 16 columns x 2), and multiplies every row of x (rounded to bfloat16 once a call)
- * against it in 32 x 32 tiles, the sums in float32 over all of K: no per-block scale in the loop,
- * the scales are in the decoded weights. Numerics: x and the weights rounded to bfloat16 (8
+ * (K/2 rows of 16 columns x 2), a span of panels (up to AMX_SPAN_BYTES) at a time, and multiplies
+ * every row of x (rounded to bfloat16 once a call) against the span in 32 x 32 blocks, the sums
+ * in float32 over all of K: no per-block scale in the loop, the scales are in the decoded weights. Numerics: x and the weights rounded to bfloat16 (8
  * significant bits, where the int8 path rounds x to int8 blocks and keeps the weights' codes
  * exact), products summed in float32 by the tile unit (its order; denormals are flushed). No
- * float copy of the weight outlives the call: a panel is a thread's scratch (K x 32 x 6 bytes).
+ * float copy of the weight outlives the call: a span is a thread's scratch (at most 1 MB, or one
+ * panel, K x 32 x 2 bytes, where that is more).
  *
  * Only built into the libraries that have AVX-512 BF16 (the level avx512_bf16); the tile code is
  * compiled for AMX by function attributes and runs only after omni_amx_enable(1) found the CPU's
@@ -51,33 +52,46 @@ typedef struct {
 #define AMX_KSTEP 32  /* bfloat16 values of K a tile row holds (64 bytes) */
 #define AMX_PANEL 32  /* weight rows a thread decodes at a time: two B tiles of 16 columns */
 
-/* tiles 0-3: C (x rows 0-15 / 16-31 by panel columns 0-15 / 16-31), 4-5: A (x), 6-7: B (weights) */
-__attribute__((target("amx-tile,amx-bf16"))) static void panel_product(const uint16_t *xb, int Mp, int K,
-                                                                       const uint16_t *wb, float *c,
-                                                                       void *y, int64_t ldy, int M, int n0,
-                                                                       int ncols, int dt) {
+#define AMX_SPAN_BYTES (1 << 20) /* decoded panels a thread keeps at once: a span (half its L2 here) */
+#define AMX_SPAN_MIN_X (2 << 20)  /* x's bytes (bfloat16) from which spans pay: x no longer fits L2 */
+
+/* c [32 x 32] = 32 rows of x (bfloat16, K each, from xb) @ a decoded panel wb, on tiles 0-3: C (x rows
+ * 0-15 / 16-31 by panel columns 0-15 / 16-31), 4-5: A (x), 6-7: B (weights) */
+__attribute__((target("amx-tile,amx-bf16"))) static void block_product(const uint16_t *xb, int K, const uint16_t *wb,
+                                                                       float *c) {
     const int64_t xstride = 2 * (int64_t)K;
-    for (int m0 = 0; m0 < Mp; m0 += 2 * AMX_TILE) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int k0 = 0; k0 < K; k0 += AMX_KSTEP) {
-            _tile_loadd(4, xb + (size_t)m0 * K + k0, xstride);
-            _tile_loadd(5, xb + (size_t)(m0 + AMX_TILE) * K + k0, xstride);
-            _tile_loadd(6, wb + (size_t)(k0 / 2) * 2 * AMX_TILE, 64);
-            _tile_loadd(7, wb + (size_t)K * AMX_TILE + (size_t)(k0 / 2) * 2 * AMX_TILE, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-        _tile_stored(0, c, 2 * AMX_TILE * 4);
-        _tile_stored(1, c + AMX_TILE, 2 * AMX_TILE * 4);
-        _tile_stored(2, c + AMX_TILE * 2 * AMX_TILE, 2 * AMX_TILE * 4);
-        _tile_stored(3, c + AMX_TILE * 2 * AMX_TILE + AMX_TILE, 2 * AMX_TILE * 4);
-        for (int m = m0; m < m0 + 2 * AMX_TILE && m < M; m++)
-            for (int j = 0; j < ncols; j++) st1(y, dt, (size_t)m * ldy + n0 + j, c[(m - m0) * 2 * AMX_TILE + j]);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k0 = 0; k0 < K; k0 += AMX_KSTEP) {
+        _tile_loadd(4, xb + k0, xstride);
+        _tile_loadd(5, xb + (size_t)AMX_TILE * K + k0, xstride);
+        _tile_loadd(6, wb + (size_t)(k0 / 2) * 2 * AMX_TILE, 64);
+        _tile_loadd(7, wb + (size_t)K * AMX_TILE + (size_t)(k0 / 2) * 2 * AMX_TILE, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 2 * AMX_TILE * 4);
+    _tile_stored(1, c + AMX_TILE, 2 * AMX_TILE * 4);
+    _tile_stored(2, c + AMX_TILE * 2 * AMX_TILE, 2 * AMX_TILE * 4);
+    _tile_stored(3, c + AMX_TILE * 2 * AMX_TILE + AMX_TILE, 2 * AMX_TILE * 4);
+}
+
+/* B tile t of the panel at row n0 holds its columns 16 t..: row k/2 = 16 pairs (w[n][k], w[n][k+1]) */
+static void decode_panel(const uint8_t *w, const float *scale, int kind, size_t group_bytes, int K, int n0,
+                         int ncols, uint16_t *wb) {
+    for (int q = 0; q < AMX_PANEL / 8; q++) {
+        uint16_t *b = wb + (size_t)(q / 2) * K * AMX_TILE + 8 * 2 * (q % 2);
+        if (8 * q < ncols && kind == I8)
+            omni_amx_decode_i8_rows((const int8_t *)w + (size_t)(n0 + 8 * q) * K, scale + n0 + 8 * q,
+                                    ncols - 8 * q < 8 ? ncols - 8 * q : 8, K, b);
+        else if (8 * q < ncols)
+            omni_amx_decode_group(kind, w + (size_t)(n0 / 8 + q) * group_bytes, K, b);
+        else
+            for (int k = 0; k < K; k += 2) memset(b + (size_t)k * AMX_TILE, 0, 32);
     }
 }
 
@@ -117,30 +131,39 @@ int omni_qamx(const void *x, int64_t ldx, const uint8_t *w, const float *scale, 
     size_t group_bytes = 8 * (kind == I8 ? (size_t)K : qrow_bytes(kind, K));
     if (nthreads < 1) nthreads = 1;
     nthreads = threads_for((int64_t)N * K, nthreads);
+    /* Where x outgrows L2 (512 rows of 4864 are 5 MB in bfloat16), each thread decodes its panels a
+     * span at a time and runs every 32-row block of x over the whole span: x is read once a span
+     * rather than once a panel (896 x 4864 at 512 rows: 1.2x). Where x fits, a panel at a time:
+     * spans measured no faster there, and slower at 32 rows (the panel leaves L1 and L2 before use). */
+    size_t panel_elems = (size_t)K * AMX_PANEL;
+    int span = (size_t)Mp * K * 2 < AMX_SPAN_MIN_X ? 1 : (int)(AMX_SPAN_BYTES / (panel_elems * 2));
+    if (span < 1) span = 1;
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
-        uint16_t *wb = aligned_alloc(64, (size_t)K * AMX_PANEL * 2);
-        float *c = aligned_alloc(64, sizeof(float) * 4 * AMX_TILE * AMX_TILE);
-        if (!wb || !c) failed = 1;
         int64_t p0, p1;
         thread_share(panels, &p0, &p1);
-        if (!failed && p0 < p1) {
+        int mine = (int)(p1 - p0 < span ? p1 - p0 : span);
+        uint16_t *wb = mine > 0 ? aligned_alloc(64, panel_elems * 2 * mine) : NULL;
+        float *c = aligned_alloc(64, sizeof(float) * 4 * AMX_TILE * AMX_TILE);
+        if ((mine > 0 && !wb) || !c) failed = 1;
+        if (!failed && mine > 0) {
             tiles_on();
-            for (int64_t p = p0; p < p1; p++) {
-                int n0 = (int)(p * AMX_PANEL), ncols = N - n0 < AMX_PANEL ? N - n0 : AMX_PANEL;
-                /* B tile t holds columns 16 t.. of the panel: row k/2 = 16 pairs (w[n][k], w[n][k+1]) */
-                for (int q = 0; q < AMX_PANEL / 8; q++) {
-                    uint16_t *b = wb + (size_t)(q / 2) * K * AMX_TILE + 8 * 2 * (q % 2);
-                    if (8 * q < ncols && kind == I8)
-                        omni_amx_decode_i8_rows((const int8_t *)w + (size_t)(n0 + 8 * q) * K, scale + n0 + 8 * q,
-                                                ncols - 8 * q < 8 ? ncols - 8 * q : 8, K, b);
-                    else if (8 * q < ncols)
-                        omni_amx_decode_group(kind, w + (size_t)(n0 / 8 + q) * group_bytes, K, b);
-                    else
-                        for (int k = 0; k < K; k += 2) memset(b + (size_t)k * AMX_TILE, 0, 32);
+            for (int64_t p = p0; p < p1; p += mine) {
+                int g = (int)(p1 - p < mine ? p1 - p : mine);
+                for (int i = 0; i < g; i++) {
+                    int n0 = (int)((p + i) * AMX_PANEL);
+                    decode_panel(w, scale, kind, group_bytes, K, n0, N - n0 < AMX_PANEL ? N - n0 : AMX_PANEL,
+                                 wb + panel_elems * i);
                 }
-                panel_product(xb, Mp, K, wb, c, y, ldy, M, n0, ncols, dt);
+                for (int m0 = 0; m0 < Mp; m0 += 2 * AMX_TILE)
+                    for (int i = 0; i < g; i++) {
+                        int n0 = (int)((p + i) * AMX_PANEL), ncols = N - n0 < AMX_PANEL ? N - n0 : AMX_PANEL;
+                        block_product(xb + (size_t)m0 * K, K, wb + panel_elems * i, c);
+                        for (int m = m0; m < m0 + 2 * AMX_TILE && m < M; m++)
+                            for (int j = 0; j < ncols; j++)
+                                st1(y, dt, (size_t)m * ldy + n0 + j, c[(m - m0) * 2 * AMX_TILE + j]);
+                    }
             }
             tiles_off();
         }
