@@ -7,11 +7,11 @@
  * minimum subtracted once), rounds them to bfloat16 in the tiles' pair layout
  * (K/2 rows of 16 columns x 2), a span of panels (up to AMX_SPAN_BYTES) at a time, and multiplies
  * every row of x (rounded to bfloat16 once a call) against the span in 32 x 32 blocks, the sums
- * in float32 over all of K: no per-block scale in the loop, the scales are in the decoded weights. Numerics: x and the weights rounded to bfloat16 (8
- * significant bits, where the int8 path rounds x to int8 blocks and keeps the weights' codes
- * exact), products summed in float32 by the tile unit (its order; denormals are flushed). No
- * float copy of the weight outlives the call: a span is a thread's scratch (at most 1 MB, or one
- * panel, K x 32 x 2 bytes, where that is more).
+ * in float32 over all of K: no per-block scale in the loop, the scales are in the decoded weights.
+ * Numerics: x and the weights rounded to bfloat16 (8 significant bits, where the int8 path rounds
+ * x to int8 blocks and keeps the weights' codes exact), products summed in float32 by the tile
+ * unit (its order; denormals are flushed). No float copy of the weight outlives the call: a span
+ * is a thread's scratch (at most 1 MB, or one panel, K x 32 x 2 bytes, where that is more).
  *
  * Only built into the libraries that have AVX-512 BF16 (the level avx512_bf16); the tile code is
  * compiled for AMX by function attributes and runs only after omni_amx_enable(1) found the CPU's
