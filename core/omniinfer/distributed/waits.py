@@ -1,9 +1,10 @@
 """Waiting for a collective in a way the executor can end.
 
 gloo fails a pending operation once a peer's socket closes, and that is how a rank blocked in a
-collective usually learns that a peer died. It is not enough on its own: a socket outlives its
-process while anything else holds it (a child the worker forked), and gloo has been seen to miss
-a killed peer now and then. The rank would then wait for its process group's timeout (ten
+collective usually learns that a peer died. It is not enough on its own: gloo does not fail the
+operation that was reading a message when the peer died (it signals the buffers it has queued,
+not the one it is reading into), and a socket outlives its process while anything else holds it
+(a child the worker forked). The rank would then wait for its process group's timeout (ten
 minutes for the data plane).
 
 So collectives on gloo groups start asynchronously and are waited for in slices of `POLL`;
