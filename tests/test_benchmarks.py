@@ -415,6 +415,12 @@ def test_cpu_quant_tiles_times_both_paths_where_the_cpu_has_amx():
         assert not any(" tiles " in line for line in lines), lines
 
 
+def test_collective_waits_times_plain_and_sliced_all_reduces():
+    out = run("collective_waits.py", "--numel", "64", "--iters", "5", "--rounds", "2")
+    assert out.startswith("machine: ") and "gloo all-reduce of 64 floats" in out
+    assert out.count(" median ") == 2 and "sliced / plain: " in out
+
+
 def test_quant_moe_decode_steps_route_each_token_anew():
     out = run("quant_moe.py", "--experts", "8", "--hidden", "256", "--intermediate", "256", "--top-k", "2",
               "--decode-steps", "4", "--rounds", "1", "--kinds", "Q4_0", "Q8_0")
