@@ -54,12 +54,8 @@ def _raise_if_abandoned() -> None:
         raise CollectiveAbandoned(f"collective abandoned: {_abandoned}")
 
 
-def wait(work, group) -> None:
-    """`work.wait()` for an async operation on `group`; on gloo in slices, raising
-    CollectiveAbandoned once the process gave up."""
-    if not is_gloo(group):
-        work.wait()
-        return
+def _wait_in_slices(work) -> None:
+    """`work.wait()`, in slices of POLL, raising CollectiveAbandoned once the process gave up."""
     while True:
         try:
             work.wait(POLL)
@@ -77,9 +73,9 @@ def is_gloo(group) -> bool:
 
 def run(op, *args, group, **kwargs) -> None:
     """`op(*args, group=group, **kwargs)` for a torch.distributed collective `op`, waited for
-    with `wait` on gloo groups."""
+    in slices on gloo groups."""
     _raise_if_abandoned()
     if not is_gloo(group):
         op(*args, group=group, **kwargs)
         return
-    wait(op(*args, group=group, async_op=True, **kwargs), group)
+    _wait_in_slices(op(*args, group=group, async_op=True, **kwargs))
