@@ -9,11 +9,10 @@ so every code, every 6-bit scale and minimum and every fifth or sixth bit patter
   one-hot rows, exact), the kernel gives back ``gguf.quants.dequantize``'s weights exactly
   (zeros but for their sign: the sums start from +0).
 * The products (every dtype through the GEMV and the GEMM) are checked as
-  test_triton_quant_kernels.py checks the n-bit ones: the kernel and
-  the reference (the weight dequantised to x's dtype, F.linear) multiply the same rounded
-  operands with float32 sums; only the order of the sums differs, so outputs agree to the
-  output dtype's rounding of the largest output (2**-10 fp16, 2**-7 bf16) and to 1e-5 in
-  float32.
+  test_triton_quant_kernels.py checks the n-bit ones: the GEMM and the reference (the weight
+  dequantised to x's dtype, F.linear) multiply the same rounded operands with float32 sums,
+  the GEMV the float32 weight unrounded; outputs agree to the output dtype's rounding of the
+  largest output (2**-10 fp16, 2**-7 bf16) and to 1e-5 in float32.
 """
 
 from __future__ import annotations

@@ -8,10 +8,12 @@ every path is taken: GEMV rows 1-8 with split K, GEMM rows, odd M / N / K tails,
 32 / 64 / 128 / one group, zero points or the midpoint, act-order g_idx, 4 and 8 bits, float16
 / bfloat16 / float32 activations, bias.
 
-Tolerance: the kernels and the reference multiply the same rounded operands and accumulate in
-float32; only the order of the sums differs, so outputs agree to the output dtype's rounding
-(one unit in the last place of the largest output, relative: 2**-10 fp16, 2**-7 bf16) and to
-1e-5 in float32.
+Tolerance: the GEMM and the reference multiply the same rounded operands and accumulate in
+float32; only the order of the sums differs. The GEMV (1-8 rows) multiplies the float32 weight
+unrounded: each weight then differs from the reference's by at most half a unit in the last
+place of x's dtype, and the sums by much less than the largest output's unit (errors of both
+signs). So outputs agree to the output dtype's rounding (one unit in the last place of the
+largest output, relative: 2**-10 fp16, 2**-7 bf16) and to 1e-5 in float32.
 """
 
 from __future__ import annotations

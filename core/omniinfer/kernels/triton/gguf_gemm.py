@@ -28,6 +28,10 @@ from omniinfer.kernels.triton.quant_gemm import (  # noqa: F401 (INTERPRETED: re
     INTERPRETED,
     accumulate,
     bf16_round,
+    exact_float,
+    gemv_accumulate,
+    gemv_rows,
+    gemv_zeros,
     launch_weight_only,
     matrix_rows,
     program_tile,
@@ -72,6 +76,22 @@ def _k_scale_min(p, sub, ok):
 
 
 @triton.jit
+def _halves(jj, first, second):
+    """Per weight of a 32-weight run (jj [1, 32]), `first` [BLOCK_N, 1] for its first 16 and
+    `second` for the rest: the 16-weight scales of Q2_K, Q3_K and Q6_K, read and multiplied by d
+    once an output, not once a weight."""
+    return tl.where(jj < 16, first, second)
+
+
+@triton.jit
+def _q3_k_scale(p, i, p_ok):
+    """Q3_K: 16-weight group i's scale less 32, float32 (its low 4 bits from byte 96 + i % 8,
+    its top 2 from byte 104 + i % 4)."""
+    sc = (_byte(p, 96 + i % 8, p_ok) >> ((i // 8) * 4)) & 15
+    return exact_float(sc | (((_byte(p, 104 + i % 4, p_ok) >> ((i // 4) * 2)) & 3) << 4), 32)
+
+
+@triton.jit
 def _decode(p, j0, jj, ok, p_ok, lut_ptr, TYPE: tl.constexpr):
     """Weights j0 + jj of the block at `p` (each output's block, [BLOCK_N, 1] pointers), float32
     [BLOCK_N, 32]: jj is 0..31 [1, 32] and j0 a multiple of 32, so all 32 lie in one classic
@@ -81,14 +101,14 @@ def _decode(p, j0, jj, ok, p_ok, lut_ptr, TYPE: tl.constexpr):
     `lut_ptr`: IQ4_VALUES as float32, for the IQ4 types."""
     if TYPE == 8:  # Q8_0: d, 32 int8
         q = _byte(p, 2 + jj, ok)
-        w = _f16(p, 0, p_ok) * (q - ((q & 128) << 1)).to(tl.float32)
+        w = _f16(p, 0, p_ok) * exact_float(q ^ 128, 128)  # the int8 code: (q ^ 128) - 128
     elif TYPE == 2 or TYPE == 3:  # Q4_0: d, 16 bytes of nibbles; Q4_1: d, m, nibbles
         QS: tl.constexpr = 2 if TYPE == 2 else 4
         q = (_byte(p, QS + jj % 16, ok) >> ((jj // 16) * 4)) & 15
         if TYPE == 2:
-            w = _f16(p, 0, p_ok) * (q - 8).to(tl.float32)
+            w = _f16(p, 0, p_ok) * exact_float(q, 8)
         else:
-            w = _f16(p, 0, p_ok) * q.to(tl.float32) + _f16(p, 2, p_ok)
+            w = _f16(p, 0, p_ok) * exact_float(q, 0) + _f16(p, 2, p_ok)
     elif TYPE == 6 or TYPE == 7:  # Q5_0: d, 4 bytes of fifth bits, nibbles; Q5_1: d, m, ...
         QH: tl.constexpr = 2 if TYPE == 6 else 4
         q = (_byte(p, QH + 4 + jj % 16, ok) >> ((jj // 16) * 4)) & 15
@@ -96,9 +116,9 @@ def _decode(p, j0, jj, ok, p_ok, lut_ptr, TYPE: tl.constexpr):
               | (_byte(p, QH + 3, p_ok) << 24))  # the 32 fifth bits as one word an output
         q = q | (((qh >> jj) & 1) << 4)
         if TYPE == 6:
-            w = _f16(p, 0, p_ok) * (q - 16).to(tl.float32)
+            w = _f16(p, 0, p_ok) * exact_float(q, 16)
         else:
-            w = _f16(p, 0, p_ok) * q.to(tl.float32) + _f16(p, 2, p_ok)
+            w = _f16(p, 0, p_ok) * exact_float(q, 0) + _f16(p, 2, p_ok)
     elif TYPE == 12 or TYPE == 13:  # Q4_K / Q5_K: d, dmin, 12 bytes of scales, (qh,) qs
         sub = j0 // 32
         sc, mn = _k_scale_min(p, sub, p_ok)
@@ -106,19 +126,21 @@ def _decode(p, j0, jj, ok, p_ok, lut_ptr, TYPE: tl.constexpr):
         q = (_byte(p, QS + (j0 // 64) * 32 + jj, ok) >> ((sub % 2) * 4)) & 15
         if TYPE == 13:
             q = q | (((_byte(p, 16 + jj, ok) >> sub) & 1) << 4)
-        w = (_f16(p, 0, p_ok) * sc) * q.to(tl.float32) - _f16(p, 2, p_ok) * mn
+        w = (_f16(p, 0, p_ok) * sc) * exact_float(q, 0) - _f16(p, 2, p_ok) * mn
     elif TYPE == 10:  # Q2_K: 16 bytes of 4-bit scale | 4-bit min, 64 of 2-bit codes, d, dmin
-        sc = _byte(p, (j0 + jj) // 16, ok)
+        s0 = _byte(p, j0 // 16, p_ok)  # the run's two 16-weight scales, once an output
+        s1 = _byte(p, j0 // 16 + 1, p_ok)
+        d = _f16(p, 80, p_ok)
+        dmin = _f16(p, 82, p_ok)
         q = (_byte(p, 16 + (j0 // 128) * 32 + jj, ok) >> (((j0 % 128) // 32) * 2)) & 3
-        w = (_f16(p, 80, p_ok) * (sc & 15).to(tl.float32)) * q.to(tl.float32) \
-            - _f16(p, 82, p_ok) * (sc >> 4).to(tl.float32)
+        w = (_halves(jj, d * exact_float(s0 & 15, 0), d * exact_float(s1 & 15, 0)) * exact_float(q, 0)
+             - _halves(jj, dmin * exact_float(s0 >> 4, 0), dmin * exact_float(s1 >> 4, 0)))
     elif TYPE == 11:  # Q3_K: 32 bytes of high bits, 64 of 2-bit codes, 12 of 6-bit scales, d
-        i = (j0 + jj) // 16
-        sc = (_byte(p, 96 + i % 8, ok) >> ((i // 8) * 4)) & 15
-        sc = sc | (((_byte(p, 104 + i % 4, ok) >> ((i // 4) * 2)) & 3) << 4)
+        d = _f16(p, 108, p_ok)
         q = (_byte(p, 32 + (j0 // 128) * 32 + jj, ok) >> (((j0 % 128) // 32) * 2)) & 3
-        q = q - ((((_byte(p, jj, ok) >> (j0 // 32)) & 1) ^ 1) << 2)  # high bit 0: -4
-        w = (_f16(p, 108, p_ok) * (sc - 32).to(tl.float32)) * q.to(tl.float32)
+        q = q | (((_byte(p, jj, ok) >> (j0 // 32)) & 1) << 2)  # less 4 below: high bit 0 is -4
+        w = _halves(jj, d * _q3_k_scale(p, j0 // 16, p_ok),
+                    d * _q3_k_scale(p, j0 // 16 + 1, p_ok)) * exact_float(q, 4)
     elif TYPE == 20:  # IQ4_NL: d, 16 bytes of nibbles indexing IQ4_VALUES
         q = (_byte(p, 2 + jj % 16, ok) >> ((jj // 16) * 4)) & 15
         w = _f16(p, 0, p_ok) * tl.load(lut_ptr + q)
@@ -127,15 +149,15 @@ def _decode(p, j0, jj, ok, p_ok, lut_ptr, TYPE: tl.constexpr):
         ls = (_byte(p, 4 + sub // 2, p_ok) >> ((sub % 2) * 4)) & 15
         ls = ls | ((((_byte(p, 2, p_ok) | (_byte(p, 3, p_ok) << 8)) >> (sub * 2)) & 3) << 4)
         q = (_byte(p, 8 + sub * 16 + jj % 16, ok) >> ((jj // 16) * 4)) & 15
-        w = (_f16(p, 0, p_ok) * (ls - 32).to(tl.float32)) * tl.load(lut_ptr + q)
+        w = (_f16(p, 0, p_ok) * exact_float(ls, 32)) * tl.load(lut_ptr + q)
     else:  # Q6_K: 128 bytes of low nibbles, 64 of high pairs, 16 int8 scales, d
         half = j0 // 128
         r0 = j0 % 128
         q = (_byte(p, half * 64 + r0 % 64 + jj, ok) >> ((r0 // 64) * 4)) & 15
         q = q | (((_byte(p, 128 + half * 32 + jj, ok) >> ((r0 // 32) * 2)) & 3) << 4)
-        sc = _byte(p, 192 + (j0 + jj) // 16, ok)
-        sc = (sc - ((sc & 128) << 1)).to(tl.float32)
-        w = (_f16(p, 208, p_ok) * sc) * (q - 32).to(tl.float32)
+        d = _f16(p, 208, p_ok)
+        w = _halves(jj, d * exact_float(_byte(p, 192 + j0 // 16, p_ok) ^ 128, 128),
+                    d * exact_float(_byte(p, 193 + j0 // 16, p_ok) ^ 128, 128)) * exact_float(q, 32)
     return w
 
 
@@ -153,15 +175,22 @@ def _gguf_matmul_kernel(
     n_ok = n < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]: each output's blocks
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, 1)
     jj = tl.arange(0, BLOCK_K)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + jj
         k_ok = k < k_end
         w = _decode(w_rows + k0 // BLOCK * BLOCK_BYTES, k0 % BLOCK, jj[None, :],
                     n_ok[:, None] & k_ok[None, :], n_ok[:, None], lut_ptr, TYPE)
-        acc = accumulate(acc, tl.trans(w), x_ptr, x_rows, rows_ok, k, k_ok, pid_m, M, stride_xm,
-                         BLOCK_M, USE_DOT, DOT_F32, ROUND_BF16)
+        if USE_DOT:
+            acc = accumulate(acc, tl.trans(w), x_rows, rows_ok, k, k_ok, DOT_F32, ROUND_BF16)
+        else:  # w [BLOCK_N, BLOCK_K] as decoded: K along axis 1
+            acc = gemv_accumulate(acc, w, x_ptr, k, k_ok, pid_m, M, stride_xm, BLOCK_M, 1)
+    if not USE_DOT:
+        acc = gemv_rows(acc, BLOCK_M, 1)
     store_out(acc, bias_ptr, out_ptr, rows, rows_ok, n, n_ok, split, stride_om, stride_os,
               HAS_BIAS, ROUND_BF16)
 

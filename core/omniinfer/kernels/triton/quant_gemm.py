@@ -50,14 +50,21 @@ def _wn_matmul_kernel(
     rows_ok = rows < M
     n_ok = n < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if USE_DOT:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, 0)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < k_end
         w = wn_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k0, k, k_ok, n, n_ok, BITS,
                     GROUP_SIZE, TILE_IN_ONE_GROUP, HAS_ZEROS, HAS_G_IDX)
-        acc = accumulate(acc, w, x_ptr, x_rows, rows_ok, k, k_ok, pid_m, M, stride_xm,
-                         BLOCK_M, USE_DOT, DOT_F32, ROUND_BF16)
+        if USE_DOT:
+            acc = accumulate(acc, w, x_rows, rows_ok, k, k_ok, DOT_F32, ROUND_BF16)
+        else:
+            acc = gemv_accumulate(acc, w, x_ptr, k, k_ok, pid_m, M, stride_xm, BLOCK_M, 0)
+    if not USE_DOT:
+        acc = gemv_rows(acc, BLOCK_M, 0)
     store_out(acc, bias_ptr, out_ptr, rows, rows_ok, n, n_ok, split, stride_om, stride_os,
               HAS_BIAS, ROUND_BF16)
 
@@ -74,7 +81,7 @@ def wn_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k0, k, k_ok, n, n_
     # every code of a word is read from the same word: PACK rows share one load
     words = tl.load(qweight_ptr + (k // PACK).to(tl.int64)[:, None] * N + n[None, :],
                     mask=k_ok[:, None] & n_ok[None, :], other=0)
-    codes = ((words >> ((k % PACK) * BITS)[:, None]) & MASK).to(tl.float32)
+    codes = ((words >> ((k % PACK) * BITS)[:, None]) & MASK)  # int32, 0 <= code < 2**BITS
     if TILE_IN_ONE_GROUP:  # one row of scales (and zeros) serves the whole tile
         if GROUP_SIZE > 0:
             g = k0 // GROUP_SIZE
@@ -84,7 +91,7 @@ def wn_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k0, k, k_ok, n, n_
         if HAS_ZEROS:
             zero = tl.load(zeros_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         else:
-            zero = MIDPOINT
+            zero = 0.0
     else:
         if HAS_G_IDX:
             g = tl.load(g_idx_ptr + k, mask=k_ok, other=0)
@@ -97,7 +104,17 @@ def wn_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k0, k, k_ok, n, n_
             zero = tl.load(zeros_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
         else:
             zero = MIDPOINT
-    return (codes - zero) * scale
+    if HAS_ZEROS:
+        return (exact_float(codes, 0) - zero) * scale
+    return exact_float(codes, MIDPOINT) * scale
+
+
+@triton.jit
+def exact_float(q, offset: tl.constexpr):
+    """`q - offset` in float32 for int32 0 <= q < 2**23: the bits of 2**23 + q (an OR), less
+    2**23 + offset (one exact add), instead of a conversion (NVIDIA's int-to-float conversions
+    issue at a fraction of the rate of integer and float arithmetic)."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
 
 
 @triton.jit
@@ -125,30 +142,64 @@ def bf16_round(v):
 
 
 @triton.jit
-def accumulate(acc, w, x_ptr, x_rows, rows_ok, k, k_ok, pid_m, M, stride_xm,
-               BLOCK_M: tl.constexpr, USE_DOT: tl.constexpr, DOT_F32: tl.constexpr,
-               ROUND_BF16: tl.constexpr):
-    """acc [BLOCK_M, BLOCK_N] + x[rows, k] @ w, for a float32 weight tile w [BLOCK_K, BLOCK_N]
-    that is first rounded once to x's dtype (the reference rounds its float weight the same
-    way): a tl.dot of the tile, or (decode rows, USE_DOT off) each row's products summed."""
+def accumulate(acc, w, x_rows, rows_ok, k, k_ok, DOT_F32: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """acc [BLOCK_M, BLOCK_N] + x[rows, k] @ w for a float32 weight tile w [BLOCK_K, BLOCK_N]
+    rounded first to x's dtype (the reference rounds its float weight the same way), as a
+    tl.dot (the GEMV's products are gemv_accumulate's)."""
     if ROUND_BF16:
         w = bf16_round(w)
     else:
-        w = w.to(x_ptr.dtype.element_ty)
-    if USE_DOT:
-        x = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
-        if DOT_F32:
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(x, w, input_precision="ieee")
+        w = w.to(x_rows.dtype.element_ty)
+    x = tl.load(x_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+    if DOT_F32:
+        acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
     else:
-        w32 = w.to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            row = pid_m * BLOCK_M + m
-            x_m = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k,
-                          mask=k_ok & (k * 0 + row < M), other=0.0)
-            part = tl.sum(x_m.to(tl.float32)[:, None] * w32, 0)  # [BLOCK_N]
+        acc += tl.dot(x, w, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def gemv_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               K_AXIS: tl.constexpr):
+    """The GEMV's float32 sums: one row's products kept per weight position (w's shape, K
+    along K_AXIS), summed once at the end; several rows' [BLOCK_M, BLOCK_N], summed per tile."""
+    if BLOCK_M == 1:
+        if K_AXIS == 0:
+            acc = tl.zeros([BLOCK_K, BLOCK_N], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    return acc
+
+
+@triton.jit
+def gemv_accumulate(acc, w, x_ptr, k, k_ok, pid_m, M, stride_xm, BLOCK_M: tl.constexpr,
+                    K_AXIS: tl.constexpr):
+    """The GEMV (1-8 rows, no tl.dot: it would pad M to 16): acc + each row's x[row, k] times
+    the float32 weight tile w (K along K_AXIS), in float32. The weight is not rounded to x's
+    dtype (a conversion a weight; the sums are then closer to float32 than the reference's)."""
+    for m in tl.static_range(BLOCK_M):
+        row = pid_m * BLOCK_M + m
+        x_m = tl.load(x_ptr + row.to(tl.int64) * stride_xm + k,
+                      mask=k_ok & (k * 0 + row < M), other=0.0).to(tl.float32)
+        if K_AXIS == 0:
+            products = x_m[:, None] * w
+        else:
+            products = x_m[None, :] * w
+        if BLOCK_M == 1:
+            acc += products
+        else:
+            part = tl.sum(products, K_AXIS)  # [BLOCK_N]
             acc += tl.where(tl.arange(0, BLOCK_M)[:, None] == m, part[None, :], 0.0)
+    return acc
+
+
+@triton.jit
+def gemv_rows(acc, BLOCK_M: tl.constexpr, K_AXIS: tl.constexpr):
+    """gemv_zeros' sums as [BLOCK_M, BLOCK_N]."""
+    if BLOCK_M == 1:
+        acc = tl.sum(acc, K_AXIS)[None, :]
     return acc
 
 
