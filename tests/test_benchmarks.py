@@ -459,3 +459,20 @@ def test_gguf_tiles_runs_every_kind_of_variant_interpreted(tmp_path):
     assert all(r["ok"] for r in rows), rows
     text = run("gguf_tiles.py", "--tiny", "--type", "Q8_0", "--budget-s", "0", TRITON_INTERPRET="1")
     assert "(budget of 0 s spent: the sweep stops here)" in text
+
+
+def test_gemv_sass_counts_the_decode_loop_of_a_gemv_compiled_for_an_nvidia_target():
+    """benchmarks/gemv_sass.py with no GPU: Triton's own ptxas and nvdisasm compile and
+    disassemble the Q4_K GEMV for sm_90, and the loop over K is found and counted."""
+    triton = pytest.importorskip("triton")
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    if not os.path.exists(nvdisasm):
+        pytest.skip(f"this triton ships no nvdisasm ({nvdisasm})")
+    out = run("gemv_sass.py", "--only", "Q4_K m1", TRITON_INTERPRET="0")  # compiled, not interpreted
+    rows = [line.split() for line in out.splitlines() if line.startswith("bf16 Q4_K m1")]
+    assert len(rows) == 1, out
+    loop, per_thread, per_weight, clocks, est_us = (float(v) for v in rows[0][6:11])
+    # 64 outputs x 32 inputs on 128 threads: 16 weights a thread; the loop loads, converts and
+    # multiplies them (FFMA among the opcodes), a few instructions a weight
+    assert per_thread == 16 and loop > 16 and 2 < per_weight < 100 and clocks > 0 and est_us > 0, out
+    assert "FFMA" in out and "not a measurement" in out
