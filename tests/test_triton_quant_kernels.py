@@ -1,4 +1,4 @@
-"""The quantized-GEMM Triton kernels (kernels/triton/quant_gemm.py) against the torch reference
+"""The quantized-GEMM Triton kernels (kernels/triton/quant_gemm.py, int8_gemm.py) against the torch reference
 (quantization/int_reference.py): interpreted on the CPU (tests/conftest.py sets
 TRITON_INTERPRET=1 without an accelerator), compiled where there is a GPU.
 
@@ -32,13 +32,8 @@ from omniinfer.quantization.int_reference import (
 from omniinfer.testing import quant_weights as qw
 
 pytest.importorskip("triton")
-from omniinfer.kernels.triton.quant_gemm import (  # noqa: E402
-    int8_matmul,
-    int8_tiles,
-    quantize_int8_rows,
-    wn_matmul,
-    wn_tiles,
-)
+from omniinfer.kernels.triton.int8_gemm import int8_matmul, int8_tiles, quantize_int8_rows  # noqa: E402
+from omniinfer.kernels.triton.quant_gemm import wn_matmul, wn_tiles  # noqa: E402
 
 INTERPRETED = triton_kernels.interpret_requested()
 DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"

@@ -3,7 +3,7 @@ blocks among them), fused MoE.
 
 Importing this package does not import triton; :func:`unavailable_reasons` answers whether the
 kernels can run on a device type, and the kernels live in :mod:`.reshape_and_cache`,
-:mod:`.paged_attention`, :mod:`.quant_gemm`, :mod:`.gguf_gemm`, :mod:`.dequant_linear` (the
+:mod:`.paged_attention`, :mod:`.quant_gemm`, :mod:`.int8_gemm`, :mod:`.gguf_gemm`, :mod:`.dequant_linear` (the
 quantized layers' products by rows) and :mod:`.fused_moe` (importing those imports triton).
 
 Triton decides between compiling for a GPU and interpreting on the CPU when a kernel is
@@ -22,6 +22,7 @@ ENV_INTERPRET = "TRITON_INTERPRET"
 _KERNEL_MODULES = ("omniinfer.kernels.triton.paged_attention",
                    "omniinfer.kernels.triton.reshape_and_cache",
                    "omniinfer.kernels.triton.quant_gemm",
+                   "omniinfer.kernels.triton.int8_gemm",
                    "omniinfer.kernels.triton.gguf_gemm",
                    "omniinfer.kernels.triton.dequant_linear",
                    "omniinfer.kernels.triton.fused_moe")

@@ -200,7 +200,7 @@ def attention_launches() -> list[KernelLaunch]:
     return launches
 
 
-# ---- quantized linear layers (kernels/triton/quant_gemm.py) -------------------------------------
+# ---- quantized linear layers (kernels/triton/quant_gemm.py, int8_gemm.py) ----------------------
 @dataclass(frozen=True, slots=True)
 class QuantShape:
     """One quantized linear layer as the launchers see it (a refusal's predicate reads it)."""

@@ -1,7 +1,7 @@
 """Quantized linear layers as the layers run them: a fused kernel for a few rows, the weight
 dequantised then torch's matmul for more.
 
-A fused kernel (gguf_gemm.py, quant_gemm.py) decodes every weight in registers for each tile of
+A fused kernel (gguf_gemm.py, quant_gemm.py, int8_gemm.py) decodes every weight in registers for each tile of
 rows; past a few rows that decode, repeated per row tile and done on the cores that should be
 multiplying, costs more than writing the weight out once in the activation dtype and handing
 it to the vendor's GEMM (cuBLAS, hipBLASLt, oneDNN), which runs at the device's peak. Measured
@@ -30,12 +30,11 @@ import triton
 import triton.language as tl
 
 from omniinfer.kernels.triton.gguf_gemm import gguf_dequantize, gguf_matmul
+from omniinfer.kernels.triton.int8_gemm import check_int8_weight, int8_matmul
 from omniinfer.kernels.triton.quant_gemm import (
     INTERPRETED,
     bf16_round,
-    check_int8_weight,
     check_qweight,
-    int8_matmul,
     matrix_rows,
     wn_matmul,
     wn_tile,
@@ -103,7 +102,7 @@ def wn_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 input_scale: torch.Tensor | None = None, quantize_activations: bool = True,
                 bias: torch.Tensor | None = None, fused_max_m: int | None = None) -> torch.Tensor:
-    """``x @ (weight * weight_scale[:, None]).T (+ bias)`` (quant_gemm.int8_matmul's arguments):
+    """``x @ (weight * weight_scale[:, None]).T (+ bias)`` (int8_gemm.int8_matmul's arguments):
     `int8_matmul` for W8A8 and for W8A16 up to `fused_max_m` rows (default INT8_FUSED_MAX_M),
     else the W8A16 weight dequantised (int8_dequantize) in chunks of outputs and multiplied by
     torch."""
