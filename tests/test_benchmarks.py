@@ -419,6 +419,9 @@ def test_collective_waits_times_plain_and_sliced_all_reduces():
     out = run("collective_waits.py", "--numel", "64", "--iters", "5", "--rounds", "2")
     assert out.startswith("machine: ") and "gloo all-reduce of 64 floats" in out
     assert out.count(" median ") == 2 and "sliced / plain: " in out
+    out = run("collective_waits.py", "--op", "stage", "--numel", "64", "--iters", "5", "--rounds", "2")
+    assert "gloo stage-to-stage round trip (0 -> 1 -> 0) of 64 floats" in out
+    assert out.count(" median ") == 2 and "broadcast / send/recv: " in out
 
 
 def test_quant_moe_decode_steps_route_each_token_anew():

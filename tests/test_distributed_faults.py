@@ -114,21 +114,22 @@ def test_killed_worker_during_generation(checkpoint_dir, monkeypatch):
         assert time.monotonic() - killed_at[0] < FAIL_FAST_S
 
 
-@pytest.mark.parametrize("kind", ["fork", "fork-setsid"])
-def test_dead_worker_whose_child_holds_its_sockets(kind, checkpoint_dir, monkeypatch, tmp_path):
+@pytest.mark.parametrize("kind,tp,pp", [("fork", 2, 1), ("fork-setsid", 2, 1), ("fork-setsid", 1, 2)])
+def test_dead_worker_whose_child_holds_its_sockets(kind, tp, pp, checkpoint_dir, monkeypatch, tmp_path):
     """Rank 1 exits mid-step while a child it forked still holds its sockets, so neither the
     driver's pipe nor gloo's sockets see the end of a stream: the death is noticed from its
     exit status, and the driver's collective is abandoned rather than left waiting on a peer
     whose socket stays open. The child goes with the worker's process group ("fork"); one that
-    left the group ("fork-setsid") is what only the abandon can get past."""
+    left the group ("fork-setsid") is what only the abandon can get past: with TP the driver
+    waits in an all-reduce, with PP (rank 1 the last stage) for the logits from rank 1."""
     pidfile = tmp_path / "orphan.pid"
     monkeypatch.setenv(ENV_FAULT, f"1:3:{kind}")
     monkeypatch.setenv(ENV_ORPHAN_PIDFILE, str(pidfile))
     monkeypatch.setenv(ENV_TIMEOUT, "60")  # without the abandon: fails in a minute, not ten
     orphan = None
     try:
-        with LLM(checkpoint_dir("llama"), tensor_parallel_size=2, worker_cls=FAULTY,
-                 num_kv_blocks=64) as llm:
+        with LLM(checkpoint_dir("llama"), tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                 worker_cls=FAULTY, num_kv_blocks=64) as llm:
             error, elapsed = failing_generate(llm)
             orphan = int(pidfile.read_text())
             assert error.rank == 1 and "exited with code 17" in str(error)

@@ -6,8 +6,10 @@ model layers are written once for any parallel size.
 Ranks: rank = pp_rank * tp_size + tp_rank, so rank 0 (the driver) is the first stage's TP
 rank 0 and each pipeline stage is a contiguous block of TP ranks. Three kinds of groups:
 
-* the default group (the platform's backend: gloo, nccl, xccl...) and the TP and PP groups
-  split from it carry the data plane: all-reduces, all-gathers, stage-to-stage send/recv;
+* the default group (the platform's backend: gloo, nccl, xccl...) and the TP groups and PP
+  pairs split from it carry the data plane: all-reduces, all-gathers, and the stage-to-stage
+  tensors, each a broadcast in the 2-rank group of the sender and the receiver (a collective,
+  so waits.py can abandon its wait; a gloo send/recv cannot be waited for in slices);
 * the control group (always gloo, CPU tensors) carries the driver's per-step broadcast
   (see communication.py). Its timeout is effectively infinite because the other ranks wait
   in it for the next step however long the engine sits idle; a dead peer is noticed anyway
@@ -23,11 +25,12 @@ another distributed engine until the stuck operation times out (`OMNIINFER_DIST_
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -55,9 +58,11 @@ class ParallelGroups:
     pp_size: int = 1
     pp_rank: int = 0
     tp_group: object | None = None  # torch ProcessGroup
-    pp_group: object | None = None
     tp_ranks: tuple[int, ...] = (0,)  # global ranks of my TP group
-    pp_ranks: tuple[int, ...] = (0,)  # global ranks of my PP group, by stage
+    pp_ranks: tuple[int, ...] = (0,)  # global ranks of my TP peers in each stage, by stage
+    # stage -> a 2-rank group of me and my TP peer in that stage, for the stages I exchange
+    # tensors with (the next one, and the last and first, which send the logits back)
+    pp_pairs: dict[int, object] = field(default_factory=dict)
 
 
 _STATE = ParallelGroups()
@@ -126,7 +131,7 @@ def pending_release() -> str | None:
 
 
 def initialize_model_parallel(tp_size: int, pp_size: int, backend: str | None = None) -> None:
-    """Split the default group (world = tp * pp) into TP and PP groups; rank = pp_rank * tp + tp_rank."""
+    """Split the default group (world = tp * pp) into TP groups and PP pairs; rank = pp_rank * tp + tp_rank."""
     global _STATE
     world = dist.get_world_size()
     rank = dist.get_rank()
@@ -141,11 +146,17 @@ def initialize_model_parallel(tp_size: int, pp_size: int, backend: str | None = 
         group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
         if rank in ranks:
             new.tp_group, new.tp_ranks = group, ranks
+    new.pp_ranks = tuple(range(new.tp_rank, world, tp_size))
+    # stage-to-stage tensors go as broadcasts in 2-rank groups, not as send/recv: a broadcast
+    # is a collective, so its wait can be abandoned in slices (waits.py), where a gloo
+    # send/recv whose wait times out closes its pair
+    pairs = sorted({tuple(sorted((p, (p + 1) % pp_size))) for p in range(pp_size)} if pp_size > 1 else ())
     for t in range(tp_size):
-        ranks = tuple(range(t, world, tp_size))
-        group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
-        if rank in ranks:
-            new.pp_group, new.pp_ranks = group, ranks
+        for a, b in pairs:
+            ranks = (a * tp_size + t, b * tp_size + t)
+            group = dist.new_group(list(ranks), backend=backend, timeout=timeout)
+            if rank in ranks:
+                new.pp_pairs[b if rank == ranks[0] else a] = group
     _STATE = new
 
 
@@ -206,23 +217,23 @@ def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 
 
 def pp_send(tensors: list[torch.Tensor], stage: int) -> None:
-    """Send tensors to my TP peer in pipeline stage `stage` (shapes are known to the receiver)."""
-    dst = _STATE.pp_ranks[stage]
-    handles = [dist.isend(t.contiguous(), dst, group=_STATE.pp_group, tag=i)
-               for i, t in enumerate(tensors) if t.numel()]
-    for h in handles:
-        h.wait()  # not in slices: a gloo send/recv closes its pair when a wait times out
+    """Send tensors of one dtype to my TP peer in pipeline stage `stage` (shapes are known to
+    the receiver): as one broadcast in our 2-rank group, several tensors packed into one (a
+    gloo broadcast costs ~0.25 ms more than a send, benchmarks/collective_waits.py --op stage)."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].contiguous()
+    if flat.numel():
+        waits.run(dist.broadcast, flat, src=_STATE.pp_ranks[_STATE.pp_rank],
+                  group=_STATE.pp_pairs[stage])
 
 
 def pp_recv(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device,
             stage: int) -> list[torch.Tensor]:
     """Receive what `pp_send` sent from my TP peer in pipeline stage `stage`."""
-    src = _STATE.pp_ranks[stage]
-    out = [torch.empty(shape, dtype=dtype, device=device) for shape in shapes]
-    handles = [dist.irecv(t, src, group=_STATE.pp_group, tag=i) for i, t in enumerate(out) if t.numel()]
-    for h in handles:
-        h.wait()  # not in slices: a gloo send/recv closes its pair when a wait times out
-    return out
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+    if flat.numel():
+        waits.run(dist.broadcast, flat, src=_STATE.pp_ranks[stage], group=_STATE.pp_pairs[stage])
+    return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes, strict=True)]
 
 
 def layer_range(num_layers: int) -> tuple[int, int]:

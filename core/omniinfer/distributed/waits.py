@@ -13,8 +13,10 @@ between slices the wait looks whether this process has given up on its collectiv
 raises `CollectiveAbandoned`. Other backends (NCCL and friends) are called as they are: their
 `wait()` orders streams rather than blocking the host, and they have watchdogs of their own.
 
-Only collectives: a gloo send or recv (`isend`/`irecv`, the pipeline's stage-to-stage tensors)
-closes its pair when a wait on it times out, so those are waited for in one piece.
+Only collectives: a gloo send or recv (`isend`/`irecv`) closes its pair when a wait on it times
+out, and its `is_completed()` does not turn true until it is waited for, so it cannot be waited
+for in slices. The pipeline's stage-to-stage tensors therefore go as broadcasts in 2-rank
+groups (parallel_state.pp_send).
 """
 
 from __future__ import annotations
