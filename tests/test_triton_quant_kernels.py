@@ -1,5 +1,5 @@
-"""The quantized-GEMM Triton kernels (kernels/triton/quant_gemm.py, int8_gemm.py) against the torch reference
-(quantization/int_reference.py): interpreted on the CPU (tests/conftest.py sets
+"""The quantized-GEMM Triton kernels (kernels/triton/quant_gemm.py, int8_gemm.py) against the
+torch reference (quantization/int_reference.py): interpreted on the CPU (tests/conftest.py sets
 TRITON_INTERPRET=1 without an accelerator), compiled where there is a GPU.
 
 Weights come from the independent construction (testing/quant_weights.py) through each

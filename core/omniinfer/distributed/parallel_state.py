@@ -150,7 +150,8 @@ def initialize_model_parallel(tp_size: int, pp_size: int, backend: str | None = 
     # stage-to-stage tensors go as broadcasts in 2-rank groups, not as send/recv: a broadcast
     # is a collective, so its wait can be abandoned in slices (waits.py), where a gloo
     # send/recv whose wait times out closes its pair
-    pairs = sorted({tuple(sorted((p, (p + 1) % pp_size))) for p in range(pp_size)} if pp_size > 1 else ())
+    pairs = (sorted({tuple(sorted((p, (p + 1) % pp_size))) for p in range(pp_size)})
+             if pp_size > 1 else [])
     for t in range(tp_size):
         for a, b in pairs:
             ranks = (a * tp_size + t, b * tp_size + t)
