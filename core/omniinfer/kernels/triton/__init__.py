@@ -3,8 +3,9 @@ blocks among them), fused MoE.
 
 Importing this package does not import triton; :func:`unavailable_reasons` answers whether the
 kernels can run on a device type, and the kernels live in :mod:`.reshape_and_cache`,
-:mod:`.paged_attention`, :mod:`.quant_gemm`, :mod:`.int8_gemm`, :mod:`.gguf_gemm`, :mod:`.dequant_linear` (the
-quantized layers' products by rows) and :mod:`.fused_moe` (importing those imports triton).
+:mod:`.paged_attention`, :mod:`.quant_gemm`, :mod:`.int8_gemm`, :mod:`.gguf_gemm`,
+:mod:`.dequant_linear` (the quantized layers' products by rows) and :mod:`.fused_moe` (importing
+those imports triton).
 
 Triton decides between compiling for a GPU and interpreting on the CPU when a kernel is
 *defined*, from ``TRITON_INTERPRET``: set ``TRITON_INTERPRET=1`` before the first import of the

@@ -4,10 +4,10 @@ dequantised then torch's matmul for more.
 A fused kernel (gguf_gemm.py, quant_gemm.py, int8_gemm.py) decodes every weight in registers
 for each tile of rows; past a few rows that decode, repeated per row tile and done on the cores
 that should be multiplying, costs more than writing the weight out once in the activation dtype
-and handing it to the vendor's GEMM (cuBLAS, hipBLASLt, oneDNN), which runs at the device's peak. Measured
-on an H200 (benchmarks/gguf_tiles.py, scripts/gpu_check.sh; docs/quantization.md): Llama-3-8B's
-gate_up as Q4_K at 512 rows, fused 1,481 us, dequantised + F.linear 322 us, dense bf16
-F.linear 161 us; at 1 row the fused GEMV wins (163 us against 208).
+and handing it to the vendor's GEMM (cuBLAS, hipBLASLt, oneDNN), which runs at the device's
+peak. Measured on an H200 (benchmarks/gguf_tiles.py, scripts/gpu_check.sh;
+docs/quantization.md): Llama-3-8B's gate_up as Q4_K at 512 rows, fused 1,481 us, dequantised +
+F.linear 322 us, dense bf16 F.linear 161 us; at 1 row the fused GEMV wins (163 us against 208).
 
 ``gguf_linear``, ``wn_linear`` and ``int8_linear`` (weight-only int8) pick between them by the
 rows (the bounds below). The
