@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from omniinfer.kernels.triton.wn_gemv import wn_gemv
+
 INTERPRETED = bool(triton.knobs.runtime.interpret)  # fixed when the kernels below are defined
 # Triton's interpreter (3.9) multiplies bfloat16 operands of tl.dot as their raw uint16 storage
 # and converts float32 to bfloat16 by truncation: interpreted kernels do their dots in float32
@@ -40,7 +42,7 @@ def _wn_matmul_kernel(
     BITS: tl.constexpr, GROUP_SIZE: tl.constexpr, TILE_IN_ONE_GROUP: tl.constexpr,
     HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, ROUND_BF16: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, ROUND_BF16: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     pid_m, split, rows, n, k_start, k_end = program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     rows_ok = rows < M
@@ -48,19 +50,16 @@ def _wn_matmul_kernel(
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     if USE_DOT:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    else:
-        acc = gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, 0)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < k_end
-        w = wn_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k0, k, k_ok, n, n_ok, BITS,
-                    GROUP_SIZE, TILE_IN_ONE_GROUP, HAS_ZEROS, HAS_G_IDX)
-        if USE_DOT:
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < k_end
+            w = wn_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k0, k, k_ok, n, n_ok,
+                        BITS, GROUP_SIZE, TILE_IN_ONE_GROUP, HAS_ZEROS, HAS_G_IDX)
             acc = accumulate(acc, w, x_rows, rows_ok, k, k_ok, DOT_F32, ROUND_BF16)
-        else:
-            acc = gemv_accumulate(acc, w, x_ptr, k, k_ok, pid_m, M, stride_xm, BLOCK_M, 0)
-    if not USE_DOT:
-        acc = gemv_rows(acc, BLOCK_M, 0)
+    else:
+        acc = wn_gemv(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, M, N, K, pid_m,
+                       stride_xm, n, n_ok, k_start, k_end, BITS, GROUP_SIZE, TILE_IN_ONE_GROUP,
+                       HAS_ZEROS, HAS_G_IDX, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
     store_out(acc, bias_ptr, out_ptr, rows, rows_ok, n, n_ok, split, stride_om, stride_os,
               HAS_BIAS, ROUND_BF16)
 
@@ -265,7 +264,8 @@ def wn_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     weights = (qweight, scales, scales if zeros is None else zeros,
                qweight if g_idx is None else g_idx)
     return launch_weight_only(_wn_matmul_kernel, x, x2, weights, (), n, cfg, bias, BITS=bits,
-                              HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None)
+                              HAS_ZEROS=zeros is not None, HAS_G_IDX=g_idx is not None,
+                              EVEN_K=k % cfg["BLOCK_K"] == 0)
 
 
 def check_qweight(qweight: torch.Tensor, k: int, bits: int) -> None:
