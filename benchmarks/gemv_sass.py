@@ -78,6 +78,14 @@ def compile_sass(call, target) -> tuple[str, dict, int]:
     return sass, named, target.warp_size * kernel.metadata.num_warps
 
 
+def unrolled(named: dict) -> int:
+    """K tiles one pass of the hot loop covers: the GGUF kernel's one-row GEMV of the classic
+    types takes UNROLL blocks a pass; every other launch one tile."""
+    if named.get("BLOCK_M") == 1 and not named.get("USE_DOT") and named.get("TYPE") in (2, 3, 6, 7, 8):
+        return named.get("UNROLL", 1)
+    return 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="sm_90", help="an NVIDIA target of the catalogue")
@@ -107,7 +115,8 @@ def main() -> int:
                 continue
             loop = hot_loop(sass)
             ops = collections.Counter(opcode(i) for i in loop if not opcode(i).startswith("U"))
-            per_thread = named["BLOCK_N"] * named["BLOCK_K"] / threads
+            # weights a thread decodes a pass of the loop (UNROLL: K tiles a pass, where a kernel has it)
+            per_thread = named["BLOCK_N"] * named["BLOCK_K"] * unrolled(named) / threads
             # SM clocks a weight: a warp's instruction takes 32 / rate clocks of the SM
             clocks = sum(count * 32 / RATE.get(op, 64) for op, count in ops.items()) / (32 * per_thread)
             weights = launch.shape.n * launch.shape.k

@@ -150,3 +150,34 @@ def test_the_lattice_types_run_as_their_rewrite(name):
     else:  # (each weight within half a step, 1/254 of its 32's largest: the sums within that of |x| . |w|)
         bound = torch.nn.functional.linear(x.abs(), want.abs()) / 254 + 1e-4
         assert ((got - torch.nn.functional.linear(x, want)).abs() <= bound).all()
+
+
+CLASSIC = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+
+
+@pytest.mark.parametrize("name", CLASSIC)
+def test_the_one_row_gemv_of_the_classic_types_decodes_every_weight_bit_for_bit(name):
+    """The one-row GEMV of the classic types (kernels/triton/gguf_gemv.py: halfword loads,
+    codes made exact floats in place, d and the minimum applied once a block) times each
+    one-hot row: column i of gguf.quants.dequantize's weights, exactly. K = 96 is 3 blocks, an
+    odd number for the 2-block steps (the masked tail); 72 outputs, a ragged output tile."""
+    blocks, want = blocks_of(name, N, 96, seed=2)
+    for i in range(96):
+        x = torch.zeros(1, 96)
+        x[0, i] = 1.0
+        assert torch.equal(run(x, blocks, name)[0], want[:, i]), i
+
+
+@pytest.mark.parametrize("name", CLASSIC)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_one_row_gemv_of_the_classic_types_without_masks(name, dtype):
+    """N a multiple of the output tile and every split whole 2-block steps: the GEMV's loads
+    are unmasked (EVEN); the products still match the reference."""
+    from omniinfer.kernels.triton.gguf_gemm import CLASSIC_UNROLL, gguf_tiles
+    from omniinfer.kernels.triton.gguf_gemv import classic_gemv_even
+
+    blocks, want = blocks_of(name, 128, 512, seed=3)
+    cfg = gguf_tiles(1, 128, 512, 2, name)
+    assert classic_gemv_even(128, 512, cfg["BLOCK_N"], cfg["k_per_split"], CLASSIC_UNROLL)
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(4)).to(dtype)
+    close(run(x, blocks, name), torch.nn.functional.linear(x, want.to(dtype)))

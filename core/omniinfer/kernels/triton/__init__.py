@@ -3,7 +3,8 @@ blocks among them), fused MoE.
 
 Importing this package does not import triton; :func:`unavailable_reasons` answers whether the
 kernels can run on a device type, and the kernels live in :mod:`.reshape_and_cache`,
-:mod:`.paged_attention`, :mod:`.quant_gemm`, :mod:`.int8_gemm`, :mod:`.gguf_gemm`,
+:mod:`.paged_attention`, :mod:`.quant_gemm` (with :mod:`.wn_gemv`), :mod:`.int8_gemm`,
+:mod:`.gguf_gemm` (with :mod:`.gguf_gemv`),
 :mod:`.dequant_linear` (the quantized layers' products by rows) and :mod:`.fused_moe` (importing
 those imports triton).
 
@@ -22,8 +23,10 @@ import sys
 ENV_INTERPRET = "TRITON_INTERPRET"
 _KERNEL_MODULES = ("omniinfer.kernels.triton.paged_attention",
                    "omniinfer.kernels.triton.reshape_and_cache",
+                   "omniinfer.kernels.triton.wn_gemv",
                    "omniinfer.kernels.triton.quant_gemm",
                    "omniinfer.kernels.triton.int8_gemm",
+                   "omniinfer.kernels.triton.gguf_gemv",
                    "omniinfer.kernels.triton.gguf_gemm",
                    "omniinfer.kernels.triton.dequant_linear",
                    "omniinfer.kernels.triton.fused_moe")

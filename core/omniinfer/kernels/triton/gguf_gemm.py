@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from omniinfer.kernels.triton.gguf_gemv import classic_gemv, classic_gemv_even
 from omniinfer.kernels.triton.quant_gemm import (  # noqa: F401 (INTERPRETED: read by the package)
     GEMV_MAX_M,
     INTERPRETED,
@@ -44,6 +45,7 @@ from omniinfer.quantization.gguf_iq import LATTICE
 # the block types the kernel decodes (its TYPE is the GGML type code): every one the loader takes
 # but the lattice types (quantization/triton_kernel.py rewrites those first, gguf_transcode.py)
 KERNEL_TYPES = tuple(t for t in QUANTIZED if t not in LATTICE)
+CLASSIC_UNROLL = 2  # blocks a step of the classic types' one-row GEMV (gguf_gemv.py)
 
 
 @triton.jit
@@ -168,6 +170,7 @@ def _gguf_matmul_kernel(
     TYPE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, ROUND_BF16: tl.constexpr,
+    UNROLL: tl.constexpr, EVEN: tl.constexpr,
 ):
     tl.static_assert(BLOCK_K == 32)  # _decode's tile: one 32-weight run (k_per_split too)
     pid_m, split, rows, n, k_start, k_end = program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
@@ -175,22 +178,27 @@ def _gguf_matmul_kernel(
     n_ok = n < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]: each output's blocks
-    if USE_DOT:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if not USE_DOT and BLOCK_M == 1 and (TYPE == 2 or TYPE == 3 or TYPE == 6 or TYPE == 7
+                                         or TYPE == 8):
+        acc = classic_gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, n, n_ok, k_start,
+                           k_end, stride_wn, TYPE, BLOCK_BYTES, BLOCK_N, UNROLL, EVEN)
     else:
-        acc = gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, 1)
-    jj = tl.arange(0, BLOCK_K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + jj
-        k_ok = k < k_end
-        w = _decode(w_rows + k0 // BLOCK * BLOCK_BYTES, k0 % BLOCK, jj[None, :],
-                    n_ok[:, None] & k_ok[None, :], n_ok[:, None], lut_ptr, TYPE)
         if USE_DOT:
-            acc = accumulate(acc, tl.trans(w), x_rows, rows_ok, k, k_ok, DOT_F32, ROUND_BF16)
-        else:  # w [BLOCK_N, BLOCK_K] as decoded: K along axis 1
-            acc = gemv_accumulate(acc, w, x_ptr, k, k_ok, pid_m, M, stride_xm, BLOCK_M, 1)
-    if not USE_DOT:
-        acc = gemv_rows(acc, BLOCK_M, 1)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        else:
+            acc = gemv_zeros(BLOCK_M, BLOCK_N, BLOCK_K, 1)
+        jj = tl.arange(0, BLOCK_K)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            k = k0 + jj
+            k_ok = k < k_end
+            w = _decode(w_rows + k0 // BLOCK * BLOCK_BYTES, k0 % BLOCK, jj[None, :],
+                        n_ok[:, None] & k_ok[None, :], n_ok[:, None], lut_ptr, TYPE)
+            if USE_DOT:
+                acc = accumulate(acc, tl.trans(w), x_rows, rows_ok, k, k_ok, DOT_F32, ROUND_BF16)
+            else:  # w [BLOCK_N, BLOCK_K] as decoded: K along axis 1
+                acc = gemv_accumulate(acc, w, x_ptr, k, k_ok, pid_m, M, stride_xm, BLOCK_M, 1)
+        if not USE_DOT:
+            acc = gemv_rows(acc, BLOCK_M, 1)
     store_out(acc, bias_ptr, out_ptr, rows, rows_ok, n, n_ok, split, stride_om, stride_os,
               HAS_BIAS, ROUND_BF16)
 
@@ -249,9 +257,12 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
         raise ValueError(f"tiles={cfg}: the GGUF kernel decodes 32-weight runs (BLOCK_K 32, "
                          "k_per_split a multiple of 32)")
     lut = iq4_table(x.device, torch.float32)
+    cfg = dict(cfg)
+    unroll = cfg.pop("UNROLL", CLASSIC_UNROLL)
+    even = classic_gemv_even(n, k, cfg["BLOCK_N"], cfg["k_per_split"], unroll)
     return launch_weight_only(_gguf_matmul_kernel, x, x2, (blocks, lut), (blocks.stride(0),), n,
-                              cfg, bias, TYPE=kind.code,
-                              BLOCK=kind.block, BLOCK_BYTES=kind.block_bytes)
+                              cfg, bias, TYPE=kind.code, BLOCK=kind.block,
+                              BLOCK_BYTES=kind.block_bytes, UNROLL=unroll, EVEN=even)
 
 
 def gguf_dequantize(blocks: torch.Tensor, type_name: str, k: int, dtype: torch.dtype,
