@@ -79,10 +79,13 @@ def compile_sass(call, target) -> tuple[str, dict, int]:
 
 
 def unrolled(named: dict) -> int:
-    """K tiles one pass of the hot loop covers: the GGUF kernel's one-row GEMV of the classic
-    types takes UNROLL blocks a pass; every other launch one tile."""
-    if named.get("BLOCK_M") == 1 and not named.get("USE_DOT") and named.get("TYPE") in (2, 3, 6, 7, 8):
-        return named.get("UNROLL", 1)
+    """K tiles one pass of the hot loop covers: the GGUF kernel's one-row GEMVs take UNROLL
+    classic blocks (gguf_gemv.py) or one 256-weight K-quant block (gguf_kgemv.py) a pass; every
+    other launch one tile."""
+    if named.get("ONE_ROW") == 1:
+        return named["UNROLL"]
+    if named.get("ONE_ROW") == 2:
+        return 256 // named["BLOCK_K"]
     return 1
 
 

@@ -44,7 +44,7 @@ def variants(m: int, n: int, k: int, type_name: str, blocks, dtype):
     out = [("gguf_linear (current)", lambda x: gguf_linear(x, blocks, type_name)),
            ("gguf_tiles (current)", lambda x: gguf_matmul(x, blocks, type_name))]
     if m <= 8:  # (H200, 2026-12-04: 512 programs lost to 2048 in every case, so only 2048 now)
-        for block_n in (32, 64, 128):
+        for block_n in (32, 64, 128, 256):  # (256: the sm_90 estimate's best for Q4_K / Q5_K)
             for warps in (2, 4):
                 cfg = gguf_tiles(m, n, k, dtype.itemsize, type_name, block_n=block_n,
                                  programs=2048, num_warps=warps)

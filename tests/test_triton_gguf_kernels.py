@@ -153,6 +153,7 @@ def test_the_lattice_types_run_as_their_rewrite(name):
 
 
 CLASSIC = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
+KQUANT = ("Q4_K", "Q5_K")
 
 
 @pytest.mark.parametrize("name", CLASSIC)
@@ -181,3 +182,42 @@ def test_the_one_row_gemv_of_the_classic_types_without_masks(name, dtype):
     assert classic_gemv_even(128, 512, cfg["BLOCK_N"], cfg["k_per_split"], CLASSIC_UNROLL)
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(4)).to(dtype)
     close(run(x, blocks, name), torch.nn.functional.linear(x, want.to(dtype)))
+
+
+@pytest.mark.parametrize("name", KQUANT)
+def test_the_one_row_gemv_of_q4_k_and_q5_k_decodes_weights_bit_for_bit(name):
+    """The one-row GEMV of Q4_K / Q5_K (kernels/triton/gguf_kgemv.py: word loads, eight nibbles
+    a word, each sub-block's scale and minimum once an output) times one-hot rows: column i of
+    gguf.quants.dequantize's weights, exactly, for every fifth input of two blocks (every
+    chunk, nibble and word position occurs); 72 outputs, a ragged (masked) output tile."""
+    blocks, want = blocks_of(name, N, 512, seed=2)
+    for i in range(0, 512, 5):
+        x = torch.zeros(1, 512)
+        x[0, i] = 1.0
+        assert torch.equal(run(x, blocks, name)[0], want[:, i]), i
+
+
+@pytest.mark.parametrize("name", KQUANT)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_one_row_gemv_of_q4_k_and_q5_k_unmasked_and_split(name, dtype):
+    """N whole output tiles (no masks) and K split in whole blocks: the products match the
+    reference."""
+    from omniinfer.kernels.triton.gguf_gemm import gguf_tiles
+
+    cfg = gguf_tiles(1, 128, 1024, 2, name)
+    assert 128 % cfg["BLOCK_N"] == 0 and cfg["split_k"] > 1 and cfg["k_per_split"] % 256 == 0
+    blocks, want = blocks_of(name, 128, 1024, seed=3)
+    x = torch.randn(1, 1024, generator=torch.Generator().manual_seed(4)).to(dtype)
+    close(run(x, blocks, name), torch.nn.functional.linear(x, want.to(dtype)))
+
+
+def test_q4_k_blocks_not_four_byte_aligned_take_the_byte_decoder():
+    """The word loads of the one-row Q4_K GEMV need 4-byte aligned blocks; blocks at an odd
+    address (a view into a larger buffer) take the byte decoder, with the same products."""
+    blocks, want = blocks_of("Q4_K", N, 512, seed=5)
+    buffer = torch.zeros(blocks.numel() + 1, dtype=torch.uint8, device=DEVICE)
+    buffer[1:] = blocks.reshape(-1).to(DEVICE)
+    odd = buffer[1:].view(blocks.shape)
+    assert odd.data_ptr() % 4 != 0
+    x = torch.randn(1, 512, generator=torch.Generator().manual_seed(6))
+    close(gguf_matmul(x.to(DEVICE), odd, "Q4_K").cpu(), torch.nn.functional.linear(x, want))

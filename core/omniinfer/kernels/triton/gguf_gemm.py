@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from omniinfer.kernels.triton.gguf_gemv import classic_gemv, classic_gemv_even
+from omniinfer.kernels.triton.gguf_gemv import CLASSIC_GEMV_TYPES, classic_gemv, classic_gemv_even
+from omniinfer.kernels.triton.gguf_kgemv import kquant_gemv
 from omniinfer.kernels.triton.quant_gemm import (  # noqa: F401 (INTERPRETED: read by the package)
     GEMV_MAX_M,
     INTERPRETED,
@@ -36,6 +37,7 @@ from omniinfer.kernels.triton.quant_gemm import (  # noqa: F401 (INTERPRETED: re
     launch_weight_only,
     matrix_rows,
     program_tile,
+    split_k,
     store_out,
     wn_tiles,
 )
@@ -46,6 +48,7 @@ from omniinfer.quantization.gguf_iq import LATTICE
 # but the lattice types (quantization/triton_kernel.py rewrites those first, gguf_transcode.py)
 KERNEL_TYPES = tuple(t for t in QUANTIZED if t not in LATTICE)
 CLASSIC_UNROLL = 2  # blocks a step of the classic types' one-row GEMV (gguf_gemv.py)
+KQUANT_GEMV = ("Q4_K", "Q5_K")  # the types gguf_kgemv.py's one-row GEMV takes
 
 
 @triton.jit
@@ -166,22 +169,27 @@ def _decode(p, j0, jj, ok, p_ok, lut_ptr, TYPE: tl.constexpr):
 @triton.jit
 def _gguf_matmul_kernel(
     x_ptr, w_ptr, lut_ptr, bias_ptr, out_ptr,
-    M, N, K, k_per_split, stride_xm, stride_om, stride_os, stride_wn,
+    M, N, K, k_per_split, stride_xm, stride_om, stride_os, stride_wn, magic,
     TYPE: tl.constexpr, BLOCK: tl.constexpr, BLOCK_BYTES: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_F32: tl.constexpr, ROUND_BF16: tl.constexpr,
-    UNROLL: tl.constexpr, EVEN: tl.constexpr,
+    ONE_ROW: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
 ):
+    """`magic`: 0x4B000000 (2**23's bits) at run time, for gguf_kgemv.py (see
+    wn_gemv.placed_code). ONE_ROW: 1 the classic types' one-row GEMV, 2 Q4_K / Q5_K's, 0 the
+    decoder below (every type; the GEMV of 2-8 rows and the GEMM)."""
     tl.static_assert(BLOCK_K == 32)  # _decode's tile: one 32-weight run (k_per_split too)
     pid_m, split, rows, n, k_start, k_end = program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     rows_ok = rows < M
     n_ok = n < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + n.to(tl.int64)[:, None] * stride_wn  # [BLOCK_N, 1]: each output's blocks
-    if not USE_DOT and BLOCK_M == 1 and (TYPE == 2 or TYPE == 3 or TYPE == 6 or TYPE == 7
-                                         or TYPE == 8):
+    if ONE_ROW == 1:  # gguf_gemv.py
         acc = classic_gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, n, n_ok, k_start,
                            k_end, stride_wn, TYPE, BLOCK_BYTES, BLOCK_N, UNROLL, EVEN)
+    elif ONE_ROW == 2:  # gguf_kgemv.py
+        acc = kquant_gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, n, n_ok, k_start,
+                          k_end, stride_wn, magic, TYPE, BLOCK_BYTES, BLOCK_N, EVEN)
     else:
         if USE_DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -232,12 +240,16 @@ def gguf_tiles(m: int, n: int, k: int, element_size: int = 2, type_name: str = "
     programs run (512: 10-35% slower), 128 outputs a program for Q6_K and Q8_0, 64 for the rest
     (Q4_K: 128 is 15-20% slower); `gemv` (block_n, programs, num_warps) overrides them.
     """
-    gemv = {"block_n": 128 if type_name in ("Q6_K", "Q8_0") else 64, "programs": 2048, **gemv}
+    wide = type_name in ("Q6_K", "Q8_0") or (m == 1 and type_name in KQUANT_GEMV)
+    gemv = {"block_n": 128 if wide else 64, "programs": 2048, **gemv}
     cfg = wn_tiles(m, n, k, 32, False, 4, element_size, **gemv)
     if type_name == "Q8_0" and 2 <= m <= GEMV_MAX_M and element_size == 2:
         # Q8_0's decode is cheap enough for tl.dot with the rows padded to 16 to win from 2 rows
         # (H200, bfloat16: 2-8 rows 0.48-0.98x the GEMV's time; 1 row 0.88-1.10x)
         cfg.update(BLOCK_M=16, USE_DOT=True)
+    if m == 1 and type_name in KQUANT_GEMV:  # kquant_gemv's splits are whole 256-blocks
+        cfg["split_k"], cfg["k_per_split"] = split_k(triton.cdiv(n, cfg["BLOCK_N"]), k, 256,
+                                                     gemv["programs"])
     del cfg["GROUP_SIZE"], cfg["TILE_IN_ONE_GROUP"]
     return cfg
 
@@ -259,10 +271,20 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
     lut = iq4_table(x.device, torch.float32)
     cfg = dict(cfg)
     unroll = cfg.pop("UNROLL", CLASSIC_UNROLL)
-    even = classic_gemv_even(n, k, cfg["BLOCK_N"], cfg["k_per_split"], unroll)
-    return launch_weight_only(_gguf_matmul_kernel, x, x2, (blocks, lut), (blocks.stride(0),), n,
-                              cfg, bias, TYPE=kind.code, BLOCK=kind.block,
-                              BLOCK_BYTES=kind.block_bytes, UNROLL=unroll, EVEN=even)
+    one_row, even = 0, False
+    if m == 1 and not cfg["USE_DOT"]:
+        if kind.code in CLASSIC_GEMV_TYPES:
+            one_row = 1
+            even = classic_gemv_even(n, k, cfg["BLOCK_N"], cfg["k_per_split"], unroll)
+        elif type_name in KQUANT_GEMV and blocks.data_ptr() % 4 == 0:  # words: 4-byte aligned
+            if cfg["k_per_split"] % 256:  # (144- and 176-byte blocks, rows whole blocks)
+                raise ValueError(f"tiles={cfg}: the one-row {type_name} GEMV splits K in whole "
+                                 "256-weight blocks (k_per_split a multiple of 256)")
+            one_row, even = 2, n % cfg["BLOCK_N"] == 0
+    return launch_weight_only(_gguf_matmul_kernel, x, x2, (blocks, lut),
+                              (blocks.stride(0), 0x4B000000), n, cfg, bias, TYPE=kind.code,
+                              BLOCK=kind.block, BLOCK_BYTES=kind.block_bytes, ONE_ROW=one_row,
+                              UNROLL=unroll, EVEN=even)
 
 
 def gguf_dequantize(blocks: torch.Tensor, type_name: str, k: int, dtype: torch.dtype,

@@ -125,3 +125,28 @@ def packed_code(words, words_high, P: tl.constexpr, BITS: tl.constexpr):
     else:
         bits = (words & (MASK << S)) | 0x4B000000
     return tl.fma(bits.to(tl.float32, bitcast=True), 1.0 / (1 << S), -8388608.0 / (1 << S))
+
+
+@triton.jit
+def placed_code(low, high, P: tl.constexpr, BITS: tl.constexpr):
+    """Code P of an int32 word (bits [P * BITS, P * BITS + BITS)) times 2**code_place(P, BITS),
+    an exact float32, in one AND and one add: `low` is the word and `high` the word shifted
+    right by 16 (for the codes that do not lie below bit 23), each already ORed with the bits
+    of 2**23 (`magic`, exact_float's trick), so the masked bits are the float 2**23 + code *
+    2**s. The caller scales the code's input by 2**-s (one multiply an input, shared by the
+    outputs a thread holds). `magic` reaches the kernels as a run-time argument: a constant
+    would be folded into each code's mask, which ptxas then rematerialises per code."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    S: tl.constexpr = code_place(P, BITS)
+    if P * BITS + BITS > 23:
+        bits = high & ((MASK << S) | 0x4B000000)
+    else:
+        bits = low & ((MASK << S) | 0x4B000000)
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.constexpr_function
+def code_place(P, BITS):
+    """The bit where placed_code leaves code P: its own, or 16 less for the codes that do not lie
+    below bit 23 (taken from the word's high half)."""
+    return P * BITS - 16 if P * BITS + BITS > 23 else P * BITS

@@ -1,0 +1,129 @@
+"""The one-row decode product of GGUF's Q4_K and Q5_K blocks in Triton, on the file's own
+blocks (gguf_gemv.py holds the classic types', gguf_gemm.py every other case).
+
+A Q4_K block (144 bytes) and a Q5_K block (176) are whole int32 words: d and dmin (word 0),
+twelve bytes of 6-bit scales and minimums (words 1-3), Q5_K's 32 bytes of fifth bits, then 128
+bytes of nibbles, 32 bytes (8 words) a 64-weight chunk: the low nibbles the chunk's first
+sub-block of 32, the high its second. A program reads a block's chunk as words [BLOCK_N, 8]
+and takes the eight nibbles of each word one position at a time (wn_gemv.placed_code: the
+word ORed once with 2**23's bits, then one AND and one add a code give the exact float code *
+2**s, and its input is scaled by 2**-s), each with its input; per sub-block it keeps the sums
+of ``x * q`` and of ``x`` apart and applies ``d * scale`` and ``dmin * min`` once an output:
+``sum(x * w) = d * sc * sum(x * q) - dmin * m * sum(x)``. The blocks must be 4-byte aligned
+(gguf_matmul sends others to gguf_gemm.py's byte decoder).
+
+The sums are float32; the weights are never rounded to x's dtype (the reference rounds each
+``d * sc * q - dmin * m`` to it), as the other GEMVs (docs/quantization.md).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from omniinfer.kernels.triton.wn_gemv import code_place, placed_code
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)  # fixed when the kernels below are defined
+KQUANT_GEMV_TYPES = (12, 13)  # GGML codes: Q4_K, Q5_K
+
+
+@triton.jit
+def _byte_float(v, B: tl.constexpr):
+    """Byte B of int32 `v` [BLOCK_N, 1] as an exact float32 (its bits ORed into 2**23's)."""
+    return ((v >> (8 * B)) & 0xFF | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _scale_min(w1, w2, w3, S: tl.constexpr):
+    """Sub-block S's 6-bit scale and minimum as float32 [BLOCK_N, 1], from the scale words
+    w1, w2, w3 (bytes 4-15 of the block): sub-blocks 0-3 the low 6 bits of bytes S and 4 + S;
+    4-7 a nibble of byte 8 + i and the top two bits of bytes i and 4 + i, i = S - 4."""
+    if S < 4:
+        sc = _byte_float(w1 & 0x3F3F3F3F, S)
+        mn = _byte_float(w2 & 0x3F3F3F3F, S)
+    else:
+        sc = _byte_float((w3 & 0x0F0F0F0F) | ((w1 >> 2) & 0x30303030), S - 4)
+        mn = _byte_float(((w3 >> 4) & 0x0F0F0F0F) | ((w2 >> 2) & 0x30303030), S - 4)
+    return sc, mn
+
+
+@triton.jit
+def _q5_code(low, high, qh, P: tl.constexpr, BIT: tl.constexpr):
+    """placed_code(low, high, P, 4) with bit BIT of `qh` as the code's fifth bit."""
+    S: tl.constexpr = code_place(P, 4)
+    if 4 * P + 4 > 23:
+        bits = high & ((0xF << S) | 0x4B000000)
+    else:
+        bits = low & ((0xF << S) | 0x4B000000)
+    if S + 4 >= BIT:
+        bits = bits | ((qh << (S + 4 - BIT)) & (0x10 << S))
+    else:
+        bits = bits | ((qh >> (BIT - S - 4)) & (0x10 << S))
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _ld(ptr, ok, MASKED: tl.constexpr):
+    """A load, masked (other 0) only where the output tile is ragged."""
+    if MASKED:
+        return tl.load(ptr, mask=ok, other=0)
+    return tl.load(ptr)
+
+
+@triton.jit
+def kquant_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
+                TYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
+                EVEN: tl.constexpr):
+    """One row's float32 sums [1, BLOCK_N] over inputs [k_start, k_end) (whole blocks of 256)
+    of x (the row's first input at x_ptr) times the outputs n's Q4_K / Q5_K blocks (uint8 rows
+    of `stride_wn` bytes at w_ptr, a multiple of 4). EVEN: N a multiple of BLOCK_N (no mask)."""
+    WB: tl.constexpr = BLOCK_BYTES // 4  # words a block
+    QS: tl.constexpr = 4 if TYPE == 12 else 12  # the nibbles' first word
+    MASKED: tl.constexpr = not EVEN
+    i = tl.arange(0, 8)
+    ok = n_ok[:, None]
+    block = (w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * (stride_wn // 4)
+             + (k_start // 256) * WB)  # [BLOCK_N, 1]: each output's block
+    x_i = x_ptr + k_start + 4 * i  # [8]: the input of byte 0 of each word's low nibbles
+    acc = tl.zeros([BLOCK_N, 8], tl.float32)
+    for _ in range(k_start, k_end, 256):
+        head = _ld(block, ok, MASKED)
+        d = (head & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (head >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        w1 = _ld(block + 1, ok, MASKED)
+        w2 = _ld(block + 2, ok, MASKED)
+        w3 = _ld(block + 3, ok, MASKED)
+        if TYPE == 13:  # Q5_K: weight l of every sub-block s has its fifth bit at bit s of
+            qh = _ld(block + 4 + i[None, :], ok, MASKED)  # byte l: word l // 4, bit 8 (l % 4) + s
+        else:
+            qh = i[None, :]
+        for j in tl.static_range(4):  # 64-weight chunks: sub-blocks 2j (low) and 2j + 1 (high)
+            words = _ld(block + QS + 8 * j + i[None, :], ok, MASKED)
+            low = words | magic
+            high = (words >> 16) | magic
+            t_lo = tl.zeros([BLOCK_N, 8], tl.float32)
+            t_hi = tl.zeros([BLOCK_N, 8], tl.float32)
+            xs_lo = tl.zeros([1, 8], tl.float32)
+            xs_hi = tl.zeros([1, 8], tl.float32)
+            for p in tl.static_range(8):  # nibble p of a word: byte p // 2, high if p odd
+                if TYPE == 13:  # the fifth bit: bit 8 (p // 2) + 2j + p % 2 of qh
+                    code = _q5_code(low, high, qh, p, 8 * (p // 2) + 2 * j + p % 2)
+                else:
+                    code = placed_code(low, high, p, 4)  # code * 2**s
+                x_p = tl.load(x_i + (64 * j + 32 * (p % 2) + p // 2)).to(tl.float32)[None, :]
+                # x * 2**-s: exact, but for an x below ~2**-100 (may flush to zero: far under
+                # the float32 resolution of the sum)
+                x_s = x_p * (1.0 / (1 << code_place(p, 4)))
+                if p % 2 == 0:
+                    t_lo = tl.fma(x_s, code, t_lo)
+                    xs_lo += x_p
+                else:
+                    t_hi = tl.fma(x_s, code, t_hi)
+                    xs_hi += x_p
+            sc_lo, m_lo = _scale_min(w1, w2, w3, 2 * j)
+            sc_hi, m_hi = _scale_min(w1, w2, w3, 2 * j + 1)
+            acc += ((d * sc_lo) * t_lo - (dmin * m_lo) * xs_lo
+                    + (d * sc_hi) * t_hi - (dmin * m_hi) * xs_hi)
+        block += WB
+        x_i += 256
+    return tl.sum(acc, 1)[None, :]
