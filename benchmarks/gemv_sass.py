@@ -80,11 +80,11 @@ def compile_sass(call, target) -> tuple[str, dict, int]:
 
 def unrolled(named: dict) -> int:
     """K tiles one pass of the hot loop covers: the GGUF kernel's one-row GEMVs take UNROLL
-    classic blocks (gguf_gemv.py) or one 256-weight K-quant block (gguf_kgemv.py) a pass; every
+    classic blocks (gguf_gemv.py) or one 256-weight Q4_K/Q5_K/Q6_K block (gguf_kgemv.py) a pass; every
     other launch one tile."""
     if named.get("ONE_ROW") == 1:
         return named["UNROLL"]
-    if named.get("ONE_ROW") == 2:
+    if named.get("ONE_ROW") in (2, 3):
         return 256 // named["BLOCK_K"]
     return 1
 

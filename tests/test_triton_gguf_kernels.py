@@ -153,7 +153,7 @@ def test_the_lattice_types_run_as_their_rewrite(name):
 
 
 CLASSIC = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-KQUANT = ("Q4_K", "Q5_K")
+KQUANT = ("Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.mark.parametrize("name", CLASSIC)
@@ -185,11 +185,12 @@ def test_the_one_row_gemv_of_the_classic_types_without_masks(name, dtype):
 
 
 @pytest.mark.parametrize("name", KQUANT)
-def test_the_one_row_gemv_of_q4_k_and_q5_k_decodes_weights_bit_for_bit(name):
-    """The one-row GEMV of Q4_K / Q5_K (kernels/triton/gguf_kgemv.py: word loads, eight nibbles
-    a word, each sub-block's scale and minimum once an output) times one-hot rows: column i of
-    gguf.quants.dequantize's weights, exactly, for every fifth input of two blocks (every
-    chunk, nibble and word position occurs); 72 outputs, a ragged (masked) output tile."""
+def test_the_one_row_gemv_of_the_k_quants_decodes_weights_bit_for_bit(name):
+    """The one-row GEMV of Q4_K / Q5_K / Q6_K (kernels/triton/gguf_kgemv.py: word or halfword
+    loads, codes made floats in place, each sub-block's scale (and minimum) once an output)
+    times one-hot rows: column i of gguf.quants.dequantize's weights, exactly, for every fifth
+    input of two blocks (every chunk, nibble and word position occurs); 72 outputs, a ragged
+    (masked) output tile."""
     blocks, want = blocks_of(name, N, 512, seed=2)
     for i in range(0, 512, 5):
         x = torch.zeros(1, 512)
@@ -199,7 +200,7 @@ def test_the_one_row_gemv_of_q4_k_and_q5_k_decodes_weights_bit_for_bit(name):
 
 @pytest.mark.parametrize("name", KQUANT)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_the_one_row_gemv_of_q4_k_and_q5_k_unmasked_and_split(name, dtype):
+def test_the_one_row_gemv_of_the_k_quants_unmasked_and_split(name, dtype):
     """N whole output tiles (no masks) and K split in whole blocks: the products match the
     reference."""
     from omniinfer.kernels.triton.gguf_gemm import gguf_tiles

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from omniinfer.kernels.triton.gguf_gemv import CLASSIC_GEMV_TYPES, classic_gemv, classic_gemv_even
-from omniinfer.kernels.triton.gguf_kgemv import kquant_gemv
+from omniinfer.kernels.triton.gguf_kgemv import kquant_gemv, q6k_gemv
 from omniinfer.kernels.triton.quant_gemm import (  # noqa: F401 (INTERPRETED: read by the package)
     GEMV_MAX_M,
     INTERPRETED,
@@ -48,7 +48,8 @@ from omniinfer.quantization.gguf_iq import LATTICE
 # but the lattice types (quantization/triton_kernel.py rewrites those first, gguf_transcode.py)
 KERNEL_TYPES = tuple(t for t in QUANTIZED if t not in LATTICE)
 CLASSIC_UNROLL = 2  # blocks a step of the classic types' one-row GEMV (gguf_gemv.py)
-KQUANT_GEMV = ("Q4_K", "Q5_K")  # the types gguf_kgemv.py's one-row GEMV takes
+# the types gguf_kgemv.py's one-row GEMVs take, with the alignment their loads need
+KQUANT_GEMV = {"Q4_K": 4, "Q5_K": 4, "Q6_K": 2}
 
 
 @triton.jit
@@ -176,8 +177,8 @@ def _gguf_matmul_kernel(
     ONE_ROW: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
 ):
     """`magic`: 0x4B000000 (2**23's bits) at run time, for gguf_kgemv.py (see
-    wn_gemv.placed_code). ONE_ROW: 1 the classic types' one-row GEMV, 2 Q4_K / Q5_K's, 0 the
-    decoder below (every type; the GEMV of 2-8 rows and the GEMM)."""
+    wn_gemv.placed_code). ONE_ROW: 1 the classic types' one-row GEMV, 2 Q4_K / Q5_K's, 3
+    Q6_K's, 0 the decoder below (every type; the GEMV of 2-8 rows and the GEMM)."""
     tl.static_assert(BLOCK_K == 32)  # _decode's tile: one 32-weight run (k_per_split too)
     pid_m, split, rows, n, k_start, k_end = program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     rows_ok = rows < M
@@ -190,6 +191,9 @@ def _gguf_matmul_kernel(
     elif ONE_ROW == 2:  # gguf_kgemv.py
         acc = kquant_gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, n, n_ok, k_start,
                           k_end, stride_wn, magic, TYPE, BLOCK_BYTES, BLOCK_N, EVEN)
+    elif ONE_ROW == 3:
+        acc = q6k_gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, n, n_ok, k_start, k_end,
+                       stride_wn, magic, BLOCK_N, EVEN)
     else:
         if USE_DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -276,11 +280,11 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
         if kind.code in CLASSIC_GEMV_TYPES:
             one_row = 1
             even = classic_gemv_even(n, k, cfg["BLOCK_N"], cfg["k_per_split"], unroll)
-        elif type_name in KQUANT_GEMV and blocks.data_ptr() % 4 == 0:  # words: 4-byte aligned
-            if cfg["k_per_split"] % 256:  # (144- and 176-byte blocks, rows whole blocks)
+        elif type_name in KQUANT_GEMV and blocks.data_ptr() % KQUANT_GEMV[type_name] == 0:
+            if cfg["k_per_split"] % 256:  # (words or halfwords: rows are whole blocks)
                 raise ValueError(f"tiles={cfg}: the one-row {type_name} GEMV splits K in whole "
                                  "256-weight blocks (k_per_split a multiple of 256)")
-            one_row, even = 2, n % cfg["BLOCK_N"] == 0
+            one_row, even = 3 if type_name == "Q6_K" else 2, n % cfg["BLOCK_N"] == 0
     return launch_weight_only(_gguf_matmul_kernel, x, x2, (blocks, lut),
                               (blocks.stride(0), 0x4B000000), n, cfg, bias, TYPE=kind.code,
                               BLOCK=kind.block, BLOCK_BYTES=kind.block_bytes, ONE_ROW=one_row,

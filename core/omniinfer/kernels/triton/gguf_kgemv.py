@@ -127,3 +127,64 @@ def kquant_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
         block += WB
         x_i += 256
     return tl.sum(acc, 1)[None, :]
+
+
+@triton.jit
+def _q6_code(low, qh_s, E: tl.constexpr, HIGH: tl.constexpr):
+    """A Q6_K code times 2**s (s = 8E, + 4 for a high nibble), exact: the nibble of byte E of
+    `low` (halfwords of low bits ORed with 2**23's) and two bits of `qh_s` (the halfword of
+    high bits shifted so that they sit at s + 4)."""
+    S: tl.constexpr = 8 * E + 4 * HIGH
+    bits = (low & ((0xF << S) | 0x4B000000)) | (qh_s & (0x30 << S))
+    return bits.to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def q6k_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
+             BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
+    """kquant_gemv for Q6_K blocks (210 bytes: halfwords, 2-byte aligned): 128 bytes of low
+    nibbles, 64 of high bit pairs, 16 int8 scales, d. For each half n2 of a block and each
+    group g of 16 weights, halfwords u = 8g + i (i 0..7) of the half's low bits (ql_a: weights
+    l = 2u, 2u + 1; ql_b: l + 32) and high bits give weights 128 n2 + 32 t + l, t 0..3 (t 0, 1
+    the low nibbles of ql_a, ql_b; 2, 3 their high), whose scale is 8 n2 + g + 2t:
+    ``sum(x * w) = d * sum_t sc_t * (sum(x * q_t) - 32 * sum(x_t))``."""
+    MASKED: tl.constexpr = not EVEN
+    i = tl.arange(0, 8)
+    ok = n_ok[:, None]
+    block = (w_ptr.to(tl.pointer_type(tl.int16)) + n.to(tl.int64)[:, None] * (stride_wn // 2)
+             + (k_start // 256) * 105)  # [BLOCK_N, 1]: each output's block
+    x_i = x_ptr + k_start + 2 * i  # [8]
+    acc = tl.zeros([BLOCK_N, 8], tl.float32)
+    for _ in range(k_start, k_end, 256):
+        d = _ld(block + 104, ok, MASKED).to(tl.float16, bitcast=True).to(tl.float32)
+        for n2 in tl.static_range(2):
+            for g in tl.static_range(2):
+                u = 8 * g + i[None, :]
+                low_a = _ld(block + 32 * n2 + u, ok, MASKED).to(tl.int32) | magic
+                low_b = _ld(block + 32 * n2 + 16 + u, ok, MASKED).to(tl.int32) | magic
+                qh = _ld(block + 64 + 16 * n2 + u, ok, MASKED).to(tl.int32)
+                qh4 = qh << 4  # bits 8e + 0..1 (t 0) and 8e + 4..5 (t 2) to 8e + 4.. / 8e + 8..
+                qh2 = qh << 2  # bits 8e + 2..3 (t 1) and 8e + 6..7 (t 3) likewise
+                for t in tl.static_range(4):
+                    sums = tl.zeros([BLOCK_N, 8], tl.float32)
+                    x_sum = tl.zeros([1, 8], tl.float32)
+                    for e in tl.static_range(2):
+                        if t % 2 == 0:
+                            code = _q6_code(low_a, qh4, e, t // 2)
+                        else:
+                            code = _q6_code(low_b, qh2, e, t // 2)
+                        x_e = tl.load(x_i + (128 * n2 + 16 * g + 32 * t + e)).to(tl.float32)
+                        x_e = x_e[None, :]
+                        # x * 2**-s: exact, but for an x below ~2**-100 (see kquant_gemv)
+                        sums = tl.fma(x_e * (1.0 / (1 << (8 * e + 4 * (t // 2)))), code, sums)
+                        x_sum += x_e
+                    # int8 scale 8 n2 + g + 2t: byte g of halfword 96 + 4 n2 + t, made an exact
+                    # float by its bits (top bit flipped: + 128), not by a conversion
+                    sc = _ld(block + (96 + 4 * n2 + t), ok, MASKED).to(tl.int32)
+                    sc = ((((sc >> (8 * g)) & 0xFF) ^ 0x80) | 0x4B000000).to(tl.float32,
+                                                                          bitcast=True)
+                    acc += (d * (sc - 8388736.0)) * (sums - 32.0 * x_sum)
+        block += 105
+        x_i += 256
+    return tl.sum(acc, 1)[None, :]
+
