@@ -13,6 +13,9 @@ through the weight-only products of quant_gemm.py (rounded once to the activatio
 split-K GEMV for 1-8 rows, tl.dot tiles for more), so the numerics are theirs: the reference
 dequantised to x's dtype and multiplied with float32 sums, up to the order of the sums (and, on
 a GPU that contracts ``d * q + m`` to one FMA, the last bit of a Q4_1/Q5_1/K-quant weight).
+One row of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 runs gguf_gemv.py's GEMV, of Q4_K, Q5_K and Q6_K
+gguf_kgemv.py's (``ONE_ROW``): wider loads, codes made floats in place, scales applied once a
+block or sub-block to sums of ``x * code``.
 
 Written for NVIDIA, AMD and Intel Triton and the CPU interpreter: byte loads, shifts and masks.
 """
@@ -240,9 +243,12 @@ def gguf_tiles(m: int, n: int, k: int, element_size: int = 2, type_name: str = "
     """`gguf_matmul`'s launch configuration: the weight-only tiles of quant_gemm.py with a K tile
     of 32 inputs (one classic block or one K-quant sub-block: a 64-deep tile's decode spills on
     NVIDIA in the GEMV, `python -m omniinfer.testing.kernels_aot --op gguf_gemv`). The GEMV's
-    defaults are the H200's best (benchmarks/gguf_tiles.py, 2026-12-04): K split until ~2048
-    programs run (512: 10-35% slower), 128 outputs a program for Q6_K and Q8_0, 64 for the rest
-    (Q4_K: 128 is 15-20% slower); `gemv` (block_n, programs, num_warps) overrides them.
+    defaults were the H200's best for the byte decoder (benchmarks/gguf_tiles.py, 2026-12-04):
+    K split until ~2048 programs run (512: 10-35% slower), 128 outputs a program for Q6_K and
+    Q8_0, 64 for the rest (Q4_K: 128 was 15-20% slower). One row of Q4_K/Q5_K/Q6_K runs
+    gguf_kgemv.py's GEMV: 128 outputs and splits of whole 256-blocks (not yet timed on a GPU;
+    the sm_90 estimate prefers 256 outputs, which halves the programs). `gemv` (block_n,
+    programs, num_warps) overrides them.
     """
     wide = type_name in ("Q6_K", "Q8_0") or (m == 1 and type_name in KQUANT_GEMV)
     gemv = {"block_n": 128 if wide else 64, "programs": 2048, **gemv}
