@@ -212,13 +212,23 @@ def test_the_one_row_gemv_of_the_k_quants_unmasked_and_split(name, dtype):
     close(run(x, blocks, name), torch.nn.functional.linear(x, want.to(dtype)))
 
 
-def test_q4_k_blocks_not_four_byte_aligned_take_the_byte_decoder():
-    """The word loads of the one-row Q4_K GEMV need 4-byte aligned blocks; blocks at an odd
-    address (a view into a larger buffer) take the byte decoder, with the same products."""
-    blocks, want = blocks_of("Q4_K", N, 512, seed=5)
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_0"])
+def test_blocks_at_an_odd_address_take_the_byte_decoder(name, monkeypatch):
+    """The one-row GEMVs' word (Q4_K) and halfword (Q6_K, Q4_0) loads need aligned blocks;
+    blocks at an odd address (a view into a larger buffer) take the byte decoder, with the
+    same products."""
+    from omniinfer.kernels.triton import gguf_gemm
+
+    paths = []
+    launch = gguf_gemm.launch_weight_only
+    monkeypatch.setattr(gguf_gemm, "launch_weight_only",
+                        lambda *a, **kw: paths.append(kw["ONE_ROW"]) or launch(*a, **kw))
+    blocks, want = blocks_of(name, N, 512, seed=5)
     buffer = torch.zeros(blocks.numel() + 1, dtype=torch.uint8, device=DEVICE)
     buffer[1:] = blocks.reshape(-1).to(DEVICE)
     odd = buffer[1:].view(blocks.shape)
     assert odd.data_ptr() % 4 != 0
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(6))
-    close(gguf_matmul(x.to(DEVICE), odd, "Q4_K").cpu(), torch.nn.functional.linear(x, want))
+    close(gguf_matmul(x.to(DEVICE), odd, name).cpu(), torch.nn.functional.linear(x, want))
+    gguf_matmul(x.to(DEVICE), blocks.to(DEVICE), name)  # aligned: the one-row GEMV
+    assert paths == [0, 3 if name == "Q6_K" else 2 if name == "Q4_K" else 1]

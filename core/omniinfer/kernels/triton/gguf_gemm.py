@@ -282,11 +282,12 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
     cfg = dict(cfg)
     unroll = cfg.pop("UNROLL", CLASSIC_UNROLL)
     one_row, even = 0, False
-    if m == 1 and not cfg["USE_DOT"]:
-        if kind.code in CLASSIC_GEMV_TYPES:
+    if m == 1 and not cfg["USE_DOT"]:  # the one-row GEMVs, where the blocks are aligned for
+        # their halfword or word loads (a view at an odd offset takes the byte decoder)
+        if kind.code in CLASSIC_GEMV_TYPES and _aligned(blocks, 2):
             one_row = 1
             even = classic_gemv_even(n, k, cfg["BLOCK_N"], cfg["k_per_split"], unroll)
-        elif type_name in KQUANT_GEMV and blocks.data_ptr() % KQUANT_GEMV[type_name] == 0:
+        elif type_name in KQUANT_GEMV and _aligned(blocks, KQUANT_GEMV[type_name]):
             if cfg["k_per_split"] % 256:  # (words or halfwords: rows are whole blocks)
                 raise ValueError(f"tiles={cfg}: the one-row {type_name} GEMV splits K in whole "
                                  "256-weight blocks (k_per_split a multiple of 256)")
@@ -314,6 +315,11 @@ def gguf_dequantize(blocks: torch.Tensor, type_name: str, k: int, dtype: torch.d
             BLOCK_N=block_n, RUNS=runs, ROUND_BF16=INTERPRETED and dtype == torch.bfloat16,
             num_warps=num_warps)
     return out
+
+
+def _aligned(blocks: torch.Tensor, unit: int) -> bool:
+    """Whether every row of `blocks` starts on a multiple of `unit` bytes."""
+    return blocks.data_ptr() % unit == 0 and blocks.stride(0) % unit == 0
 
 
 def _checked(blocks: torch.Tensor, type_name: str, k: int):
