@@ -82,9 +82,12 @@ def unrolled(named: dict) -> int:
     """K tiles one pass of the hot loop covers: the GGUF kernel's one-row GEMVs take UNROLL
     classic blocks (gguf_gemv.py) or one 256-weight Q4_K/Q5_K/Q6_K block (gguf_kgemv.py) a pass; every
     other launch one tile."""
-    if named.get("ONE_ROW") == 1:
+    one_row = named.get("ONE_ROW")
+    if isinstance(one_row, bool):  # the int8 kernel's flag: BLOCK_K inputs a pass either way
+        return 1
+    if one_row == 1:
         return named["UNROLL"]
-    if named.get("ONE_ROW") in (2, 3):
+    if one_row in (2, 3):
         return 256 // named["BLOCK_K"]
     return 1
 
@@ -106,7 +109,7 @@ def main() -> int:
               f"({', '.join(t.name for t in TARGETS if t.backend == 'cuda')})", file=sys.stderr)
         return 2
     launches = [launch for launch in (*gguf_launches(), *quant_launches())
-                if launch.op in ("gguf_gemv", "wn_gemv") and launch.shape.m == 1
+                if launch.op in ("gguf_gemv", "wn_gemv", "int8_matmul") and launch.shape.m == 1
                 and re.search(args.only, launch.name)]
     print(f"decode GEMVs on {target.name} ({target.example}), issue-bound estimate on {args.sms} SMs at "
           f"{args.ghz} GHz (not a measurement)")
@@ -114,8 +117,8 @@ def main() -> int:
     for launch in launches:
         for call in record(launch):
             sass, named, threads = compile_sass(call, target)
-            if "BLOCK_N" not in named:
-                continue
+            if "BLOCK_N" not in named or (launch.op == "int8_matmul" and not named.get("ONE_ROW")):
+                continue  # (an activation quantization; W8A8's tl.dot tiles)
             loop = hot_loop(sass)
             ops = collections.Counter(opcode(i) for i in loop if not opcode(i).startswith("U"))
             # weights a thread decodes a pass of the loop (UNROLL: K tiles a pass, where a kernel has it)

@@ -188,6 +188,33 @@ def test_int8_kernels_split_k_where_the_output_tiles_are_few(mode, dtype, m):
     close(run_int8(x, w, bias), int8_linear_reference(x, w, bias))
 
 
+@pytest.mark.parametrize("n,k,even", [(N, 200, False), (128, 512, True)])
+def test_the_w8a16_one_row_gemv_is_exact_per_weight_and_matches_the_reference(n, k, even,
+                                                                              monkeypatch):
+    """One W8A16 row runs int8_gemv.py (int32 words, codes made floats in place): times one-hot
+    rows it gives code * scale exactly, for every input; with random rows it matches the
+    reference, masked (72 outputs, K 200) and unmasked (EVEN)."""
+    from omniinfer.kernels.triton import int8_gemm
+
+    launches = []
+    launch = int8_gemm.launch_weight_only
+    monkeypatch.setattr(int8_gemm, "launch_weight_only",
+                        lambda *a, **kw: launches.append((kw["ONE_ROW"], kw["EVEN"])) or launch(*a, **kw))
+    codes = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(7),
+                          dtype=torch.int8)
+    w = Int8Weight(codes, torch.rand(n, generator=torch.Generator().manual_seed(8)) + 0.01,
+                   None, False)
+    want = codes.float() * w.weight_scale[:, None]
+    for i in range(0, k, 7):
+        x = torch.zeros(1, k)
+        x[0, i] = 1.0
+        assert torch.equal(run_int8(x, w)[0], want[:, i]), i
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        x = torch.randn(1, k, generator=torch.Generator().manual_seed(9)).to(dtype)
+        close(run_int8(x, w), int8_linear_reference(x, w))
+    assert set(launches) == {(True, even)}
+
+
 def test_int8_tiles_split_only_what_leaves_the_device_idle():
     """Llama-3-8B's gate_up (448 output tiles) runs unsplit; its down (64 tiles) in 8 splits."""
     assert int8_tiles(1, 28672, 4096)["split_k"] == 1

@@ -3,8 +3,8 @@ blocks among them), fused MoE.
 
 Importing this package does not import triton; :func:`unavailable_reasons` answers whether the
 kernels can run on a device type, and the kernels live in :mod:`.reshape_and_cache`,
-:mod:`.paged_attention`, :mod:`.quant_gemm` (with :mod:`.wn_gemv`), :mod:`.int8_gemm`,
-:mod:`.gguf_gemm` (with :mod:`.gguf_gemv`),
+:mod:`.paged_attention`, :mod:`.quant_gemm` (with :mod:`.wn_gemv`), :mod:`.int8_gemm` (with
+:mod:`.int8_gemv`), :mod:`.gguf_gemm` (with :mod:`.gguf_gemv` and :mod:`.gguf_kgemv`),
 :mod:`.dequant_linear` (the quantized layers' products by rows) and :mod:`.fused_moe` (importing
 those imports triton).
 
@@ -25,8 +25,10 @@ _KERNEL_MODULES = ("omniinfer.kernels.triton.paged_attention",
                    "omniinfer.kernels.triton.reshape_and_cache",
                    "omniinfer.kernels.triton.wn_gemv",
                    "omniinfer.kernels.triton.quant_gemm",
+                   "omniinfer.kernels.triton.int8_gemv",
                    "omniinfer.kernels.triton.int8_gemm",
                    "omniinfer.kernels.triton.gguf_gemv",
+                   "omniinfer.kernels.triton.gguf_kgemv",
                    "omniinfer.kernels.triton.gguf_gemm",
                    "omniinfer.kernels.triton.dequant_linear",
                    "omniinfer.kernels.triton.fused_moe")

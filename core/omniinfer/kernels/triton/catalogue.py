@@ -252,6 +252,7 @@ _QUANT: tuple[QuantShape, ...] = (
     QuantShape("llama-3-8b down", torch.bfloat16, 1, 4096, 14336, bits=8, mode="w8a8 dynamic"),
     QuantShape("llama-3-8b down", torch.bfloat16, 512, 4096, 14336, bits=8, mode="w8a16"),
     QuantShape("llama-3-8b qkv", torch.float32, 1, 6144, 4096, bits=8, mode="w8a16"),
+    QuantShape("llama-3-8b gate_up", torch.bfloat16, 1, 28672, 4096, bits=8, mode="w8a16"),
 )
 
 

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from omniinfer.kernels.triton.int8_gemv import int8_gemv, int8_gemv_even
 from omniinfer.kernels.triton.quant_gemm import (
     INTERPRETED,
     launch_weight_only,
@@ -26,18 +27,22 @@ from omniinfer.kernels.triton.quant_gemm import (
 @triton.jit
 def _int8_matmul_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-    M, N, K, k_per_split, stride_xm, stride_om, stride_os, stride_wn,
+    M, N, K, k_per_split, stride_xm, stride_om, stride_os, stride_wn, magic,
     INT8_ACTIVATIONS: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    ROUND_BF16: tl.constexpr, ONE_ROW: tl.constexpr = False, EVEN: tl.constexpr = False,
 ):
-    """launch_weight_only's protocol: one program a tile of rows x outputs x one K split."""
+    """launch_weight_only's protocol: one program a tile of rows x outputs x one K split.
+    ONE_ROW: W8A16's one-row GEMV (int8_gemv.py; `magic` 0x4B000000 at run time)."""
     pid_m, split, rows, n, k_start, k_end = program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     rows_ok = rows < M
     n_ok = n < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + n.to(tl.int64)[None, :] * stride_wn
-    if INT8_ACTIVATIONS:  # exact: int8 x int8 products summed in int32 (per K split)
+    if ONE_ROW:
+        result = int8_gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, n, n_ok, k_start,
+                           k_end, stride_wn, magic, BLOCK_N, BLOCK_K, EVEN)
+    elif INT8_ACTIVATIONS:  # exact: int8 x int8 products summed in int32 (per K split)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
         for k0 in range(k_start, k_end, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
@@ -140,10 +145,27 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         return x.new_empty(*x.shape[:-1], n)
     a, a_scale = (quantize_int8_rows(x2, input_scale) if quantize_activations
                   else (x2, weight_scale))
+    one_row = (m == 1 and not quantize_activations and k % 4 == 0
+               and weight.data_ptr() % 4 == 0 and weight.stride(0) % 4 == 0)
+    if one_row:  # W8A16 decode: int8_gemv.py (its words need 4-byte aligned rows)
+        cfg = one_row_tiles(n, k)
+        even = int8_gemv_even(n, k, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["k_per_split"])
+    else:
+        cfg = int8_tiles(m, n, k, x.dtype == torch.float32 and not quantize_activations)
+        even = False
     return launch_weight_only(_int8_matmul_kernel, x, a, (a_scale, weight, weight_scale),
-                              (weight.stride(0),), n,
-                              int8_tiles(m, n, k, x.dtype == torch.float32 and not quantize_activations), bias,
-                              INT8_ACTIVATIONS=quantize_activations)
+                              (weight.stride(0), 0x4B000000), n, cfg, bias,
+                              INT8_ACTIVATIONS=quantize_activations, ONE_ROW=one_row, EVEN=even)
+
+
+def one_row_tiles(n: int, k: int, block_n: int = 128, programs: int = 2048) -> dict:
+    """The W8A16 one-row GEMV's launch configuration: 128 outputs x 64 inputs a step, K split
+    until about `programs` run (the GGUF GEMV's choice). Not yet timed on a GPU; the sm_90
+    estimate (benchmarks/gemv_sass.py, Llama-3-8B gate_up) is 39.1 us at 64 outputs, 29.8 at
+    128, 25.5 at 256 (the weight's read at 4.8 TB/s: 24.5)."""
+    split, k_per_split = split_k(triton.cdiv(n, block_n), k, 64, programs)
+    return dict(BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=64, split_k=split, k_per_split=k_per_split,
+                num_warps=4)
 
 
 def check_int8_weight(weight: torch.Tensor, k: int) -> None:

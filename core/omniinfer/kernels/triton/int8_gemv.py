@@ -1,0 +1,64 @@
+"""The one-row decode product of int8 weight-only (W8A16) layers in Triton, for int8_gemm.py's
+``int8_matmul``: int8 weights [N, K] read as int32 words, four codes a word.
+
+Each word has its codes' top bits flipped (the code + 128, unsigned) and is ORed with the bits
+of 2**23 (`magic`, passed at run time: see wn_gemv.placed_code) once; each code is then one AND
+and one add, the exact float ``(code + 128) * 2**s`` (s 0 or 8: bytes 2 and 3 come from the
+word shifted right by 16), and its input is scaled by 2**-s (exact, but for an input below
+~2**-100, which may flush to zero far under the sum's float32 resolution). The float32 sums
+``sum(x * (code + 128)) - 128 * sum(x)`` are the exact-code products int8_matmul's W8A16 tile
+computes, in another order; the scale is applied once an output by the caller.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+INTERPRETED = bool(triton.knobs.runtime.interpret)  # fixed when the kernels below are defined
+WORDS = 16  # words (64 inputs) a row a loop step
+
+
+@triton.jit
+def int8_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """One row's float32 sums [1, BLOCK_N] over inputs [k_start, k_end) of x (the row's first
+    input at x_ptr) times the int8 codes of outputs n (rows of `stride_wn` bytes at w_ptr, 4-byte
+    aligned; K a multiple of 4), BLOCK_K inputs a step. EVEN: N a multiple of BLOCK_N and every
+    split a multiple of BLOCK_K, so no load is masked."""
+    KW: tl.constexpr = BLOCK_K // 4
+    i = tl.arange(0, KW)
+    words_ptr = (w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * (stride_wn // 4)
+                 + k_start // 4 + i[None, :])  # [BLOCK_N, KW]
+    x_i = x_ptr + k_start + 4 * i  # [KW]: each word's first input
+    acc = tl.zeros([BLOCK_N, KW], tl.float32)
+    x_sum = tl.zeros([1, KW], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        if EVEN:
+            words = tl.load(words_ptr)
+        else:
+            k_ok = k0 + 4 * i < k_end
+            words = tl.load(words_ptr, mask=n_ok[:, None] & k_ok[None, :], other=0)
+        words = words ^ -0x7F7F7F80  # (0x80808080) each int8 code + 128, an unsigned byte
+        low = words | magic
+        high = (words >> 16) | magic
+        for b in tl.static_range(4):  # byte b: bits 8 (b % 2) of low (b 0, 1) or high (2, 3)
+            if b < 2:
+                code = (low & ((0xFF << 8 * (b % 2)) | 0x4B000000)).to(tl.float32, bitcast=True)
+            else:
+                code = (high & ((0xFF << 8 * (b % 2)) | 0x4B000000)).to(tl.float32, bitcast=True)
+            if EVEN:
+                x_b = tl.load(x_i + b).to(tl.float32)[None, :]
+            else:
+                x_b = tl.load(x_i + b, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            # (code + 128) * 2**s exactly, times x * 2**-s
+            acc = tl.fma(x_b * (1.0 / (1 << 8 * (b % 2))), code - 8388608.0, acc)
+            x_sum += x_b
+        words_ptr += KW
+        x_i += BLOCK_K
+    return tl.sum(acc - 128.0 * x_sum, 1)[None, :]
+
+
+def int8_gemv_even(n: int, k: int, block_n: int, block_k: int, k_per_split: int) -> bool:
+    """int8_gemv's EVEN for an [n, k] weight: no output tile and no split ragged."""
+    return n % block_n == 0 and k % block_k == 0 and k_per_split % block_k == 0
