@@ -1,6 +1,6 @@
 """What the decode GEMVs cost per weight in NVIDIA instructions, with no GPU: each weight-only
-GEMV launch of the kernel catalogue (kernels/triton/catalogue.py: every GGUF block type and the
-n-bit layers at one row) compiled for an NVIDIA target by the installed Triton (its own ptxas),
+GEMV launch of the kernel catalogue (kernels/triton/catalogue.py: every GGUF block type, the
+n-bit layers and int8 W8A16 at one row) compiled for an NVIDIA target by the installed Triton (its own ptxas),
 disassembled by its own nvdisasm, and the loop that runs over K (the hottest: the longest loop
 closed by a backward branch) counted per weight a thread decodes in one pass.
 
