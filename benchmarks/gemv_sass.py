@@ -1,8 +1,8 @@
 """What the decode GEMVs cost per weight in NVIDIA instructions, with no GPU: each weight-only
 GEMV launch of the kernel catalogue (kernels/triton/catalogue.py: every GGUF block type, the
-n-bit layers and int8 W8A16 at one row) compiled for an NVIDIA target by the installed Triton (its own ptxas),
-disassembled by its own nvdisasm, and the loop that runs over K (the hottest: the longest loop
-closed by a backward branch) counted per weight a thread decodes in one pass.
+n-bit layers and int8 W8A16 at one row) compiled for an NVIDIA target by the installed Triton
+(its own ptxas), disassembled by its own nvdisasm, and the loop that runs over K (the hottest:
+the longest loop closed by a backward branch) counted per weight a thread decodes in one pass.
 
     python benchmarks/gemv_sass.py [--target sm_90] [--only REGEX] [--sms 132 --ghz 1.98]
 
@@ -80,14 +80,14 @@ def compile_sass(call, target) -> tuple[str, dict, int]:
 
 def unrolled(named: dict) -> int:
     """K tiles one pass of the hot loop covers: the GGUF kernel's one-row GEMVs take UNROLL
-    classic blocks (gguf_gemv.py) or one 256-weight Q4_K/Q5_K/Q6_K block (gguf_kgemv.py) a pass; every
+    classic blocks (gguf_gemv.py) or one 256-weight Q3_K-Q6_K block (gguf_kgemv.py) a pass; every
     other launch one tile."""
     one_row = named.get("ONE_ROW")
     if isinstance(one_row, bool):  # the int8 kernel's flag: BLOCK_K inputs a pass either way
         return 1
     if one_row == 1:
         return named["UNROLL"]
-    if one_row in (2, 3):
+    if one_row in (2, 3, 4):
         return 256 // named["BLOCK_K"]
     return 1
 
@@ -121,7 +121,7 @@ def main() -> int:
                 continue  # (an activation quantization; W8A8's tl.dot tiles)
             loop = hot_loop(sass)
             ops = collections.Counter(opcode(i) for i in loop if not opcode(i).startswith("U"))
-            # weights a thread decodes a pass of the loop (UNROLL: K tiles a pass, where a kernel has it)
+            # weights a thread decodes a pass of the loop (K tiles a pass: `unrolled`)
             per_thread = named["BLOCK_N"] * named["BLOCK_K"] * unrolled(named) / threads
             # SM clocks a weight: a warp's instruction takes 32 / rate clocks of the SM
             clocks = sum(count * 32 / RATE.get(op, 64) for op, count in ops.items()) / (32 * per_thread)

@@ -478,5 +478,6 @@ def test_gemv_sass_counts_the_decode_loop_of_a_gemv_compiled_for_an_nvidia_targe
     # the one-row Q4_K GEMV (gguf_kgemv.py): 128 outputs x one 256-weight block a pass on 128
     # threads, 256 weights a thread; the loop loads, converts and multiplies them (FFMA among
     # the opcodes), a few instructions a weight
-    assert per_thread == 256 and loop > 16 and 2 < per_weight < 100 and clocks > 0 and est_us > 0, out
+    assert per_thread == 256 and loop > 16 and 2 < per_weight < 100, out
+    assert clocks > 0 and est_us > 0, out
     assert "FFMA" in out and "not a measurement" in out

@@ -198,8 +198,8 @@ def test_the_w8a16_one_row_gemv_is_exact_per_weight_and_matches_the_reference(n,
 
     launches = []
     launch = int8_gemm.launch_weight_only
-    monkeypatch.setattr(int8_gemm, "launch_weight_only",
-                        lambda *a, **kw: launches.append((kw["ONE_ROW"], kw["EVEN"])) or launch(*a, **kw))
+    monkeypatch.setattr(int8_gemm, "launch_weight_only", lambda *a, **kw: (
+        launches.append((kw["ONE_ROW"], kw["EVEN"])) or launch(*a, **kw)))
     codes = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(7),
                           dtype=torch.int8)
     w = Int8Weight(codes, torch.rand(n, generator=torch.Generator().manual_seed(8)) + 0.01,

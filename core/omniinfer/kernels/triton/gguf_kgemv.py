@@ -1,5 +1,6 @@
-"""The one-row decode product of GGUF's Q4_K and Q5_K blocks in Triton, on the file's own
-blocks (gguf_gemv.py holds the classic types', gguf_gemm.py every other case).
+"""The one-row decode products of GGUF's K-quant blocks in Triton (Q4_K and Q5_K in words;
+Q6_K and Q3_K in halfwords, below), on the file's own blocks (gguf_gemv.py holds the classic
+types', gguf_gemm.py every other case).
 
 A Q4_K block (144 bytes) and a Q5_K block (176) are whole int32 words: d and dmin (word 0),
 twelve bytes of 6-bit scales and minimums (words 1-3), Q5_K's 32 bytes of fifth bits, then 128
@@ -188,3 +189,61 @@ def q6k_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
         x_i += 256
     return tl.sum(acc, 1)[None, :]
 
+
+
+@triton.jit
+def _q3_scale(block, s: tl.constexpr, ok, MASKED: tl.constexpr):
+    """Q3_K's 6-bit scale s (0-15) less 32, float32 [BLOCK_N, 1]: its low 4 bits from byte
+    96 + s % 8 (shifted by 4 (s // 8)), its top 2 from byte 104 + s % 4 (by 2 (s // 4))."""
+    lo = _ld(block + (48 + (s % 8) // 2), ok, MASKED).to(tl.int32)
+    hi = _ld(block + (52 + (s % 4) // 2), ok, MASKED).to(tl.int32)
+    lo = (lo >> (8 * ((s % 8) % 2) + 4 * (s // 8))) & 15
+    hi = (hi >> (8 * ((s % 4) % 2) + 2 * (s // 4))) & 3
+    return ((lo | (hi << 4)) | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0
+
+
+@triton.jit
+def q3k_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
+             BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
+    """kquant_gemv for Q3_K blocks (110 bytes: halfwords): 32 bytes of high bits (hmask), 64
+    of 2-bit codes, 12 of 6-bit scales, d. Weight 128 n2 + 32 j + l (l = 16 g + 2 i + e) has
+    bits 2j of code byte 32 n2 + l, its third bit bit 4 n2 + j of hmask byte l, and scale
+    8 n2 + 2 j + g: ``sum(x * w) = d * sum (sc - 32) * (sum(x * q) - 4 * sum(x))``, q the
+    3-bit code (the reference's ``q - 4`` where the high bit is clear)."""
+    MASKED: tl.constexpr = not EVEN
+    i = tl.arange(0, 8)
+    ok = n_ok[:, None]
+    block = (w_ptr.to(tl.pointer_type(tl.int16)) + n.to(tl.int64)[:, None] * (stride_wn // 2)
+             + (k_start // 256) * 55)  # [BLOCK_N, 1]: each output's block
+    x_i = x_ptr + k_start + 2 * i  # [8]
+    acc = tl.zeros([BLOCK_N, 8], tl.float32)
+    for _ in range(k_start, k_end, 256):
+        d = _ld(block + 54, ok, MASKED).to(tl.float16, bitcast=True).to(tl.float32)
+        for g in tl.static_range(2):
+            # hmask halfwords 8g + i (bytes l = 16 g + 2 i + e), shared by both halves
+            hm = _ld(block + 8 * g + i[None, :], ok, MASKED).to(tl.int32)
+            for n2 in tl.static_range(2):
+                low = _ld(block + 16 + 16 * n2 + 8 * g + i[None, :], ok, MASKED).to(tl.int32)
+                low = low | magic
+                for j in tl.static_range(4):
+                    sums = tl.zeros([BLOCK_N, 8], tl.float32)
+                    x_sum = tl.zeros([1, 8], tl.float32)
+                    for e in tl.static_range(2):
+                        # the code's two bits at S = 8e + 2j, its third (hmask bit 8e + 4 n2 + j)
+                        # moved beside them, to S + 2
+                        if j + 2 >= 4 * n2:
+                            high = (hm << (j + 2 - 4 * n2)) & (4 << (8 * e + 2 * j))
+                        else:
+                            high = (hm >> (4 * n2 - j - 2)) & (4 << (8 * e + 2 * j))
+                        bits = (low & ((3 << (8 * e + 2 * j)) | 0x4B000000)) | high
+                        code = bits.to(tl.float32, bitcast=True) - 8388608.0  # q * 2**S
+                        x_e = tl.load(x_i + (128 * n2 + 32 * j + 16 * g + e)).to(tl.float32)
+                        x_e = x_e[None, :]
+                        # x * 2**-S: exact, but for an x below ~2**-100 (see kquant_gemv)
+                        sums = tl.fma(x_e * (1.0 / (1 << (8 * e + 2 * j))), code, sums)
+                        x_sum += x_e
+                    sc = _q3_scale(block, 8 * n2 + 2 * j + g, ok, MASKED)
+                    acc += (d * sc) * (sums - 4.0 * x_sum)
+        block += 55
+        x_i += 256
+    return tl.sum(acc, 1)[None, :]
