@@ -188,12 +188,14 @@ def test_int8_kernels_split_k_where_the_output_tiles_are_few(mode, dtype, m):
     close(run_int8(x, w, bias), int8_linear_reference(x, w, bias))
 
 
+@pytest.mark.parametrize("w8a8", [False, True])
 @pytest.mark.parametrize("n,k,even", [(N, 200, False), (128, 512, True)])
-def test_the_w8a16_one_row_gemv_is_exact_per_weight_and_matches_the_reference(n, k, even,
-                                                                              monkeypatch):
-    """One W8A16 row runs int8_gemv.py (int32 words, codes made floats in place): times one-hot
-    rows it gives code * scale exactly, for every input; with random rows it matches the
-    reference, masked (72 outputs, K 200) and unmasked (EVEN)."""
+def test_the_one_row_int8_gemv_is_exact_per_weight_and_matches_the_reference(n, k, even, w8a8,
+                                                                             monkeypatch):
+    """One int8 row runs int8_gemv.py (int32 words, codes made floats in place; W8A8's sums
+    exact integers): times one-hot rows it gives the reference's column exactly (W8A16: code *
+    scale), for every seventh input; with random rows it matches the reference, masked (72
+    outputs, K 200) and unmasked (EVEN)."""
     from omniinfer.kernels.triton import int8_gemm
 
     launches = []
@@ -203,16 +205,36 @@ def test_the_w8a16_one_row_gemv_is_exact_per_weight_and_matches_the_reference(n,
     codes = torch.randint(-128, 128, (n, k), generator=torch.Generator().manual_seed(7),
                           dtype=torch.int8)
     w = Int8Weight(codes, torch.rand(n, generator=torch.Generator().manual_seed(8)) + 0.01,
-                   None, False)
-    want = codes.float() * w.weight_scale[:, None]
+                   None, w8a8)
     for i in range(0, k, 7):
         x = torch.zeros(1, k)
         x[0, i] = 1.0
-        assert torch.equal(run_int8(x, w)[0], want[:, i]), i
+        assert torch.equal(run_int8(x, w), int8_linear_reference(x, w)), i
     for dtype in (torch.float16, torch.bfloat16, torch.float32):
         x = torch.randn(1, k, generator=torch.Generator().manual_seed(9)).to(dtype)
         close(run_int8(x, w), int8_linear_reference(x, w))
     assert set(launches) == {(True, even)}
+
+
+def test_a_w8a8_split_too_long_for_exact_float32_sums_takes_the_dot_tile(monkeypatch):
+    """The one-row GEMV's W8A8 sums are exact while a split covers at most EXACT_SPLIT inputs;
+    an unsplit K of 8256 (one program: `programs` 1) goes to the int32 tl.dot tile instead,
+    W8A16 still to the GEMV; both match the reference."""
+    from omniinfer.kernels.triton import int8_gemm
+    from omniinfer.kernels.triton.int8_gemv import EXACT_SPLIT
+
+    k = 8256
+    assert k > EXACT_SPLIT
+    launches = []
+    launch, tiles = int8_gemm.launch_weight_only, int8_gemm.one_row_tiles
+    monkeypatch.setattr(int8_gemm, "launch_weight_only", lambda *a, **kw: (
+        launches.append(kw["ONE_ROW"]) or launch(*a, **kw)))
+    monkeypatch.setattr(int8_gemm, "one_row_tiles", lambda n, k: tiles(n, k, programs=1))
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(10))
+    for w8a8 in (True, False):
+        w = int8_weight(k=k, quantize_activations=w8a8)
+        close(run_int8(x, w), int8_linear_reference(x, w))
+    assert launches == [False, True]
 
 
 def test_int8_tiles_split_only_what_leaves_the_device_idle():

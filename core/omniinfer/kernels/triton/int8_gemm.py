@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omniinfer.kernels.triton.int8_gemv import int8_gemv, int8_gemv_even
+from omniinfer.kernels.triton.int8_gemv import EXACT_SPLIT, int8_gemv, int8_gemv_even
 from omniinfer.kernels.triton.quant_gemm import (
     INTERPRETED,
     launch_weight_only,
@@ -33,7 +33,7 @@ def _int8_matmul_kernel(
     ROUND_BF16: tl.constexpr, ONE_ROW: tl.constexpr = False, EVEN: tl.constexpr = False,
 ):
     """launch_weight_only's protocol: one program a tile of rows x outputs x one K split.
-    ONE_ROW: W8A16's one-row GEMV (int8_gemv.py; `magic` 0x4B000000 at run time)."""
+    ONE_ROW: the one-row GEMV (int8_gemv.py; `magic` 0x4B000000 at run time)."""
     pid_m, split, rows, n, k_start, k_end = program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     rows_ok = rows < M
     n_ok = n < N
@@ -41,7 +41,9 @@ def _int8_matmul_kernel(
     w_cols = w_ptr + n.to(tl.int64)[None, :] * stride_wn
     if ONE_ROW:
         result = int8_gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, n, n_ok, k_start,
-                           k_end, stride_wn, magic, BLOCK_N, BLOCK_K, EVEN)
+                           k_end, stride_wn, magic, BLOCK_N, BLOCK_K, EVEN, INT8_ACTIVATIONS)
+        if INT8_ACTIVATIONS:  # the exact int32 sums (as float32), scaled by the row's scale
+            result = result * tl.load(x_scale_ptr + pid_m)
     elif INT8_ACTIVATIONS:  # exact: int8 x int8 products summed in int32 (per K split)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
         for k0 in range(k_start, k_end, BLOCK_K):
@@ -145,10 +147,13 @@ def int8_matmul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
         return x.new_empty(*x.shape[:-1], n)
     a, a_scale = (quantize_int8_rows(x2, input_scale) if quantize_activations
                   else (x2, weight_scale))
-    one_row = (m == 1 and not quantize_activations and k % 4 == 0
-               and weight.data_ptr() % 4 == 0 and weight.stride(0) % 4 == 0)
-    if one_row:  # W8A16 decode: int8_gemv.py (its words need 4-byte aligned rows)
+    one_row = (m == 1 and k % 4 == 0 and weight.data_ptr() % 4 == 0
+               and weight.stride(0) % 4 == 0)  # int8_gemv.py's words: 4-byte aligned rows
+    if one_row:
         cfg = one_row_tiles(n, k)
+        # W8A8: exact while a split sums at most EXACT_SPLIT inputs (else the tl.dot tile)
+        one_row = not quantize_activations or cfg["k_per_split"] <= EXACT_SPLIT
+    if one_row:
         even = int8_gemv_even(n, k, cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["k_per_split"])
     else:
         cfg = int8_tiles(m, n, k, x.dtype == torch.float32 and not quantize_activations)

@@ -1,5 +1,6 @@
-"""The one-row decode product of int8 weight-only (W8A16) layers in Triton, for int8_gemm.py's
-``int8_matmul``: int8 weights [N, K] read as int32 words, four codes a word.
+"""The one-row decode product of int8 layers in Triton (W8A16, and W8A8 on its int8 activation
+codes), for int8_gemm.py's ``int8_matmul``: int8 weights [N, K] read as int32 words, four
+codes a word.
 
 Each word has its codes' top bits flipped (the code + 128, unsigned) and is ORed with the bits
 of 2**23 (`magic`, passed at run time: see wn_gemv.placed_code) once; each code is then one AND
@@ -7,7 +8,8 @@ and one add, the exact float ``(code + 128) * 2**s`` (s 0 or 8: bytes 2 and 3 co
 word shifted right by 16), and its input is scaled by 2**-s (exact, but for an input below
 ~2**-100, which may flush to zero far under the sum's float32 resolution). The float32 sums
 ``sum(x * (code + 128)) - 128 * sum(x)`` are the exact-code products int8_matmul's W8A16 tile
-computes, in another order; the scale is applied once an output by the caller.
+computes, in another order (W8A8: its exact int32 sums); the scale is applied once an output
+by the caller.
 """
 
 from __future__ import annotations
@@ -16,16 +18,22 @@ import triton
 import triton.language as tl
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)  # fixed when the kernels below are defined
-WORDS = 16  # words (64 inputs) a row a loop step
+# W8A8 exactness: a sum of float32 products is exact while below 2**24; each of acc's elements
+# sums k_per_split / (BLOCK_K / 4) products of |x code| <= 128 and code + 128 <= 255
+EXACT_SPLIT = (1 << 24) // (128 * 255) * 16  # inputs a split, for BLOCK_K 64 (16 words)
 
 
 @triton.jit
 def int8_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
-              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """One row's float32 sums [1, BLOCK_N] over inputs [k_start, k_end) of x (the row's first
-    input at x_ptr) times the int8 codes of outputs n (rows of `stride_wn` bytes at w_ptr, 4-byte
-    aligned; K a multiple of 4), BLOCK_K inputs a step. EVEN: N a multiple of BLOCK_N and every
-    split a multiple of BLOCK_K, so no load is masked."""
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
+              INT8_X: tl.constexpr):
+    """One row's sums [1, BLOCK_N] over inputs [k_start, k_end) of x (the row's first input at
+    x_ptr) times the int8 codes of outputs n (rows of `stride_wn` bytes at w_ptr, 4-byte aligned;
+    K a multiple of 4), BLOCK_K inputs a step. EVEN: N a multiple of BLOCK_N and every split a
+    multiple of BLOCK_K, so no load is masked. INT8_X (W8A8): x holds int8 codes and the sums
+    are exact: every float32 product and partial sum is an integer below 2**24 while a split
+    covers at most EXACT_SPLIT inputs (the launcher's bound), and they are summed across the
+    words as int32 (returned as float32, as the reference makes its int32 sum float)."""
     KW: tl.constexpr = BLOCK_K // 4
     i = tl.arange(0, KW)
     words_ptr = (w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * (stride_wn // 4)
@@ -50,13 +58,17 @@ def int8_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
             if EVEN:
                 x_b = tl.load(x_i + b).to(tl.float32)[None, :]
             else:
-                x_b = tl.load(x_i + b, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+                x_b = tl.load(x_i + b, mask=k_ok, other=0).to(tl.float32)[None, :]
             # (code + 128) * 2**s exactly, times x * 2**-s
             acc = tl.fma(x_b * (1.0 / (1 << 8 * (b % 2))), code - 8388608.0, acc)
             x_sum += x_b
         words_ptr += KW
         x_i += BLOCK_K
-    return tl.sum(acc - 128.0 * x_sum, 1)[None, :]
+    if INT8_X:  # integers below 2**24: exact in float32, summed as int32, then made float32
+        total = tl.sum((acc - 128.0 * x_sum).to(tl.int32), 1).to(tl.float32)  # (as the
+    else:  # reference's int32 sum .float(): one rounding of the exact sum)
+        total = tl.sum(acc - 128.0 * x_sum, 1)
+    return total[None, :]
 
 
 def int8_gemv_even(n: int, k: int, block_n: int, block_k: int, k_per_split: int) -> bool:
