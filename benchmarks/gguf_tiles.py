@@ -34,8 +34,11 @@ def gemm_tiles(k: int, block_m: int, block_n: int, warps: int, stages: int) -> d
 
 def variants(m: int, n: int, k: int, type_name: str, blocks, dtype):
     """(name, callable) of every configuration tried for `m` rows."""
+    import triton
+
     from omniinfer.kernels.triton.dequant_linear import gguf_linear
     from omniinfer.kernels.triton.gguf_gemm import gguf_dequantize, gguf_matmul, gguf_tiles
+    from omniinfer.kernels.triton.quant_gemm import split_k
 
     def dequantised(block_n, runs, warps):
         return lambda x: torch.nn.functional.linear(
@@ -44,6 +47,12 @@ def variants(m: int, n: int, k: int, type_name: str, blocks, dtype):
     out = [("gguf_linear (current)", lambda x: gguf_linear(x, blocks, type_name)),
            ("gguf_tiles (current)", lambda x: gguf_matmul(x, blocks, type_name))]
     if m <= 8:  # (H200, 2026-12-04: 512 programs lost to 2048 in every case, so only 2048 now)
+        if m == 1:  # the byte decoder the one-row GEMVs replaced, for the A/B
+            cfg = dict(gguf_tiles(1, n, k, dtype.itemsize, type_name, block_n=64, programs=2048,
+                                  num_warps=4), ONE_ROW=0)
+            cfg["split_k"], cfg["k_per_split"] = split_k(triton.cdiv(n, 64), k, 32, 2048)
+            out.append(("gemv byte decoder n64 w4 p2048",
+                        lambda x, c=cfg: gguf_matmul(x, blocks, type_name, tiles=c)))
         for block_n in (32, 64, 128, 256):  # (256: the sm_90 estimate's best for Q4_K / Q5_K)
             for warps in (2, 4):
                 cfg = gguf_tiles(m, n, k, dtype.itemsize, type_name, block_n=block_n,

@@ -285,7 +285,9 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
     cfg = dict(cfg)
     unroll = cfg.pop("UNROLL", CLASSIC_UNROLL)
     one_row, even = 0, False
-    if m == 1 and not cfg["USE_DOT"]:  # the one-row GEMVs, where the blocks are aligned for
+    if cfg.pop("ONE_ROW", None) == 0:  # (`tiles` may ask for the byte decoder: gguf_tiles.py)
+        pass
+    elif m == 1 and not cfg["USE_DOT"]:  # the one-row GEMVs, where the blocks are aligned for
         # their halfword or word loads (a view at an odd offset takes the byte decoder)
         if kind.code in CLASSIC_GEMV_TYPES and _aligned(blocks, 2):
             one_row = 1
