@@ -55,9 +55,9 @@ def _code(qs, qh_h, C: tl.constexpr, TYPE: tl.constexpr):
 
 
 @triton.jit
-def _ld(ptr, ok, MASKED: tl.constexpr):
+def masked_load(ptr, ok, MASKED: tl.constexpr):
     """A load, masked (other 0) only where the launch is not EVEN (no masks: no predicates and
-    no zeroing of the registers before each load)."""
+    no zeroing of the registers before each load; gguf_kgemv.py's GEMVs too)."""
     if MASKED:
         return tl.load(ptr, mask=ok, other=0)
     return tl.load(ptr)
@@ -69,27 +69,27 @@ def _block_sums(block, x_h, h, ok, x_ok, TYPE: tl.constexpr, HW: tl.constexpr,
     """One block's float32 sums [BLOCK_N, NQ] for each output (`block` [BLOCK_N, 1] int16
     pointers) and halfword of codes h, x_h: the inputs of each halfword's weight 2h."""
     QS: tl.constexpr = HW - (16 if TYPE == 8 else 8)  # the codes: the block's last 16 bytes (32)
-    qs = _ld(block + QS + h[None, :], ok, MASKED).to(tl.int32)
-    d = _ld(block, ok, MASKED).to(tl.float16, bitcast=True).to(tl.float32)
+    qs = masked_load(block + QS + h[None, :], ok, MASKED).to(tl.int32)
+    d = masked_load(block, ok, MASKED).to(tl.float16, bitcast=True).to(tl.float32)
     qh_h = qs  # (unused but by Q5)
     if TYPE == 6 or TYPE == 7:  # 32 fifth bits in two halfwords after d (and m)
-        qh_lo = _ld(block + (HW - 10), ok, MASKED).to(tl.int32)
-        qh_hi = _ld(block + (HW - 9), ok, MASKED).to(tl.int32)
+        qh_lo = masked_load(block + (HW - 10), ok, MASKED).to(tl.int32)
+        qh_hi = masked_load(block + (HW - 9), ok, MASKED).to(tl.int32)
         qh_h = ((qh_lo & 0xFFFF) | (qh_hi << 16)) >> (2 * h)[None, :]
     tile = tl.zeros(qs.shape, tl.float32)
     x_sum = tl.zeros([1, qs.shape[1]], tl.float32)
     if TYPE == 8:
         for c in tl.static_range(2):
-            x_c = _ld(x_h + c, x_ok, MASKED).to(tl.float32)[None, :]
+            x_c = masked_load(x_h + c, x_ok, MASKED).to(tl.float32)[None, :]
             tile = tl.fma(x_c, _code(qs, qh_h, c, TYPE), tile)
             x_sum += x_c
     else:
         for c in tl.static_range(4):  # weights 2h, 2h + 1, 2h + 16, 2h + 17
-            x_c = _ld(x_h + (c % 2 + 16 * (c // 2)), x_ok, MASKED).to(tl.float32)[None, :]
+            x_c = masked_load(x_h + (c % 2 + 16 * (c // 2)), x_ok, MASKED).to(tl.float32)[None, :]
             tile = tl.fma(x_c, _code(qs, qh_h, c % 2 + 16 * (c // 2), TYPE), tile)
             x_sum += x_c
     if TYPE == 3 or TYPE == 7:  # d * q + m
-        m = _ld(block + 1, ok, MASKED).to(tl.float16, bitcast=True).to(tl.float32)
+        m = masked_load(block + 1, ok, MASKED).to(tl.float16, bitcast=True).to(tl.float32)
         return d * tile + m * x_sum
     OFFSET: tl.constexpr = 8 if TYPE == 2 else (16 if TYPE == 6 else 128)
     return d * (tile - OFFSET * x_sum)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from omniinfer.kernels.triton.gguf_gemv import masked_load as _ld
 from omniinfer.kernels.triton.wn_gemv import code_place, placed_code
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)  # fixed when the kernels below are defined
@@ -61,14 +62,6 @@ def _q5_code(low, high, qh, P: tl.constexpr, BIT: tl.constexpr):
     else:
         bits = bits | ((qh >> (BIT - S - 4)) & (0x10 << S))
     return bits.to(tl.float32, bitcast=True) - 8388608.0
-
-
-@triton.jit
-def _ld(ptr, ok, MASKED: tl.constexpr):
-    """A load, masked (other 0) only where the output tile is ragged."""
-    if MASKED:
-        return tl.load(ptr, mask=ok, other=0)
-    return tl.load(ptr)
 
 
 @triton.jit
@@ -131,6 +124,19 @@ def kquant_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
 
 
 @triton.jit
+def _halfword_blocks(x_ptr, w_ptr, n, n_ok, k_start, stride_wn, HW: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+    """What a halfword K-quant GEMV (blocks of HW halfwords) starts from: i = 0..7, the outputs'
+    mask [BLOCK_N, 1], each output's first block [BLOCK_N, 1] (int16 pointers), the inputs
+    x_ptr + k_start + 2i [8], and its float32 sums [BLOCK_N, 8]."""
+    i = tl.arange(0, 8)
+    block = (w_ptr.to(tl.pointer_type(tl.int16)) + n.to(tl.int64)[:, None] * (stride_wn // 2)
+             + (k_start // 256) * HW)
+    return (i, n_ok[:, None], block, x_ptr + k_start + 2 * i,
+            tl.zeros([BLOCK_N, 8], tl.float32))
+
+
+@triton.jit
 def _q6_code(low, qh_s, E: tl.constexpr, HIGH: tl.constexpr):
     """A Q6_K code times 2**s (s = 8E, + 4 for a high nibble), exact: the nibble of byte E of
     `low` (halfwords of low bits ORed with 2**23's) and two bits of `qh_s` (the halfword of
@@ -150,12 +156,8 @@ def q6k_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
     the low nibbles of ql_a, ql_b; 2, 3 their high), whose scale is 8 n2 + g + 2t:
     ``sum(x * w) = d * sum_t sc_t * (sum(x * q_t) - 32 * sum(x_t))``."""
     MASKED: tl.constexpr = not EVEN
-    i = tl.arange(0, 8)
-    ok = n_ok[:, None]
-    block = (w_ptr.to(tl.pointer_type(tl.int16)) + n.to(tl.int64)[:, None] * (stride_wn // 2)
-             + (k_start // 256) * 105)  # [BLOCK_N, 1]: each output's block
-    x_i = x_ptr + k_start + 2 * i  # [8]
-    acc = tl.zeros([BLOCK_N, 8], tl.float32)
+    i, ok, block, x_i, acc = _halfword_blocks(x_ptr, w_ptr, n, n_ok, k_start, stride_wn, 105,
+                                              BLOCK_N)
     for _ in range(k_start, k_end, 256):
         d = _ld(block + 104, ok, MASKED).to(tl.float16, bitcast=True).to(tl.float32)
         for n2 in tl.static_range(2):
@@ -211,12 +213,8 @@ def q3k_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
     8 n2 + 2 j + g: ``sum(x * w) = d * sum (sc - 32) * (sum(x * q) - 4 * sum(x))``, q the
     3-bit code (the reference's ``q - 4`` where the high bit is clear)."""
     MASKED: tl.constexpr = not EVEN
-    i = tl.arange(0, 8)
-    ok = n_ok[:, None]
-    block = (w_ptr.to(tl.pointer_type(tl.int16)) + n.to(tl.int64)[:, None] * (stride_wn // 2)
-             + (k_start // 256) * 55)  # [BLOCK_N, 1]: each output's block
-    x_i = x_ptr + k_start + 2 * i  # [8]
-    acc = tl.zeros([BLOCK_N, 8], tl.float32)
+    i, ok, block, x_i, acc = _halfword_blocks(x_ptr, w_ptr, n, n_ok, k_start, stride_wn, 55,
+                                              BLOCK_N)
     for _ in range(k_start, k_end, 256):
         d = _ld(block + 54, ok, MASKED).to(tl.float16, bitcast=True).to(tl.float32)
         for g in tl.static_range(2):

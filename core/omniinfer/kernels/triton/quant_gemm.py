@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from omniinfer.kernels.triton.wn_gemv import wn_gemv
+from omniinfer.kernels.triton.wn_gemv import input_groups, tile_group, wn_gemv
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)  # fixed when the kernels below are defined
 # Triton's interpreter (3.9) multiplies bfloat16 operands of tl.dot as their raw uint16 storage
@@ -78,27 +78,11 @@ def wn_tile(qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, N, k0, k, k_ok, n, n_
                     mask=k_ok[:, None] & n_ok[None, :], other=0)
     codes = ((words >> ((k % PACK) * BITS)[:, None]) & MASK)  # int32, 0 <= code < 2**BITS
     if TILE_IN_ONE_GROUP:  # one row of scales (and zeros) serves the whole tile
-        if GROUP_SIZE > 0:
-            g = k0 // GROUP_SIZE
-        else:
-            g = 0
-        scale = tl.load(scales_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        if HAS_ZEROS:
-            zero = tl.load(zeros_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        else:
-            zero = 0.0
+        scale, zero = tile_group(scales_ptr, zeros_ptr, N, k0, n, n_ok, GROUP_SIZE, HAS_ZEROS,
+                                 0.0)
     else:
-        if HAS_G_IDX:
-            g = tl.load(g_idx_ptr + k, mask=k_ok, other=0)
-        else:
-            g = k // GROUP_SIZE
-        offsets = g.to(tl.int64)[:, None] * N + n[None, :]
-        tile_ok = k_ok[:, None] & n_ok[None, :]
-        scale = tl.load(scales_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
-        if HAS_ZEROS:
-            zero = tl.load(zeros_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
-        else:
-            zero = MIDPOINT
+        scale, zero = input_groups(scales_ptr, zeros_ptr, g_idx_ptr, N, k, k_ok, n, n_ok,
+                                   GROUP_SIZE, HAS_ZEROS, HAS_G_IDX, MIDPOINT)
     if HAS_ZEROS:
         return (exact_float(codes, 0) - zero) * scale
     return exact_float(codes, MIDPOINT) * scale

@@ -54,15 +54,8 @@ def wn_gemv(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, M, N, K, pid_m
             words = tl.load(words_ptr, mask=(k_first < k_end)[:, None] & n_ok[None, :], other=0)
         words_high = words >> 16
         if TILE_IN_ONE_GROUP:  # one row of scales (and zeros) for the whole tile
-            if GROUP_SIZE > 0:
-                g = k0 // GROUP_SIZE
-            else:
-                g = 0
-            scale = tl.load(scales_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            if HAS_ZEROS:
-                zero = tl.load(zeros_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            else:
-                zero = MIDPOINT
+            scale, zero = tile_group(scales_ptr, zeros_ptr, N, k0, n, n_ok, GROUP_SIZE,
+                                     HAS_ZEROS, MIDPOINT)
         tile = tl.zeros([KW, BLOCK_N], tl.float32)  # TILE_SUMS: sum(x * code) ..
         x_sum = tl.zeros([KW, 1], tl.float32)  # .. and sum(x)
         for p in tl.static_range(PACK):
@@ -70,17 +63,8 @@ def wn_gemv(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, M, N, K, pid_m
             k_ok = k < k_end
             code = packed_code(words, words_high, p, BITS)  # [KW, BLOCK_N]
             if not TILE_IN_ONE_GROUP:
-                if HAS_G_IDX:
-                    g = tl.load(g_idx_ptr + k, mask=k_ok, other=0)
-                else:
-                    g = k // GROUP_SIZE
-                offsets = g.to(tl.int64)[:, None] * N + n[None, :]
-                tile_ok = k_ok[:, None] & n_ok[None, :]
-                scale = tl.load(scales_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
-                if HAS_ZEROS:
-                    zero = tl.load(zeros_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
-                else:
-                    zero = MIDPOINT
+                scale, zero = input_groups(scales_ptr, zeros_ptr, g_idx_ptr, N, k, k_ok, n, n_ok,
+                                           GROUP_SIZE, HAS_ZEROS, HAS_G_IDX, MIDPOINT)
             if not TILE_SUMS:
                 w = (code - zero) * scale
             for m in tl.static_range(BLOCK_M):
@@ -107,6 +91,44 @@ def wn_gemv(x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, M, N, K, pid_m
     if BLOCK_M == 1:
         acc = tl.sum(acc, 0)[None, :]
     return acc
+
+
+@triton.jit
+def tile_group(scales_ptr, zeros_ptr, N, k0, n, n_ok, GROUP_SIZE: tl.constexpr,
+               HAS_ZEROS: tl.constexpr, NO_ZERO: tl.constexpr):
+    """(scale, zero) float32 [1, BLOCK_N] of the group that holds input k0 (GROUP_SIZE 0: one
+    group) for outputs n, where a tile lies in one group. NO_ZERO: the zero point where the
+    layer has none."""
+    if GROUP_SIZE > 0:
+        g = k0 // GROUP_SIZE
+    else:
+        g = 0
+    scale = tl.load(scales_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_ZEROS:
+        zero = tl.load(zeros_ptr + g * N + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    else:
+        zero = NO_ZERO
+    return scale, zero
+
+
+@triton.jit
+def input_groups(scales_ptr, zeros_ptr, g_idx_ptr, N, k, k_ok, n, n_ok, GROUP_SIZE: tl.constexpr,
+                 HAS_ZEROS: tl.constexpr, HAS_G_IDX: tl.constexpr, NO_ZERO: tl.constexpr):
+    """(scale, zero) float32 [len(k), BLOCK_N] of inputs k (masked by k_ok) for outputs n, each
+    input's group read per input: its `g_idx` entry (act-order) or k // GROUP_SIZE. NO_ZERO:
+    the zero point where the layer has none."""
+    if HAS_G_IDX:
+        g = tl.load(g_idx_ptr + k, mask=k_ok, other=0)
+    else:
+        g = k // GROUP_SIZE
+    offsets = g.to(tl.int64)[:, None] * N + n[None, :]
+    tile_ok = k_ok[:, None] & n_ok[None, :]
+    scale = tl.load(scales_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
+    if HAS_ZEROS:
+        zero = tl.load(zeros_ptr + offsets, mask=tile_ok, other=0.0).to(tl.float32)
+    else:
+        zero = NO_ZERO
+    return scale, zero
 
 
 @triton.jit
