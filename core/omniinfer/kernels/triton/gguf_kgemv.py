@@ -26,7 +26,6 @@ from omniinfer.kernels.triton.gguf_gemv import masked_load as _ld
 from omniinfer.kernels.triton.wn_gemv import code_place, placed_code
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)  # fixed when the kernels below are defined
-KQUANT_GEMV_TYPES = (12, 13)  # GGML codes: Q4_K, Q5_K
 
 
 @triton.jit
