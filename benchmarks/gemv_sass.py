@@ -80,14 +80,14 @@ def compile_sass(call, target) -> tuple[str, dict, int]:
 
 def unrolled(named: dict) -> int:
     """K tiles one pass of the hot loop covers: the GGUF kernel's one-row GEMVs take UNROLL
-    classic blocks (gguf_gemv.py) or one 256-weight Q3_K-Q6_K block (gguf_kgemv.py) a pass; every
+    classic blocks (gguf_gemv.py) or one 256-weight Q2_K-Q6_K block (gguf_kgemv.py) a pass; every
     other launch one tile."""
     one_row = named.get("ONE_ROW")
     if isinstance(one_row, bool):  # the int8 kernel's flag: BLOCK_K inputs a pass either way
         return 1
     if one_row == 1:
         return named["UNROLL"]
-    if one_row in (2, 3, 4):
+    if one_row in (2, 3, 4, 5):
         return 256 // named["BLOCK_K"]
     return 1
 

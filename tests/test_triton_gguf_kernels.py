@@ -153,7 +153,7 @@ def test_the_lattice_types_run_as_their_rewrite(name):
 
 
 CLASSIC = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-KQUANT = ("Q3_K", "Q4_K", "Q5_K", "Q6_K")
+KQUANT = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 @pytest.mark.parametrize("name", CLASSIC)
@@ -186,7 +186,7 @@ def test_the_one_row_gemv_of_the_classic_types_without_masks(name, dtype):
 
 @pytest.mark.parametrize("name", KQUANT)
 def test_the_one_row_gemv_of_the_k_quants_decodes_weights_bit_for_bit(name):
-    """The one-row GEMV of Q3_K-Q6_K (kernels/triton/gguf_kgemv.py: word or halfword
+    """The one-row GEMV of Q2_K-Q6_K (kernels/triton/gguf_kgemv.py: word or halfword
     loads, codes made floats in place, each sub-block's scale (and minimum) once an output)
     times one-hot rows: column i of gguf.quants.dequantize's weights, exactly, for every fifth
     input of two blocks (every chunk, nibble and word position occurs); 72 outputs, a ragged

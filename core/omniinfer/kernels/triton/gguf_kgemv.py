@@ -1,6 +1,6 @@
 """The one-row decode products of GGUF's K-quant blocks in Triton (Q4_K and Q5_K in words;
-Q6_K and Q3_K in halfwords, below), on the file's own blocks (gguf_gemv.py holds the classic
-types', gguf_gemm.py every other case).
+Q6_K and Q3_K in halfwords, Q2_K in words, below), on the file's own blocks (gguf_gemv.py
+holds the classic types', gguf_gemm.py every other case).
 
 A Q4_K block (144 bytes) and a Q5_K block (176) are whole int32 words: d and dmin (word 0),
 twelve bytes of 6-bit scales and minimums (words 1-3), Q5_K's 32 bytes of fifth bits, then 128
@@ -242,5 +242,48 @@ def q3k_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
                     sc = _q3_scale(block, 8 * n2 + 2 * j + g, ok, MASKED)
                     acc += (d * sc) * (sums - 4.0 * x_sum)
         block += 55
+        x_i += 256
+    return tl.sum(acc, 1)[None, :]
+
+
+@triton.jit
+def q2k_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
+             BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
+    """kquant_gemv for Q2_K blocks (84 bytes: 21 words): 16 bytes of scales (4-bit scale, 4-bit
+    minimum), 64 of 2-bit codes, d and dmin. Weight 128 n2 + 32 j + l (l = 16 g + 4 i + b) has
+    bits 2j of code byte 32 n2 + l (byte b of word 4 + 8 n2 + 4 g + i) and scale byte 8 n2 + 2 j
+    + g: ``sum(x * w) = d * sc * sum(x * q) - dmin * m * sum(x)`` per 16 weights."""
+    MASKED: tl.constexpr = not EVEN
+    i = tl.arange(0, 4)
+    ok = n_ok[:, None]
+    block = (w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * (stride_wn // 4)
+             + (k_start // 256) * 21)  # [BLOCK_N, 1]: each output's block
+    x_i = x_ptr + k_start + 4 * i  # [4]: the input of byte 0 of each word
+    acc = tl.zeros([BLOCK_N, 4], tl.float32)
+    for _ in range(k_start, k_end, 256):
+        dd = _ld(block + 20, ok, MASKED)
+        d = (dd & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        dmin = (dd >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        for n2 in tl.static_range(2):
+            for g in tl.static_range(2):
+                words = _ld(block + (4 + 8 * n2 + 4 * g) + i[None, :], ok, MASKED)
+                low = words | magic
+                high = (words >> 16) | magic
+                for j in tl.static_range(4):
+                    sums = tl.zeros([BLOCK_N, 4], tl.float32)
+                    x_sum = tl.zeros([1, 4], tl.float32)
+                    for b in tl.static_range(4):  # code 4b + j of the word: bits 8b + 2j
+                        code = placed_code(low, high, 4 * b + j, 2)  # code * 2**s
+                        x_b = tl.load(x_i + (128 * n2 + 32 * j + 16 * g + b)).to(tl.float32)
+                        x_b = x_b[None, :]
+                        # x * 2**-s: exact, but for an x below ~2**-100 (see kquant_gemv)
+                        sums = tl.fma(x_b * (1.0 / (1 << code_place(4 * b + j, 2))), code, sums)
+                        x_sum += x_b
+                    s = 8 * n2 + 2 * j + g  # scale byte s: word s // 4, byte s % 4
+                    sm = _ld(block + s // 4, ok, MASKED)
+                    sc = _byte_float(sm & 0x0F0F0F0F, s % 4)
+                    mn = _byte_float((sm >> 4) & 0x0F0F0F0F, s % 4)
+                    acc += (d * sc) * sums - (dmin * mn) * x_sum
+        block += 21
         x_i += 256
     return tl.sum(acc, 1)[None, :]
