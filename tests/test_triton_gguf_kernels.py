@@ -162,9 +162,15 @@ def test_the_one_row_gemv_of_the_classic_types_decodes_every_weight_bit_for_bit(
     codes made exact floats in place, d and the minimum applied once a block) times each
     one-hot row: column i of gguf.quants.dequantize's weights, exactly. K = 96 is 3 blocks, an
     odd number for the 2-block steps (the masked tail); 72 outputs, a ragged output tile."""
-    blocks, want = blocks_of(name, N, 96, seed=2)
-    for i in range(96):
-        x = torch.zeros(1, 96)
+    one_hot_columns_are_exact(name, 96, range(96))
+
+
+def one_hot_columns_are_exact(name: str, k: int, inputs):
+    """Each one-hot row e_i (i in `inputs`) through the one-row GEMV gives column i of
+    gguf.quants.dequantize's weights [N, k] exactly."""
+    blocks, want = blocks_of(name, N, k, seed=2)
+    for i in inputs:
+        x = torch.zeros(1, k)
         x[0, i] = 1.0
         assert torch.equal(run(x, blocks, name)[0], want[:, i]), i
 
@@ -191,11 +197,7 @@ def test_the_one_row_gemv_of_the_k_quants_decodes_weights_bit_for_bit(name):
     times one-hot rows: column i of gguf.quants.dequantize's weights, exactly, for every fifth
     input of two blocks (every chunk, nibble and word position occurs); 72 outputs, a ragged
     (masked) output tile."""
-    blocks, want = blocks_of(name, N, 512, seed=2)
-    for i in range(0, 512, 5):
-        x = torch.zeros(1, 512)
-        x[0, i] = 1.0
-        assert torch.equal(run(x, blocks, name)[0], want[:, i]), i
+    one_hot_columns_are_exact(name, 512, range(0, 512, 5))
 
 
 @pytest.mark.parametrize("name", KQUANT)

@@ -5,7 +5,7 @@ Every block is an even number of bytes, so a block is read as int16 halfwords: i
 d (and minimum), its fifth bits, and its codes, each halfword of codes holding four nibbles
 (weights 2h, 2h + 1 in its low nibbles, 2h + 16, 2h + 17 in its high: the order of the
 block's bytes) or two int8 codes. Each code is turned into an exact float32 with one logic
-instruction and one FMA (quant_gemm.packed_code's trick: masked in place, ORed into the bits
+instruction and one FMA (wn_gemv.packed_code's trick: masked in place, ORed into the bits
 of 2**23), multiplied by its input and summed per output and halfword, with the inputs' sum
 beside it; d and the minimum are applied once a block:
 
@@ -23,15 +23,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from omniinfer.kernels.triton.wn_gemv import exact_code
+
 INTERPRETED = bool(triton.knobs.runtime.interpret)  # fixed when the kernels below are defined
 
 CLASSIC_GEMV_TYPES = (2, 3, 6, 7, 8)  # GGML codes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
-
-
-@triton.jit
-def _exact(bits, S: tl.constexpr):
-    """The float32 whose bits are 2**23 + c * 2**S (c < 2**(23 - S)), as c: exact."""
-    return tl.fma(bits.to(tl.float32, bitcast=True), 1.0 / (1 << S), -8388608.0 / (1 << S))
 
 
 @triton.jit
@@ -51,7 +47,7 @@ def _code(qs, qh_h, C: tl.constexpr, TYPE: tl.constexpr):
                 bits = bits | ((qh_h << (S + 4 - C)) & (0x10 << S))
             else:
                 bits = bits | ((qh_h >> (C - S - 4)) & (0x10 << S))
-    return _exact(bits, S)
+    return exact_code(bits, S)
 
 
 @triton.jit

@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from omniinfer.kernels.triton.wn_gemv import code_place, placed_code
+
 INTERPRETED = bool(triton.knobs.runtime.interpret)  # fixed when the kernels below are defined
 # W8A8 exactness: a sum of float32 products is exact while below 2**24; each of acc's elements
 # sums k_per_split / (BLOCK_K / 4) products of |x code| <= 128 and code + 128 <= 255
@@ -50,17 +52,13 @@ def int8_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
         words = words ^ -0x7F7F7F80  # (0x80808080) each int8 code + 128, an unsigned byte
         low = words | magic
         high = (words >> 16) | magic
-        for b in tl.static_range(4):  # byte b: bits 8 (b % 2) of low (b 0, 1) or high (2, 3)
-            if b < 2:
-                code = (low & ((0xFF << 8 * (b % 2)) | 0x4B000000)).to(tl.float32, bitcast=True)
-            else:
-                code = (high & ((0xFF << 8 * (b % 2)) | 0x4B000000)).to(tl.float32, bitcast=True)
+        for b in tl.static_range(4):  # byte b: of low (b 0, 1) or high (2, 3), at bit 8 (b % 2)
+            code = placed_code(low, high, b, 8)  # (code + 128) * 2**s
             if EVEN:
                 x_b = tl.load(x_i + b).to(tl.float32)[None, :]
             else:
                 x_b = tl.load(x_i + b, mask=k_ok, other=0).to(tl.float32)[None, :]
-            # (code + 128) * 2**s exactly, times x * 2**-s
-            acc = tl.fma(x_b * (1.0 / (1 << 8 * (b % 2))), code - 8388608.0, acc)
+            acc = tl.fma(x_b * (1.0 / (1 << code_place(b, 8))), code, acc)  # times x * 2**-s
             x_sum += x_b
         words_ptr += KW
         x_i += BLOCK_K

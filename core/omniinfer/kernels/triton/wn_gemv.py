@@ -140,12 +140,18 @@ def packed_code(words, words_high, P: tl.constexpr, BITS: tl.constexpr):
     16``). (LLVM turns a shift then a mask into a bit-field extract, three instructions on
     sm_90.)"""
     MASK: tl.constexpr = (1 << BITS) - 1
-    HIGH: tl.constexpr = P * BITS + BITS > 23
-    S: tl.constexpr = P * BITS - 16 if HIGH else P * BITS
-    if HIGH:
+    S: tl.constexpr = code_place(P, BITS)
+    if P * BITS + BITS > 23:
         bits = (words_high & (MASK << S)) | 0x4B000000
     else:
         bits = (words & (MASK << S)) | 0x4B000000
+    return exact_code(bits, S)
+
+
+@triton.jit
+def exact_code(bits, S: tl.constexpr):
+    """The float32 whose bits are 2**23 + c * 2**S (c < 2**(23 - S)), as c, with one exact FMA:
+    ``* 2**-S - 2**(23 - S)``."""
     return tl.fma(bits.to(tl.float32, bitcast=True), 1.0 / (1 << S), -8388608.0 / (1 << S))
 
 
