@@ -87,7 +87,7 @@ def unrolled(named: dict) -> int:
         return 1
     if one_row == 1:
         return named["UNROLL"]
-    if one_row in (2, 3, 4, 5):
+    if one_row in (2, 3, 4, 5, 6):
         return 256 // named["BLOCK_K"]
     return 1
 

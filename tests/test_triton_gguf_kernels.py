@@ -27,9 +27,12 @@ from omniinfer.quantization.base import QuantPiece, ReferenceKernel, narrow_piec
 
 pytest.importorskip("triton")
 gguf = pytest.importorskip("gguf")
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from test_triton_quant_kernels import close  # noqa: E402
 
 from omniinfer.kernels.triton.gguf_gemm import KERNEL_TYPES, gguf_matmul  # noqa: E402
+from omniinfer.kernels.triton.gguf_gemv import IQ4_POLY, iq4_value  # noqa: E402
 from omniinfer.quantization.triton_kernel import GGUF_KINDS, TritonQuantKernel  # noqa: E402
 from omniinfer.testing.kquant import random_blocks  # noqa: E402
 
@@ -152,13 +155,31 @@ def test_the_lattice_types_run_as_their_rewrite(name):
         assert ((got - torch.nn.functional.linear(x, want)).abs() <= bound).all()
 
 
-CLASSIC = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0")
-KQUANT = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+CLASSIC = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL")
+KQUANT = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")
+
+
+@triton.jit
+def _iq4_values(q_ptr, out_ptr):
+    i = tl.arange(0, 16)
+    tl.store(out_ptr + i, iq4_value(tl.load(q_ptr + i)))
+
+
+def test_the_iq4_polynomial_gives_the_table_at_every_code():
+    """gguf_gemv.iq4_value, as a kernel computes it (explicit float32 FMAs, the last one rounding
+    to an integer), is IQ4_VALUES at each of the 16 codes; and its polynomial is within 0.44 of
+    them in exact arithmetic, so the float32 steps (error ~1e-5) cannot round across a half."""
+    q = torch.arange(16, dtype=torch.float32, device=DEVICE)
+    out = torch.empty(16, dtype=torch.float32, device=DEVICE)
+    _iq4_values[(1,)](q, out)
+    assert out.cpu().tolist() == [float(v) for v in gguf_blocks.IQ4_VALUES]
+    poly = [-127 + sum(c * j ** (e + 1) for e, c in enumerate(IQ4_POLY)) for j in range(16)]
+    assert max(abs(p - v) for p, v in zip(poly, gguf_blocks.IQ4_VALUES)) <= 0.44
 
 
 @pytest.mark.parametrize("name", CLASSIC)
 def test_the_one_row_gemv_of_the_classic_types_decodes_every_weight_bit_for_bit(name):
-    """The one-row GEMV of the classic types (kernels/triton/gguf_gemv.py: halfword loads,
+    """The one-row GEMV of the classic types and IQ4_NL (kernels/triton/gguf_gemv.py: halfword loads,
     codes made exact floats in place, d and the minimum applied once a block) times each
     one-hot row: column i of gguf.quants.dequantize's weights, exactly. K = 96 is 3 blocks, an
     odd number for the 2-block steps (the masked tail); 72 outputs, a ragged output tile."""
@@ -192,7 +213,7 @@ def test_the_one_row_gemv_of_the_classic_types_without_masks(name, dtype):
 
 @pytest.mark.parametrize("name", KQUANT)
 def test_the_one_row_gemv_of_the_k_quants_decodes_weights_bit_for_bit(name):
-    """The one-row GEMV of Q2_K-Q6_K (kernels/triton/gguf_kgemv.py: word or halfword
+    """The one-row GEMV of Q2_K-Q6_K and IQ4_XS (kernels/triton/gguf_kgemv.py: word or halfword
     loads, codes made floats in place, each sub-block's scale (and minimum) once an output)
     times one-hot rows: column i of gguf.quants.dequantize's weights, exactly, for every fifth
     input of two blocks (every chunk, nibble and word position occurs); 72 outputs, a ragged
@@ -214,7 +235,7 @@ def test_the_one_row_gemv_of_the_k_quants_unmasked_and_split(name, dtype):
     close(run(x, blocks, name), torch.nn.functional.linear(x, want.to(dtype)))
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_0"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q4_0", "IQ4_XS"])
 def test_blocks_at_an_odd_address_take_the_byte_decoder(name, monkeypatch):
     """The one-row GEMVs' word (Q4_K) and halfword (Q6_K, Q4_0) loads need aligned blocks;
     blocks at an odd address (a view into a larger buffer) take the byte decoder, with the
@@ -233,4 +254,4 @@ def test_blocks_at_an_odd_address_take_the_byte_decoder(name, monkeypatch):
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(6))
     close(gguf_matmul(x.to(DEVICE), odd, name).cpu(), torch.nn.functional.linear(x, want))
     gguf_matmul(x.to(DEVICE), blocks.to(DEVICE), name)  # aligned: the one-row GEMV
-    assert paths == [0, 3 if name == "Q6_K" else 2 if name == "Q4_K" else 1]
+    assert paths == [0, {"Q6_K": 3, "Q4_K": 2, "Q4_0": 1, "IQ4_XS": 6}[name]]

@@ -13,9 +13,10 @@ through the weight-only products of quant_gemm.py (rounded once to the activatio
 split-K GEMV for 1-8 rows, tl.dot tiles for more), so the numerics are theirs: the reference
 dequantised to x's dtype and multiplied with float32 sums, up to the order of the sums (and, on
 a GPU that contracts ``d * q + m`` to one FMA, the last bit of a Q4_1/Q5_1/K-quant weight).
-One row of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 runs gguf_gemv.py's GEMV, of Q2_K to Q6_K
-gguf_kgemv.py's (``ONE_ROW``): wider loads, codes made floats in place, scales applied once a
-block or sub-block to sums of ``x * code``.
+One row of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL runs gguf_gemv.py's GEMV, of Q2_K to Q6_K
+and IQ4_XS gguf_kgemv.py's (``ONE_ROW``): wider loads, codes made floats in place (the IQ4
+types' table entry computed from the code), scales applied once a block or sub-block to sums
+of ``x * code``.
 
 Written for NVIDIA, AMD and Intel Triton and the CPU interpreter: byte loads, shifts and masks.
 """
@@ -27,7 +28,13 @@ import triton
 import triton.language as tl
 
 from omniinfer.kernels.triton.gguf_gemv import CLASSIC_GEMV_TYPES, classic_gemv, classic_gemv_even
-from omniinfer.kernels.triton.gguf_kgemv import kquant_gemv, q2k_gemv, q3k_gemv, q6k_gemv
+from omniinfer.kernels.triton.gguf_kgemv import (
+    iq4xs_gemv,
+    kquant_gemv,
+    q2k_gemv,
+    q3k_gemv,
+    q6k_gemv,
+)
 from omniinfer.kernels.triton.quant_gemm import (  # noqa: F401 (INTERPRETED: read by the package)
     GEMV_MAX_M,
     INTERPRETED,
@@ -52,7 +59,7 @@ from omniinfer.quantization.gguf_iq import LATTICE
 KERNEL_TYPES = tuple(t for t in QUANTIZED if t not in LATTICE)
 CLASSIC_UNROLL = 2  # blocks a step of the classic types' one-row GEMV (gguf_gemv.py)
 # the types gguf_kgemv.py's one-row GEMVs take, with the alignment their loads need
-KQUANT_GEMV = {"Q4_K": 4, "Q5_K": 4, "Q6_K": 2, "Q3_K": 2, "Q2_K": 4}
+KQUANT_GEMV = {"Q4_K": 4, "Q5_K": 4, "Q6_K": 2, "Q3_K": 2, "Q2_K": 4, "IQ4_XS": 4}
 
 
 @triton.jit
@@ -180,9 +187,9 @@ def _gguf_matmul_kernel(
     ONE_ROW: tl.constexpr, UNROLL: tl.constexpr, EVEN: tl.constexpr,
 ):
     """`magic`: 0x4B000000 (2**23's bits) at run time, for gguf_kgemv.py (see
-    wn_gemv.placed_code). ONE_ROW: 1 the classic types' one-row GEMV, 2 Q4_K / Q5_K's, 3
-    Q6_K's, 4 Q3_K's, 5 Q2_K's, 0 the decoder below (every type; the GEMV of 2-8 rows and the
-    GEMM)."""
+    wn_gemv.placed_code). ONE_ROW: 1 the classic types' (and IQ4_NL's) one-row GEMV, 2 Q4_K /
+    Q5_K's, 3 Q6_K's, 4 Q3_K's, 5 Q2_K's, 6 IQ4_XS's, 0 the decoder below (every type; the
+    GEMV of 2-8 rows and the GEMM)."""
     tl.static_assert(BLOCK_K == 32)  # _decode's tile: one 32-weight run (k_per_split too)
     pid_m, split, rows, n, k_start, k_end = program_tile(M, N, K, k_per_split, BLOCK_M, BLOCK_N)
     rows_ok = rows < M
@@ -204,6 +211,9 @@ def _gguf_matmul_kernel(
     elif ONE_ROW == 5:
         acc = q2k_gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, n, n_ok, k_start, k_end,
                        stride_wn, magic, BLOCK_N, EVEN)
+    elif ONE_ROW == 6:
+        acc = iq4xs_gemv(x_ptr + pid_m.to(tl.int64) * stride_xm, w_ptr, n, n_ok, k_start,
+                         k_end, stride_wn, BLOCK_N, EVEN)
     else:
         if USE_DOT:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -252,7 +262,7 @@ def gguf_tiles(m: int, n: int, k: int, element_size: int = 2, type_name: str = "
     NVIDIA in the GEMV, `python -m omniinfer.testing.kernels_aot --op gguf_gemv`). The GEMV's
     defaults were the H200's best for the byte decoder (benchmarks/gguf_tiles.py, 2026-12-04):
     K split until ~2048 programs run (512: 10-35% slower), 128 outputs a program for Q6_K and
-    Q8_0, 64 for the rest (Q4_K: 128 was 15-20% slower). One row of Q2_K-Q6_K runs
+    Q8_0, 64 for the rest (Q4_K: 128 was 15-20% slower). One row of Q2_K-Q6_K and IQ4_XS runs
     gguf_kgemv.py's GEMV: 128 outputs and splits of whole 256-blocks (not yet timed on a GPU;
     the sm_90 estimate prefers 256 outputs, which halves the programs). `gemv` (block_n,
     programs, num_warps) overrides them.
@@ -300,7 +310,7 @@ def gguf_matmul(x: torch.Tensor, blocks: torch.Tensor, type_name: str,
             if cfg["k_per_split"] % 256:  # (words or halfwords: rows are whole blocks)
                 raise ValueError(f"tiles={cfg}: the one-row {type_name} GEMV splits K in whole "
                                  "256-weight blocks (k_per_split a multiple of 256)")
-            one_row = {"Q6_K": 3, "Q3_K": 4, "Q2_K": 5}.get(type_name, 2)
+            one_row = {"Q6_K": 3, "Q3_K": 4, "Q2_K": 5, "IQ4_XS": 6}.get(type_name, 2)
             even = n % cfg["BLOCK_N"] == 0
     return launch_weight_only(_gguf_matmul_kernel, x, x2, (blocks, lut),
                               (blocks.stride(0), 0x4B000000), n, cfg, bias, TYPE=kind.code,

@@ -1,5 +1,5 @@
-"""The one-row decode product of the classic GGUF block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) in
-Triton, on the file's own blocks (gguf_gemm.py holds the other types' and more rows').
+"""The one-row decode product of the classic GGUF block types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and
+IQ4_NL in Triton, on the file's own blocks (gguf_gemm.py holds the other types' and more rows').
 
 Every block is an even number of bytes, so a block is read as int16 halfwords: its float16
 d (and minimum), its fifth bits, and its codes, each halfword of codes holding four nibbles
@@ -12,6 +12,7 @@ beside it; d and the minimum are applied once a block:
     Q4_0: d * (sum(x * q) - 8 * sum(x))     Q4_1: d * sum(x * q) + m * sum(x)
     Q5_0: d * (sum(x * q) - 16 * sum(x))    Q5_1: d * sum(x * q) + m * sum(x)
     Q8_0: d * (sum(x * u) - 128 * sum(x)), u = the int8 code + 128 (its top bit flipped)
+    IQ4_NL: d * sum(x * IQ4_VALUES[q]), the table's value computed from q (`iq4_value`)
 
 The block pointers advance by a block a step. The float32 sums differ from the reference's
 products of x and the dequantised weight (d * q, rounded to x's dtype) by that rounding and the
@@ -27,15 +28,36 @@ from omniinfer.kernels.triton.wn_gemv import exact_code
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)  # fixed when the kernels below are defined
 
-CLASSIC_GEMV_TYPES = (2, 3, 6, 7, 8)  # GGML codes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+CLASSIC_GEMV_TYPES = (2, 3, 6, 7, 8, 20)  # GGML codes: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL
+
+# IQ4_VALUES[q] = round(p(q)) for p = -127 + c1 q + c2 q^2 + c3 q^3 + c4 q^4, the degree-4
+# polynomial nearest the table in the max norm with an integer constant (a linear program):
+# |p(q) - IQ4_VALUES[q]| <= 0.4397 at every code, the float32 Horner steps' own error ~1e-5, so
+# the rounding never crosses a half. c1..c4, float32 values (a test holds iq4_value to the table
+# at every code, and p to that bound).
+IQ4_POLY = (24.500598907470703, -1.4385637044906616, 0.03627324849367142, 0.0014480184763669968)
+_C1, _C2, _C3, _C4 = (tl.constexpr(c) for c in IQ4_POLY)
+
+
+@triton.jit
+def iq4_value(q):
+    """IQ4_VALUES[q] for float32 codes q (0..15, exact), as exact float32, in register arithmetic
+    (a 16-entry table would be a load a weight): IQ4_POLY's polynomial in four explicit FMAs
+    (the interpreter and every GPU round each once), the last adding -127 + 1.5 * 2**23 so that
+    its one rounding is to an integer (floats in [2**23, 2**24) are 1 apart), and one exact
+    subtraction of 1.5 * 2**23."""
+    h = tl.fma(q, _C4, _C3)
+    h = tl.fma(h, q, _C2)
+    h = tl.fma(h, q, _C1)
+    return tl.fma(h, q, 12582785.0) - 12582912.0
 
 
 @triton.jit
 def _code(qs, qh_h, C: tl.constexpr, TYPE: tl.constexpr):
     """Code C of each halfword of codes `qs` [BLOCK_N, NQ] (int32; halfword h's weight 2h + C
     for 4- and 5-bit types, C in 0, 1, 16, 17; Q8_0: weight 2h + C, C in 0, 1), as an exact
-    float32 (Q8_0: the code + 128). `qh_h`: Q5's fifth bits shifted right by 2h, so that the
-    bit of weight 2h + C is its bit C."""
+    float32 (Q8_0: the code + 128; IQ4_NL: the IQ4_VALUES entry it indexes). `qh_h`: Q5's fifth
+    bits shifted right by 2h, so that the bit of weight 2h + C is its bit C."""
     if TYPE == 8:
         S: tl.constexpr = 8 * C  # byte C of the halfword, its top bit flipped
         bits = ((qs ^ (0x80 << S)) & (0xFF << S)) | 0x4B000000
@@ -47,6 +69,8 @@ def _code(qs, qh_h, C: tl.constexpr, TYPE: tl.constexpr):
                 bits = bits | ((qh_h << (S + 4 - C)) & (0x10 << S))
             else:
                 bits = bits | ((qh_h >> (C - S - 4)) & (0x10 << S))
+    if TYPE == 20:
+        return iq4_value(exact_code(bits, S))
     return exact_code(bits, S)
 
 
@@ -87,6 +111,8 @@ def _block_sums(block, x_h, h, ok, x_ok, TYPE: tl.constexpr, HW: tl.constexpr,
     if TYPE == 3 or TYPE == 7:  # d * q + m
         m = masked_load(block + 1, ok, MASKED).to(tl.float16, bitcast=True).to(tl.float32)
         return d * tile + m * x_sum
+    if TYPE == 20:  # (x_sum unused: the compiler drops it)
+        return d * tile
     OFFSET: tl.constexpr = 8 if TYPE == 2 else (16 if TYPE == 6 else 128)
     return d * (tile - OFFSET * x_sum)
 

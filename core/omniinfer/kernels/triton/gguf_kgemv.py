@@ -1,5 +1,5 @@
 """The one-row decode products of GGUF's K-quant blocks in Triton (Q4_K and Q5_K in words;
-Q6_K and Q3_K in halfwords, Q2_K in words, below), on the file's own blocks (gguf_gemv.py
+Q6_K and Q3_K in halfwords, Q2_K and IQ4_XS in words, below), on the file's own blocks (gguf_gemv.py
 holds the classic types', gguf_gemm.py every other case).
 
 A Q4_K block (144 bytes) and a Q5_K block (176) are whole int32 words: d and dmin (word 0),
@@ -22,8 +22,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from omniinfer.kernels.triton.gguf_gemv import iq4_value
 from omniinfer.kernels.triton.gguf_gemv import masked_load as _ld
-from omniinfer.kernels.triton.wn_gemv import code_place, placed_code
+from omniinfer.kernels.triton.wn_gemv import code_place, packed_code, placed_code
 
 INTERPRETED = bool(triton.knobs.runtime.interpret)  # fixed when the kernels below are defined
 
@@ -286,4 +287,47 @@ def q2k_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
                     acc += (d * sc) * sums - (dmin * mn) * x_sum
         block += 21
         x_i += 256
+    return tl.sum(acc, 1)[None, :]
+
+
+@triton.jit
+def _iq4xs_scale(d, head, low_scales, J):
+    """d times IQ4_XS sub-block J's scale less 32, float32 [BLOCK_N, 1]: its 6 bits the nibble
+    at bit 4J of `low_scales` and, above them, bits 16 + 2J of `head`."""
+    ls = ((low_scales >> (4 * J)) & 15) | (((head >> (16 + 2 * J)) & 3) << 4)
+    return d * ((ls | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0)
+
+
+@triton.jit
+def iq4xs_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn,
+               BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
+    """kquant_gemv for IQ4_XS blocks (136 bytes: 34 words): d and the scales' high bit pairs
+    (word 0), their low nibbles (word 1), then eight sub-blocks of 32 weights, 16 bytes (4
+    words) each, byte l's low nibble weight 32 j + l and its high nibble 32 j + 16 + l, each an
+    index into IQ4_VALUES (gguf_gemv.iq4_value computes the entry). The eight sub-blocks are
+    the columns of the tiles [BLOCK_N, 8]: word w of each a step, so each sub-block's
+    ``sum(x * IQ4_VALUES[q])`` is one column's, multiplied by ``d * (ls - 32)`` (ls its 6-bit
+    scale) once a block."""
+    MASKED: tl.constexpr = not EVEN
+    j = tl.arange(0, 8)
+    ok = n_ok[:, None]
+    block = (w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * (stride_wn // 4)
+             + (k_start // 256) * 34)  # [BLOCK_N, 1]: each output's block
+    x_j = x_ptr + k_start + 32 * j  # [8]: each sub-block's first input
+    acc = tl.zeros([BLOCK_N, 8], tl.float32)
+    for _ in range(k_start, k_end, 256):
+        tile = tl.zeros([BLOCK_N, 8], tl.float32)
+        for w in tl.static_range(4):
+            words = _ld(block + 2 + w + 4 * j[None, :], ok, MASKED)
+            words_high = words >> 16
+            for p in tl.static_range(8):  # nibble p of a word: byte p // 2, high if p odd
+                code = iq4_value(packed_code(words, words_high, p, 4))
+                x_p = tl.load(x_j + (4 * w + p // 2 + 16 * (p % 2))).to(tl.float32)[None, :]
+                tile = tl.fma(x_p, code, tile)
+        head = _ld(block, ok, MASKED)  # d | scales_h << 16
+        d = (head & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        low_scales = _ld(block + 1, ok, MASKED)  # sub-block j's low nibble at bit 4j
+        acc += _iq4xs_scale(d, head, low_scales, j[None, :]) * tile
+        block += 34
+        x_j += 256
     return tl.sum(acc, 1)[None, :]
