@@ -35,7 +35,8 @@ GPU_LAYERS = [("llama-3-8b gate_up", 28672, 4096), ("llama-3-8b down", 4096, 143
 CPU_LAYERS = [("tiny", 72, 256)]
 GPU_ROWS, CPU_ROWS = (1, 8, 512), (1, 17)
 FORMATS = ("int4-g128", "int4-g128-zeros", "int4-g32-g_idx", "int8-w8a16", "int8-w8a8",
-           "gguf-q4_k", "gguf-q6_k", "gguf-q8_0", "gguf-q5_0", "gguf-q4_0", "gguf-q5_k")
+           "gguf-q4_k", "gguf-q6_k", "gguf-q8_0", "gguf-q5_0", "gguf-q4_0", "gguf-q5_k",
+           "gguf-iq4_xs")
 # outputs agree to the output dtype's rounding, relative to the largest output (two units)
 TOLERANCE = {torch.float16: 2 ** -9, torch.bfloat16: 2 ** -6, torch.float32: 1e-5}
 

@@ -6,15 +6,17 @@
 # (benchmarks/gguf_tiles.py: which launch configuration, or dequantise-then-F.linear, is fastest
 # per type and row count; every variant checked), serve quantized models end to end
 # (python -m omniinfer.testing.quant_models: tiny GGUF, GPTQ and AWQ files loaded as a user
-# loads them, greedy tokens against transformers), and compile every catalogued
+# loads them, greedy tokens against transformers), run the Triton kernels' own tests on the GPU
+# (the one-row GEMVs' bit-for-bit decodes of every GGUF type, the int8 and n-bit ones: their first
+# run on hardware), and compile every catalogued
 # Triton kernel configuration ahead of time (python -m omniinfer.testing.kernels_aot:
 # sm_80/90/100, gfx90a, gfx942, plus this GPU, loaded by its driver); then print the summary
 # table (per backend: conformance passed/failed/skipped, decode/prefill/chunked tokens/s), the
 # quantized kernels' times and models, and the kernels' table (registers, spills, shared memory
 # per configuration and target). Time limits: kit 5 min, attention benchmark 2.5, quantized
-# benchmark 3 (11 formats since 2026-12-06), int8 weight-only at 64-512 rows both ways 1, tile sweep 4 (it stops itself at
-# 220 s); the kernel compiles and the quantized
-# models run beside the kit, within its 5. On an H200 (2026-12-04) the whole check took 180 s
+# benchmark 3.3 (12 formats since 2026-12-07), int8 weight-only at 64-512 rows both ways 1, tile sweep 4 (it stops itself at
+# 220 s); the kernel compiles, the quantized models and the kernel tests
+# run beside the kit, within its 5. On an H200 (2026-12-04) the whole check took 180 s
 # with the sweep at rows 1 and 512 (now 1, 2, 4, 8 and 512): well within a 10-minute call.
 #
 #   scripts/gpu_check.sh                 # uses $PYTHON, else python3 with .gpu-site (below)
@@ -35,11 +37,11 @@
 # Results land in ${GPU_CHECK_OUT:-gpu_check_out}/. GPU_CHECK_KIT_ARGS,
 # GPU_CHECK_BENCH_ARGS, GPU_CHECK_QBENCH_ARGS, GPU_CHECK_TILES_ARGS, GPU_CHECK_QMODEL_ARGS and
 # GPU_CHECK_AOT_ARGS add (whitespace-separated) arguments to the six steps, e.g. to narrow a dry
-# run. Exit status: 0
+# run; GPU_CHECK_TEST_K replaces the kernel tests' -k expression. Exit status: 0
 # when the kit passed, every benchmark ran (the quantized kernels within tolerance of the
-# reference), every quantized model followed transformers and every kernel configuration
-# compiled without spills or shared-memory overflow, 1 otherwise, 2 when no GPU platform is
-# available.
+# reference), every quantized model followed transformers, every kernel test passed and every
+# kernel configuration compiled without spills or shared-memory overflow, 1 otherwise, 2 when no
+# GPU platform is available.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -148,6 +150,20 @@ timeout 280 "$PYTHON" -m omniinfer.testing.quant_models --platform "$PLATFORM" \
   --json "$OUT/quant_models.json" "${qmodel_args[@]}" >"$OUT/quant_models.log" 2>&1 &
 qmodel_pid=$!
 
+test_k=${GPU_CHECK_TEST_K:-one_row or iq4_polynomial or odd_address or decoder_is or w8a8_split}
+test_pid=
+if [[ $PLATFORM == xpu ]]; then
+  say "Triton kernel tests: not on xpu (the tests put their tensors on cuda, else interpret them)"
+else
+  say "Triton kernel tests on $PLATFORM, in the background (budget 280 s; log: $OUT/triton_tests.log)"
+  # the fused GEMVs' first run on hardware: one-hot rows give the reference's weights bit for bit
+  timeout 280 "$PYTHON" -m pytest -q -p no:cacheprovider -o addopts="" -o timeout=120 \
+    --junitxml="$OUT/triton_tests.xml" tests/test_triton_gguf_kernels.py \
+    tests/test_triton_quant_kernels.py tests/test_triton_dequant_linear.py -k "$test_k" \
+    >"$OUT/triton_tests.log" 2>&1 &
+  test_pid=$!
+fi
+
 say "conformance kit on $PLATFORM (budget 300 s)"
 timeout 300 "$PYTHON" -m omniinfer.testing.conformance --platform "$PLATFORM" -q -p no:cacheprovider \
   -o addopts="" -o timeout=240 --junitxml="$OUT/conformance.xml" "${kit_args[@]}" 2>&1 \
@@ -158,13 +174,14 @@ timeout 300 "$PYTHON" -m omniinfer.testing.conformance --platform "$PLATFORM" -q
 # same GEMV at 186-255 us that the run before, sweeping after them, timed at 81-102 us)
 wait "$aot_pid" || status=1
 wait "$qmodel_pid" || status=1
+if [[ -n $test_pid ]]; then wait "$test_pid" || status=1; fi
 
 say "attention-kernel micro-benchmark on $PLATFORM (budget 150 s)"
 timeout 150 "$PYTHON" benchmarks/attention_kernels.py --platform "$PLATFORM" --json "$OUT/bench.json" \
   "${bench_args[@]}" 2>&1 | tee "$OUT/bench.log" || status=1
 
-say "quantized-GEMM micro-benchmark on $PLATFORM (budget 180 s)"
-timeout 180 "$PYTHON" benchmarks/quant_kernels.py --platform "$PLATFORM" \
+say "quantized-GEMM micro-benchmark on $PLATFORM (budget 200 s)"
+timeout 200 "$PYTHON" benchmarks/quant_kernels.py --platform "$PLATFORM" \
   --json "$OUT/quant_bench.json" "${qbench_args[@]}" 2>&1 | tee "$OUT/quant_bench.log" || status=1
 
 say "int8 weight-only around its bound on $PLATFORM (budget 60 s; what INT8_FUSED_MAX_M should be)"
@@ -187,7 +204,7 @@ grep -E "best:|WRONG|FAILED|stops here|Error" "$OUT/gguf_tiles.log" || true
 
 say "summary ($PLATFORM)"
 "$PYTHON" - "$OUT/conformance.xml" "$OUT/bench.json" "$OUT/quant_bench.json" \
-  "$OUT/quant_models.json" <<'EOF'
+  "$OUT/quant_models.json" "$OUT/triton_tests.xml" <<'EOF'
 import collections, json, os, re, sys
 import xml.etree.ElementTree as ET
 
@@ -227,6 +244,17 @@ if os.path.exists(sys.argv[4]):
         state = (f"{r['agreed']:>8} {r['ms_per_token']:>7.1f}  {', '.join(r['kernels'])}" if r["ok"]
                  else f"FAILED: {r['failed']}")
         print(f"{r['case']:<39} {state}")
+if os.path.exists(sys.argv[5]):
+    tests = collections.Counter()
+    failed = []
+    for case in ET.parse(sys.argv[5]).iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            tests["failed"] += 1
+            failed.append(case.get("name"))
+        else:
+            tests["skipped" if case.find("skipped") is not None else "passed"] += 1
+    print(f"\nTriton kernel tests: {tests['passed']} passed, {tests['failed']} failed, "
+          f"{tests['skipped']} skipped" + "".join(f"\n  FAILED {name}" for name in failed))
 EOF
 echo
 cat "$OUT/aot.log"

@@ -27,7 +27,8 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
                GPU_CHECK_QBENCH_ARGS="--include-interpreted --format int4-g128 --rows 1 --iters 1",
                GPU_CHECK_QMODEL_ARGS="--case gguf-q4_k_m",
                GPU_CHECK_TILES_ARGS="--type Q8_0 --rows 1 --only gguf_linear",
-               GPU_CHECK_AOT_ARGS="--op reshape_and_cache --target sm_90 --target gfx942 --jobs 1")
+               GPU_CHECK_AOT_ARGS="--op reshape_and_cache --target sm_90 --target gfx942 --jobs 1",
+               GPU_CHECK_TEST_K="iq4_polynomial")
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
@@ -50,6 +51,8 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert model["case"] == "gguf-q4_k_m" and model["ok"] and model["platform"] == "cpu"
     assert "quantized models (against transformers)" in summary and "gguf-q4_k_m" in summary
     assert "quantized GEMMs" in summary
+    # the Triton kernels' own tests ran (interpreted here; compiled on a GPU)
+    assert "Triton kernel tests: 1 passed, 0 failed, 0 skipped" in summary
     # the kernels' table, next to the backends'
     assert "Triton kernels compiled ahead of time" in summary and "result: PASS" in summary
     report = json.loads((tmp_path / "aot.json").read_text())
@@ -60,7 +63,7 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     tiles = json.loads((tmp_path / "gguf_tiles.json").read_text())["results"]
     assert [r["variant"].split()[0] for r in tiles] == ["torch", "gguf_linear"] and tiles[1]["ok"]
     for name in ("conformance.xml", "conformance.log", "bench.json", "bench.log", "aot.log",
-                 "quant_bench.log", "gguf_tiles.log"):
+                 "quant_bench.log", "gguf_tiles.log", "triton_tests.log", "triton_tests.xml"):
         assert (tmp_path / name).exists(), name
 
 
