@@ -22,6 +22,8 @@ def cpu_info() -> dict:
             key = key.strip()
             if key in ("model name", "Model") and not info["model"]:
                 info["model"] = value.strip()
+            if key == "vendor_id" and "vendor" not in info:
+                info["vendor"] = value.strip()  # (x86: GenuineIntel, AuthenticAMD)
             field = {"cpu family": "cpu_family", "model": "model_number"}.get(key)
             if field and field not in info:
                 info[field] = value.strip()  # (x86: which microarchitecture)

@@ -208,3 +208,37 @@ def test_an_embedding_lookup_decodes_the_references_rows(isa_level, kind, mode, 
     with pytest.raises(IndexError, match=rf"row {rows} of a .* table of {rows} rows: ids must be in \[0, {rows}\)"):
         kernel.rows(torch.tensor([3, rows]), torch.float32)
     assert kernel.rows(ids, torch.float16) is None  # (the reference's, then)
+
+
+def test_the_prefetch_target_follows_the_variable_else_the_vendor(monkeypatch):
+    """Where batch-1 products prefetch the weight (csrc/prefetch.h): OMNIINFER_CPU_PREFETCH, else
+    L2 on Intel CPUs (measured faster there) and L1 elsewhere; a value it does not know is named."""
+    from omniinfer.platforms import host
+    from omniinfer_cpu.kernels import build
+
+    monkeypatch.delenv(build.ENV_PREFETCH, raising=False)
+    for vendor, target in (("GenuineIntel", "l2"), ("AuthenticAMD", "l1"), ("", "l1")):
+        monkeypatch.setattr(host, "cpu_info", lambda v=vendor: {"vendor": v} if v else {})
+        assert build.prefetch_target()[0] == target, vendor
+    monkeypatch.setenv(build.ENV_PREFETCH, "L1")
+    assert build.prefetch_target() == ("l1", "OMNIINFER_CPU_PREFETCH=l1")
+    monkeypatch.setenv(build.ENV_PREFETCH, "l3")
+    with pytest.raises(ValueError, match=r"OMNIINFER_CPU_PREFETCH='l3': allowed values are l2 .* and l1"):
+        build.prefetch_target()
+
+
+@pytest.mark.parametrize("kind", ["gguf:Q4_0", "gguf:Q4_K", "gguf:Q8_0"])
+def test_either_prefetch_target_gives_the_same_products(isa_level, kind, monkeypatch):
+    """The prefetch hint moves no number: a batch-1 product (a weight long enough to prefetch
+    ahead of) is bit for bit the same with the lines prefetched into L2 or into L1."""
+    monkeypatch.setenv(ACT_ENV, "int8")
+    gen = torch.Generator().manual_seed(11)
+    kernel = CpuQuantKernel(piece_of(kind, torch.randn(256, 1024, generator=gen) * 0.05))
+    x = torch.randn(1, 1024, generator=gen)
+    try:
+        assert isa_level.prefetch_to_l2(1) == 1
+        into_l2 = kernel.apply(x)
+        assert isa_level.prefetch_to_l2(0) == 0
+        assert torch.equal(kernel.apply(x), into_l2)
+    finally:  # (as loaded)
+        isa_level.prefetch_to_l2(1 if isa_level.prefetch.startswith("L2") else 0)

@@ -42,6 +42,7 @@ logger = init_logger(__name__)
 ENV_SWITCH = "OMNIINFER_CPU_KERNELS"  # "0" turns the compiled kernels off
 ENV_CACHE = "OMNIINFER_CPU_KERNEL_CACHE"  # where libraries built at first use go
 ENV_AMX = "OMNIINFER_CPU_AMX"  # "0" keeps prefills off AMX's tiles (quant_amx.c)
+ENV_PREFETCH = "OMNIINFER_CPU_PREFETCH"  # "l2" / "l1": where batch-1 products prefetch (prefetch.h)
 AMX_STATES = {1: "on", 0: f"off ({ENV_AMX}=0)", -1: "this level's library has no AMX code (avx512_bf16's has)",
               -2: "the CPU or the OS cannot run AMX-BF16 tiles"}
 CSRC = Path(__file__).parent / "csrc"  # one C file per kernel family, omni.h shared
@@ -88,6 +89,8 @@ SIGNATURES = {
     # on (1: the AMX tiles for prefills where the CPU has them, quant_amx.c; 0: off) -> 1 on, 0 off,
     # -1 no AMX code at this level (either way), -2 the CPU or the OS cannot run it
     "omni_amx_enable": ([_I32], _I32),
+    # on (1: batch-1 products prefetch the weight into L2 only, prefetcht1; 0: every level) -> on
+    "omni_prefetch_to_l2": ([_I32], _I32),
     # w (blocks, or int8 q), scale (int8's, else NULL), kind, N, K, ids (int64 [n]), n, out [n, K],
     # dtype, nthreads
     "omni_qrows": ([_P, _P, _I32, _I32, _I32, _P, _I32, _P, _I32, _I32], _I32),
@@ -198,6 +201,9 @@ class Kernels:
         if built_for != level.name:
             raise KernelsUnavailable(f"{path} was built for {built_for}, not {level.name}")
         self.set_amx(os.environ.get(ENV_AMX, "1").strip().lower() not in ("0", "false", "off", "no"))
+        target, why = prefetch_target()
+        self.prefetch_to_l2(1 if target == "l2" else 0)
+        self.prefetch = f"{target.upper()} ({why})"
 
     def set_amx(self, on: bool) -> str:
         """Turn quantised prefills' AMX tiles on or off (tests compare the two); says which and why."""
@@ -207,6 +213,24 @@ class Kernels:
     @property
     def isa_level(self) -> str:
         return self.level.name
+
+
+def prefetch_target() -> tuple[str, str]:
+    """Where the batch-1 products' software prefetch puts the weight ("l2": L2 only, prefetcht1;
+    "l1": every level, prefetcht0) and why: $OMNIINFER_CPU_PREFETCH, else L2 on Intel CPUs, where
+    it measured faster (csrc/prefetch.h), and L1 on the others, not measured the other way."""
+    value = os.environ.get(ENV_PREFETCH, "").strip().lower()
+    if value:
+        if value not in ("l1", "l2"):
+            raise ValueError(f"{ENV_PREFETCH}={value!r}: allowed values are l2 (prefetch into L2 "
+                             "only) and l1 (into every level)")
+        return value, f"{ENV_PREFETCH}={value}"
+    from omniinfer.platforms.host import cpu_info
+
+    vendor = cpu_info().get("vendor", "")
+    if vendor == "GenuineIntel":
+        return "l2", "the default on Intel CPUs, where it measured faster"
+    return "l1", f"the default on {vendor or 'this CPU'}: L2 is measured on Intel CPUs only"
 
 
 def load_level(name: str) -> Kernels:

@@ -41,6 +41,7 @@ int omni_quant_supported(int kind);
 int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy,
                  int M, int N, int K, int kind, int dt, int nthreads);
 int omni_amx_enable(int on);
+int omni_prefetch_to_l2(int on);
 int omni_qrows(const uint8_t *w, const float *scale, int kind, int N, int K, const int64_t *ids, int n,
                void *out, int dt, int nthreads);
 void omni_q8_pack(const void *w, int N, int K, int dt, int8_t *q, float *scale, float *coef,

@@ -4,16 +4,40 @@
  * 60-83% of the machine's read bandwidth (Q4_0 60-65%, bfloat16 61%); 2-9 KB ahead, at 86-102%
  * (benchmarks/cpu_stream.py); an earlier attempt on a Zen 4 machine gained nothing there
  * (docs/performance.md). Past the end of a thread's rows it touches the next thread's, or
- * nothing (a prefetch does not fault). */
+ * nothing (a prefetch does not fault).
+ * Where to: omni_prefetch_to_l2(1) (the CPU plugin's default on Intel CPUs) prefetches into L2
+ * only (prefetcht1), else into every level (prefetcht0). On that VM (6/167), into L2 streamed a
+ * 32768 x 4096 Q4_0 weight 1.25x faster (4157-4425 -> 3330-3464 us), Q8_0 1.07-1.18x, Q4_K and
+ * 4096 ahead against 8192 alike, and decoded the medium q4_0 / q8_0 / q4_k_m files 1.07x /
+ * 1.05-1.11x / 1.00-1.07x faster (docs/performance.md). AMD's Zen 4 documents prefetcht1 as into
+ * L2 too, but is reported to drop some; not measured on an AMD CPU, so they keep prefetcht0. */
 #ifndef OMNI_PREFETCH_H
 #define OMNI_PREFETCH_H
 #include "omni.h"
 
 #define PREFETCH_AHEAD 4096
 
+/* 1: prefetch_ahead into L2 only (omni_prefetch_to_l2, quant.c); hidden: read directly, not
+ * through the library's global offset table */
+extern int omni_prefetch_l2 __attribute__((visibility("hidden")));
+
 INLINE void prefetch_ahead(const void *p, int bytes) {
-    for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + PREFETCH_AHEAD + o);
+    if (omni_prefetch_l2)
+        for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + PREFETCH_AHEAD + o, 0, 2);
+    else
+        for (int o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + PREFETCH_AHEAD + o);
 }
+/* `code` (a kernel's inlined call) twice, under one test of omni_prefetch_l2: in each copy the
+ * compiler knows the flag, so prefetch_ahead tests nothing in the loops (a test a block left a
+ * 32768 x 4096 Q4_0 stream 6-8% slower than prefetcht1 alone; 6 runs each, 6/167) */
+#define WITH_PREFETCH_TARGET(code) \
+    do {                           \
+        if (omni_prefetch_l2) {    \
+            code                   \
+        } else {                   \
+            code                   \
+        }                          \
+    } while (0)
 
 /* A thread's share [n0, n1) of a weight's units (rows, groups of 8 rows), read as WEIGHT_STREAMS
  * interleaved runs: step i of n_steps(n0, n1) is unit streamed_unit(i, ...), or past n1 (skip it).

@@ -19,6 +19,12 @@
  * Xeon 6/167, avx512_bf16 and avx2 alike) */
 #define I8_DOT_ROWS 96
 
+int omni_prefetch_l2 __attribute__((visibility("hidden"))) = 0;
+
+/* on: 1 prefetch_ahead's lines go to L2 only (prefetcht1), 0 to every level (prefetch.h says
+ * which CPUs measured faster which way). Returns it. */
+int omni_prefetch_to_l2(int on) { return omni_prefetch_l2 = on != 0; }
+
 int omni_quant_supported(int kind) { return (kind & ~QACT_INT8) >= 0 && (kind & ~QACT_INT8) < NUM_KINDS; }
 
 /* Sum over [e, e + VL * n) of q * x for n chunks of VL decoded weights, one x row */

@@ -263,15 +263,17 @@ INLINE int x8_code(const uint8_t *p, const uint8_t *hb, int r, int c, int h, int
 #define XMB 4  /* x rows a group's block meets while its codes are in registers (quant_x8.c) */
 /* a group of 8 rows (at g) against x rows m0 .. m0 + MB - 1: out[m][r] */
 typedef void (*x8_group_fn)(const uint8_t *g, const xq *X, int m0, int MB, float out[XMB][8]);
-/* one of the row counts 1..XMB, a constant inside */
+/* one of the row counts 1..XMB, a constant inside (so is the prefetch target: WITH_PREFETCH_TARGET) */
+#define ROWS_SWITCH(fn)                                                  \
+    switch (MB) {                                                        \
+    case 1: fn(g, X, m0, 1, out); break;                                 \
+    case 2: fn(g, X, m0, 2, out); break;                                 \
+    case 3: fn(g, X, m0, 3, out); break;                                 \
+    default: fn(g, X, m0, 4, out); break;                                \
+    }
 #define ROWS_OF(fn)                                                      \
     static void fn##_n(const uint8_t *g, const xq *X, int m0, int MB, float out[XMB][8]) { \
-        switch (MB) {                                                    \
-        case 1: fn(g, X, m0, 1, out); break;                             \
-        case 2: fn(g, X, m0, 2, out); break;                             \
-        case 3: fn(g, X, m0, 3, out); break;                             \
-        default: fn(g, X, m0, 4, out); break;                            \
-        }                                                                \
+        WITH_PREFETCH_TARGET(ROWS_SWITCH(fn));                           \
     }
 /* a group function that is fn with its format's flags fixed (qn_rows, kq_rows) */
 #define GROUP_OF(name, fn, ...)                                                                  \

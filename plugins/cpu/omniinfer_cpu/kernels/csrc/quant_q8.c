@@ -348,12 +348,12 @@ INLINE void blk_i8(const uint8_t *w, const xq *X, int b, const int MB, qacc *A, 
             out[m] = qacc_sum((a[0][m] + a[1][m]) + (b2[0][m] + b2[1][m])) - hsum8(c[0][m] + c[1][m]); \
     }                                                                                             \
     static void name(const uint8_t *w, const xq *X, int MB, float *out) {                         \
-        switch (MB) {                                                                             \
-        case 1: name##_rows(w, X, 1, out); break;                                                 \
-        case 2: name##_rows(w, X, 2, out); break;                                                 \
-        case 3: name##_rows(w, X, 3, out); break;                                                 \
-        default: name##_rows(w, X, 4, out); break;                                                \
-        }                                                                                         \
+        WITH_PREFETCH_TARGET(switch (MB) {                                                        \
+            case 1: name##_rows(w, X, 1, out); break;                                             \
+            case 2: name##_rows(w, X, 2, out); break;                                             \
+            case 3: name##_rows(w, X, 3, out); break;                                             \
+            default: name##_rows(w, X, 4, out); break;                                            \
+        });                                                                                       \
     }
 
 Q8DOT(q8dot_q8_0, 32, 34, blk_q8_0)
