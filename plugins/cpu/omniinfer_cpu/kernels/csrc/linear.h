@@ -145,8 +145,8 @@ INLINE void linear_rows_m1(const void *x, const void *w, const void *bias, void 
 
 /* Rows [n0, n1) of W against every row of x, in groups of up to 4 (a row is still in L1 for
  * the next group). */
-INLINE void linear_rows(const void *x, size_t ldx, const void *w, const void *bias, void *y,
-                        size_t ldy, int dt, int M, int K, int n0, int n1) {
+INLINE void linear_rows_at(const void *x, size_t ldx, const void *w, const void *bias, void *y,
+                           size_t ldy, int dt, int M, int K, int n0, int n1) {
     if (M == 1) {
         linear_rows_m1(x, w, bias, y, dt, K, n0, n1);
         return;
@@ -168,6 +168,11 @@ INLINE void linear_rows(const void *x, size_t ldx, const void *w, const void *bi
             for (int m = 0; m < mb; m++) st1(y, dt, (size_t)(m0 + m) * ldy + n, out[m] + b);
         }
     }
+}
+/* linear_rows_at with the prefetch target known inside (prefetch.h) */
+INLINE void linear_rows(const void *x, size_t ldx, const void *w, const void *bias, void *y,
+                        size_t ldy, int dt, int M, int K, int n0, int n1) {
+    WITH_PREFETCH_TARGET(linear_rows_at(x, ldx, w, bias, y, ldy, dt, M, K, n0, n1););
 }
 
 #endif
