@@ -7,10 +7,11 @@
  * nothing (a prefetch does not fault).
  * Where to: omni_prefetch_to_l2(1) (the CPU plugin's default on Intel CPUs) prefetches into L2
  * only (prefetcht1), else into every level (prefetcht0). On that VM (6/167), into L2 streamed a
- * 32768 x 4096 Q4_0 weight 1.25x faster (4157-4425 -> 3330-3464 us), Q8_0 1.07-1.18x, Q4_K and
- * 4096 ahead against 8192 alike, and decoded the medium q4_0 / q8_0 / q4_k_m files 1.07x /
- * 1.05-1.11x / 1.00-1.07x faster (docs/performance.md). AMD's Zen 4 documents prefetcht1 as into
- * L2 too, but is reported to drop some; not measured on an AMD CPU, so they keep prefetcht0. */
+ * 32768 x 4096 Q4_0 weight 1.25x faster (4157-4425 -> 3330-3464 us), Q8_0 1.07-1.18x, Q4_K within
+ * the noise (8192 ahead no better than 4096), and decoded the medium q4_0 / q8_0 files 1.07-1.12x /
+ * 1.01-1.11x faster, q4_k_m alike (docs/performance.md, eleventh pass). AMD's Zen 4 documents
+ * prefetcht1 as into L2 too, but is reported to drop some; not measured on an AMD CPU, so AMD
+ * CPUs keep prefetcht0. */
 #ifndef OMNI_PREFETCH_H
 #define OMNI_PREFETCH_H
 #include "omni.h"
@@ -29,7 +30,9 @@ INLINE void prefetch_ahead(const void *p, int bytes) {
 }
 /* `code` (a kernel's inlined call) twice, under one test of omni_prefetch_l2: in each copy the
  * compiler knows the flag, so prefetch_ahead tests nothing in the loops (a test a block left a
- * 32768 x 4096 Q4_0 stream 6-8% slower than prefetcht1 alone; 6 runs each, 6/167) */
+ * 32768 x 4096 Q4_0 stream 6-8% slower than prefetcht1 alone; 6 runs each, 6/167). The groups of
+ * 8 (ROWS_OF), the int8 row dots (quant_q8.c) and omni_linear's rows use it; quant.c's
+ * float-activation row dots, compute-bound, still test once a block. */
 #define WITH_PREFETCH_TARGET(code) \
     do {                           \
         if (omni_prefetch_l2) {    \
