@@ -292,8 +292,9 @@ def q2k_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
 
 @triton.jit
 def _iq4xs_scale(d, head, low_scales, J):
-    """d times IQ4_XS sub-block J's scale less 32, float32 [BLOCK_N, 1]: its 6 bits the nibble
-    at bit 4J of `low_scales` and, above them, bits 16 + 2J of `head`."""
+    """d times IQ4_XS sub-block J's scale less 32, float32 (J [1, 8], the sub-block of each
+    column: [BLOCK_N, 8]): its 6 bits the nibble at bit 4J of `low_scales` and, above them, bits
+    16 + 2J of `head` (both [BLOCK_N, 1])."""
     ls = ((low_scales >> (4 * J)) & 15) | (((head >> (16 + 2 * J)) & 3) << 4)
     return d * ((ls | 0x4B000000).to(tl.float32, bitcast=True) - 8388640.0)
 
