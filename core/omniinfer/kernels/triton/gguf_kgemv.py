@@ -65,6 +65,17 @@ def _q5_code(low, high, qh, P: tl.constexpr, BIT: tl.constexpr):
 
 
 @triton.jit
+def _first_blocks(w_ptr, n, k_start, stride_wn, UNITS: tl.constexpr, UNIT: tl.constexpr):
+    """Each output's block that holds input k_start (a multiple of 256) [BLOCK_N, 1], as pointers
+    to UNIT-byte words (4: int32, 2: int16), a block being UNITS of them."""
+    if UNIT == 4:
+        rows = w_ptr.to(tl.pointer_type(tl.int32))
+    else:
+        rows = w_ptr.to(tl.pointer_type(tl.int16))
+    return rows + n.to(tl.int64)[:, None] * (stride_wn // UNIT) + (k_start // 256) * UNITS
+
+
+@triton.jit
 def kquant_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
                 TYPE: tl.constexpr, BLOCK_BYTES: tl.constexpr, BLOCK_N: tl.constexpr,
                 EVEN: tl.constexpr):
@@ -76,8 +87,7 @@ def kquant_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
     MASKED: tl.constexpr = not EVEN
     i = tl.arange(0, 8)
     ok = n_ok[:, None]
-    block = (w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * (stride_wn // 4)
-             + (k_start // 256) * WB)  # [BLOCK_N, 1]: each output's block
+    block = _first_blocks(w_ptr, n, k_start, stride_wn, WB, 4)  # [BLOCK_N, 1]
     x_i = x_ptr + k_start + 4 * i  # [8]: the input of byte 0 of each word's low nibbles
     acc = tl.zeros([BLOCK_N, 8], tl.float32)
     for _ in range(k_start, k_end, 256):
@@ -130,8 +140,7 @@ def _halfword_blocks(x_ptr, w_ptr, n, n_ok, k_start, stride_wn, HW: tl.constexpr
     mask [BLOCK_N, 1], each output's first block [BLOCK_N, 1] (int16 pointers), the inputs
     x_ptr + k_start + 2i [8], and its float32 sums [BLOCK_N, 8]."""
     i = tl.arange(0, 8)
-    block = (w_ptr.to(tl.pointer_type(tl.int16)) + n.to(tl.int64)[:, None] * (stride_wn // 2)
-             + (k_start // 256) * HW)
+    block = _first_blocks(w_ptr, n, k_start, stride_wn, HW, 2)
     return (i, n_ok[:, None], block, x_ptr + k_start + 2 * i,
             tl.zeros([BLOCK_N, 8], tl.float32))
 
@@ -257,8 +266,7 @@ def q2k_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn, magic,
     MASKED: tl.constexpr = not EVEN
     i = tl.arange(0, 4)
     ok = n_ok[:, None]
-    block = (w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * (stride_wn // 4)
-             + (k_start // 256) * 21)  # [BLOCK_N, 1]: each output's block
+    block = _first_blocks(w_ptr, n, k_start, stride_wn, 21, 4)  # [BLOCK_N, 1]
     x_i = x_ptr + k_start + 4 * i  # [4]: the input of byte 0 of each word
     acc = tl.zeros([BLOCK_N, 4], tl.float32)
     for _ in range(k_start, k_end, 256):
@@ -312,8 +320,7 @@ def iq4xs_gemv(x_ptr, w_ptr, n, n_ok, k_start, k_end, stride_wn,
     MASKED: tl.constexpr = not EVEN
     j = tl.arange(0, 8)
     ok = n_ok[:, None]
-    block = (w_ptr.to(tl.pointer_type(tl.int32)) + n.to(tl.int64)[:, None] * (stride_wn // 4)
-             + (k_start // 256) * 34)  # [BLOCK_N, 1]: each output's block
+    block = _first_blocks(w_ptr, n, k_start, stride_wn, 34, 4)  # [BLOCK_N, 1]
     x_j = x_ptr + k_start + 32 * j  # [8]: each sub-block's first input
     acc = tl.zeros([BLOCK_N, 8], tl.float32)
     for _ in range(k_start, k_end, 256):
