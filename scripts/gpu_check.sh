@@ -208,14 +208,17 @@ say "summary ($PLATFORM)"
 import collections, json, os, re, sys
 import xml.etree.ElementTree as ET
 
+def outcome(case):
+    return ("failed" if case.find("failure") is not None or case.find("error") is not None
+            else "skipped" if case.find("skipped") is not None else "passed")
+
+
 counts = collections.defaultdict(lambda: collections.Counter())
 if os.path.exists(sys.argv[1]):
     for case in ET.parse(sys.argv[1]).iter("testcase"):
         m = re.search(r"\[([A-Z0-9_]+)", case.get("name", ""))
         backend = m.group(1) if m else "(kit)"
-        outcome = ("failed" if case.find("failure") is not None or case.find("error") is not None
-                   else "skipped" if case.find("skipped") is not None else "passed")
-        counts[backend][outcome] += 1
+        counts[backend][outcome(case)] += 1
 bench = {}
 if os.path.exists(sys.argv[2]):
     with open(sys.argv[2]) as f:
@@ -245,14 +248,9 @@ if os.path.exists(sys.argv[4]):
                  else f"FAILED: {r['failed']}")
         print(f"{r['case']:<39} {state}")
 if os.path.exists(sys.argv[5]):
-    tests = collections.Counter()
-    failed = []
-    for case in ET.parse(sys.argv[5]).iter("testcase"):
-        if case.find("failure") is not None or case.find("error") is not None:
-            tests["failed"] += 1
-            failed.append(case.get("name"))
-        else:
-            tests["skipped" if case.find("skipped") is not None else "passed"] += 1
+    cases = list(ET.parse(sys.argv[5]).iter("testcase"))
+    tests = collections.Counter(outcome(case) for case in cases)
+    failed = [case.get("name") for case in cases if outcome(case) == "failed"]
     print(f"\nTriton kernel tests: {tests['passed']} passed, {tests['failed']} failed, "
           f"{tests['skipped']} skipped" + "".join(f"\n  FAILED {name}" for name in failed))
 EOF
