@@ -2,7 +2,9 @@
 cases written here, runs the kernels and writes their outputs back. Built with the kernels for
 every x86 level this CPU runs (natively), and for aarch64 with NEON (Debian's
 gcc-aarch64-linux-gnu) run under qemu-aarch64 (Debian's qemu-user): the same cases and the same
-torch references on every level, so an Arm build is checked on an x86 machine."""
+torch references on every level, so an Arm build is checked on an x86 machine. The driver is built
+with the kernels' prefetch trace (-DOMNI_PREFETCH_TRACE, csrc/prefetch.h), which only marks the
+lines prefetched: the same code otherwise, and the test of which lines a product prefetches."""
 
 from __future__ import annotations
 
@@ -107,8 +109,8 @@ def drivers(tmp_path_factory):
         native = level.arch == isa.machine_arch()
         cc = (os.environ.get("CC") or "gcc") if native else CROSS_CC
         exe = str(tmp / f"driver-{name}")
-        cmd = [cc, "-O3", "-std=gnu11", "-fopenmp", *level.cflags, DRIVER, *isa.sources(str(build.CSRC)),
-               "-o", exe, "-lm"]
+        cmd = [cc, "-O3", "-std=gnu11", "-fopenmp", "-DOMNI_PREFETCH_TRACE", *level.cflags, DRIVER,
+               *isa.sources(str(build.CSRC)), "-o", exe, "-lm"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         run = [exe] if native else [QEMU, "-L", CROSS_SYSROOT, exe]
@@ -190,9 +192,13 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (torch.round(v * torch.where(d > 0, 1.0 / d, torch.zeros_like(d))) * d).reshape(x.shape)
 
 
-def quant_cases(gen):
-    """omni_qlinear on each native format against the reference's dequantised weight, with float
-    and with int8 activations."""
+QUANT_KINDS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q2_K",
+               "Q3_K")
+
+
+def quantized(gen, kind, rows, cols):
+    """A random rows x cols weight as `kind` stores it: (blocks, scale or None, the reference's
+    dequantised weight)."""
     import numpy as np
 
     from omniinfer.quantization.base import dequantize_piece
@@ -200,24 +206,28 @@ def quant_cases(gen):
 
     gguf = pytest.importorskip("gguf")
     from omniinfer.testing import kquant
+
+    w = torch.randn(rows, cols, generator=gen) * 0.05
+    if kind == "int8":
+        piece = quantize(w)
+        return piece.tensors["q"], piece.tensors["scale"], dequantize_piece(piece)
+    q = kquant.QUANTIZERS[kind](w.numpy()) if kind in kquant.QUANTIZERS else \
+        gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind])
+    blocks = torch.from_numpy(np.ascontiguousarray(q.view(np.uint8).reshape(rows, -1)))
+    ref = torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType[kind]).reshape(rows, cols))
+    return blocks, None, ref
+
+
+def quant_cases(gen):
+    """omni_qlinear on each native format against the reference's dequantised weight, with float
+    and with int8 activations."""
     from omniinfer_cpu.quant import KIND_CODES, QACT_INT8, X8_CODES
     from omniinfer_cpu.quant_x8 import repack
 
     out = []
-    for kind in ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS",
-                 "Q2_K", "Q3_K"):
+    for kind in QUANT_KINDS:
         code = KIND_CODES.get(kind if kind == "int8" else f"gguf:{kind}")  # (None: groups of 8 only)
-        w = torch.randn(19, 512, generator=gen) * 0.05
-        if kind == "int8":
-            piece = quantize(w)
-            blocks, scale = piece.tensors["q"], piece.tensors["scale"]
-            ref = dequantize_piece(piece)
-        else:
-            q = kquant.QUANTIZERS[kind](w.numpy()) if kind in kquant.QUANTIZERS else \
-                gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind])
-            blocks = torch.from_numpy(np.ascontiguousarray(q.view(np.uint8).reshape(19, -1)))
-            scale = None
-            ref = torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType[kind]).reshape(19, 512))
+        blocks, scale, ref = quantized(gen, kind, 19, 512)
         for dt, m in ((F32, 3), (BF16, 3), (F32, 20), (BF16, 20)):  # (20 rows: the decoded panels)
             x = rand(gen, m, 512, dt=dt)
             want = F.linear(x.double(), ref.double())
@@ -237,6 +247,44 @@ def quant_cases(gen):
                 out.append((("qlinear", [m, 19, 512, c | QACT_INT8, dt, 2], [], [x, w, scale,
                                                                           torch.zeros(m, 19, dtype=TORCH_DTYPE[dt])]),
                             lambda a, want=want, dt=dt: torch.testing.assert_close(a[3].double(), want, **TOL[dt])))
+    return out
+
+
+PREFETCH_AHEAD = 4096  # csrc/prefetch.h: how far ahead of its loop a product prefetches
+
+
+def prefetch_cases(gen):
+    """Batch-1 products (one x row) on every weight a decode streams, with their weight's
+    prefetched lines marked (the driver's "prefetched_" cases): omni_qlinear on each kind's rows as
+    stored (float and int8 activations) and in groups of 8, omni_linear on float32 and bfloat16;
+    each into L1 and into L2. Each weight is 64 x 2048, many times PREFETCH_AHEAD.
+    (case, what it is) pairs."""
+    from omniinfer_cpu.quant import KIND_CODES, QACT_INT8, X8_CODES
+    from omniinfer_cpu.quant_x8 import repack
+
+    rows, cols = 64, 2048
+    x, y = rand(gen, 1, cols), torch.zeros(1, rows)
+    ways = []  # (what, kernel, kind code or dtype, weight, scale)
+    for kind in QUANT_KINDS:
+        code = KIND_CODES.get(kind if kind == "int8" else f"gguf:{kind}")
+        blocks, scale, _ = quantized(gen, kind, rows, cols)
+        if code is not None:
+            ways.append((f"{kind} rows, float x", "qlinear", code, blocks, scale))
+            if code <= KIND_CODES["int8"]:  # (the kinds with a row-at-a-time int8 dot)
+                ways.append((f"{kind} rows, int8 x", "qlinear", code | QACT_INT8, blocks, scale))
+        x8 = X8_CODES.get(f"gguf:{kind}")
+        if x8 is not None:
+            grouped = repack(f"gguf:{kind}", blocks, (rows, cols)).tensors["blocks8"]
+            ways.append((f"{kind} groups of 8, int8 x", "qlinear", x8 | QACT_INT8, grouped, None))
+    for dt in (F32, BF16):
+        ways.append((f"{TORCH_DTYPE[dt]} rows", "linear", dt, rand(gen, rows, cols, dt=dt), None))
+    out = []
+    for what, kernel, code, w, scale in ways:
+        seen = torch.zeros(-(-w.numel() * w.element_size() // 64), dtype=torch.uint8)
+        for l2 in (0, 1):
+            # qlinear: M N K kind dt threads; linear: M N K dt threads; then the driver's L2 flag
+            ints = [1, rows, cols, code, F32, 2, l2] if kernel == "qlinear" else [1, rows, cols, code, 2, l2]
+            out.append(((f"prefetched_{kernel}", ints, [], [x, w, scale, y, seen]), f"{what}, into L{1 + l2}"))
     return out
 
 
@@ -388,3 +436,24 @@ def test_kernels_without_python(target, drivers, tmp_path):
                     torch.testing.assert_close(got[at:at + n].double(), expect, **TOL[dt],
                                                msg=lambda m, where=where: f"{where}: {m}")
                     at += n
+
+
+@pytest.mark.parametrize("target", _driver_targets())
+def test_batch1_products_prefetch_every_line_of_their_weight(target, drivers, tmp_path):
+    """A batch-1 product prefetches each line of the weight it streams (csrc/prefetch.h), past the
+    first PREFETCH_AHEAD bytes, into L1 and into L2 alike: a line it skips is a demand miss from
+    memory where prefetcht1 leaves the L1 to the hardware. The K-quant groups of 8 once skipped
+    each block's 128-144-byte header; on a Zen 4 with prefetcht1 that left Q4_K, Q5_K and Q6_K
+    streams 1.2-1.6x slower (docs/performance.md, twelfth pass)."""
+    cmd = drivers(target)
+    gen = torch.Generator().manual_seed(7)
+    cases = prefetch_cases(gen)
+    outs = run_driver(cmd, tmp_path, [c for c, _ in cases], "prefetch")
+    missed = []
+    for (case, what), arrays in zip(cases, outs):
+        seen, w = arrays[-1], case[3][1]
+        lines = torch.nonzero(seen[PREFETCH_AHEAD // 64:] == 0).flatten() + PREFETCH_AHEAD // 64
+        if len(lines):
+            missed.append(f"{what}: {len(lines)} of {len(seen)} lines never prefetched, at bytes "
+                          f"{(lines[:6] * 64).tolist()} of {w.numel() * w.element_size()}")
+    assert not missed, f"{target}:\n" + "\n".join(missed)

@@ -123,6 +123,7 @@ static void dot_i8(const uint8_t *w, const float *x, size_t ldx, const float *xs
     vf a0[QMB] = {{0}}, a1[QMB] = {{0}};
     int k = 0;
     for (; k + 2 * VL <= K; k += 2 * VL) {
+        if (!(k & 63)) prefetch_ahead(q + k, 64);  /* (a line a 64 codes) */
         vf q0 = s8_load(q + k), q1 = s8_load(q + k + VL);
         for (int m = 0; m < MB; m++) {
             a0[m] += q0 * *(const vfu *)(x + m * ldx + k);

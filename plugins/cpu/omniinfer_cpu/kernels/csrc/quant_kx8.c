@@ -34,6 +34,7 @@ INLINE void kq_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     const int nbx = X->K / 32, sub = 128 + 32 * hi;
     for (int b = 0; b < X->K / 256; b++) {
         const uint8_t *blk = g + (size_t)b * (128 + 8 * sub);
+        prefetch_ahead(blk, 128);
         __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         __m256 dmw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
         for (int s = 0; s < 8; s++) {
@@ -77,6 +78,7 @@ INLINE void k6_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     const int nbx = X->K / 32;
     for (int b = 0; b < X->K / 256; b++) {
         const uint8_t *blk = g + (size_t)b * K6_BYTES;
+        prefetch_ahead(blk, 144);
         __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
         for (int s = 0; s < 8; s++) {
             const uint8_t *cs = blk + 144 + 192 * s;
@@ -122,6 +124,7 @@ INLINE void kq_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     const int nbx = X->K / 32, sub = 128 + 32 * hi;
     for (int b = 0; b < X->K / 256; b++) {
         const uint8_t *blk = g + (size_t)b * (128 + 8 * sub);
+        prefetch_ahead(blk, 128);
         float32x4_t dw[2], dmw[2];
         for (int h = 0; h < 2; h++) {
             dw[h] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk + 4 * h)));
@@ -160,6 +163,7 @@ INLINE void k6_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     const int nbx = X->K / 32;
     for (int b = 0; b < X->K / 256; b++) {
         const uint8_t *blk = g + (size_t)b * K6_BYTES;
+        prefetch_ahead(blk, 144);
         float32x4_t dw[2] = {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk))),
                              vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16((const uint16_t *)blk + 4)))};
         for (int s = 0; s < 8; s++) {
@@ -212,6 +216,7 @@ INLINE void kq_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     const int nbx = X->K / 32, sub = 128 + 32 * hi;
     for (int b = 0; b < X->K / 256; b++) {
         const uint8_t *blk = g + (size_t)b * (128 + 8 * sub);
+        prefetch_ahead(blk, 128);
         for (int s = 0; s < 8; s++) {
             const uint8_t *cs = blk + 128 + sub * s, *hb = hi ? cs + 128 : NULL;
             prefetch_ahead(cs, sub);
@@ -242,6 +247,7 @@ INLINE void k6_rows(const uint8_t *g, const xq *X, int m0, const int MB, float o
     const int nbx = X->K / 32;
     for (int b = 0; b < X->K / 256; b++) {
         const uint8_t *blk = g + (size_t)b * K6_BYTES;
+        prefetch_ahead(blk, 144);
         for (int s = 0; s < 8; s++) {
             const uint8_t *cs = blk + 144 + 192 * s;
             prefetch_ahead(cs, 192);
