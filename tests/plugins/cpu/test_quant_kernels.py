@@ -212,12 +212,13 @@ def test_an_embedding_lookup_decodes_the_references_rows(isa_level, kind, mode, 
 
 def test_the_prefetch_target_follows_the_variable_else_the_vendor(monkeypatch):
     """Where batch-1 products prefetch the weight (csrc/prefetch.h): OMNIINFER_CPU_PREFETCH, else
-    L2 on Intel CPUs (measured faster there) and L1 elsewhere; a value it does not know is named."""
+    L2 on Intel and AMD CPUs (measured faster there) and L1 elsewhere; a value it does not know is
+    named."""
     from omniinfer.platforms import host
     from omniinfer_cpu.kernels import build
 
     monkeypatch.delenv(build.ENV_PREFETCH, raising=False)
-    for vendor, target in (("GenuineIntel", "l2"), ("AuthenticAMD", "l1"), ("", "l1")):
+    for vendor, target in (("GenuineIntel", "l2"), ("AuthenticAMD", "l2"), ("ARM", "l1"), ("", "l1")):
         monkeypatch.setattr(host, "cpu_info", lambda v=vendor: {"vendor": v} if v else {})
         assert build.prefetch_target()[0] == target, vendor
     monkeypatch.setenv(build.ENV_PREFETCH, "L1")

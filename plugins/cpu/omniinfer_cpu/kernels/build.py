@@ -43,6 +43,8 @@ ENV_SWITCH = "OMNIINFER_CPU_KERNELS"  # "0" turns the compiled kernels off
 ENV_CACHE = "OMNIINFER_CPU_KERNEL_CACHE"  # where libraries built at first use go
 ENV_AMX = "OMNIINFER_CPU_AMX"  # "0" keeps prefills off AMX's tiles (quant_amx.c)
 ENV_PREFETCH = "OMNIINFER_CPU_PREFETCH"  # "l2" / "l1": where batch-1 products prefetch (prefetch.h)
+# the CPU vendors whose batch-1 streams measured faster prefetched into L2 (prefetch.h), by name
+L2_VENDORS = {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}
 AMX_STATES = {1: "on", 0: f"off ({ENV_AMX}=0)", -1: "this level's library has no AMX code (avx512_bf16's has)",
               -2: "the CPU or the OS cannot run AMX-BF16 tiles"}
 CSRC = Path(__file__).parent / "csrc"  # one C file per kernel family, omni.h shared
@@ -217,8 +219,8 @@ class Kernels:
 
 def prefetch_target() -> tuple[str, str]:
     """Where the batch-1 products' software prefetch puts the weight ("l2": L2 only, prefetcht1;
-    "l1": every level, prefetcht0) and why: $OMNIINFER_CPU_PREFETCH, else L2 on Intel CPUs, where
-    it measured faster (csrc/prefetch.h), and L1 on the others, not measured the other way."""
+    "l1": every level, prefetcht0) and why: $OMNIINFER_CPU_PREFETCH, else L2 on Intel and AMD
+    CPUs, where it measured faster (csrc/prefetch.h), and L1 on the others (Arm: not measured)."""
     value = os.environ.get(ENV_PREFETCH, "").strip().lower()
     if value:
         if value not in ("l1", "l2"):
@@ -228,9 +230,9 @@ def prefetch_target() -> tuple[str, str]:
     from omniinfer.platforms.host import cpu_info
 
     vendor = cpu_info().get("vendor", "")
-    if vendor == "GenuineIntel":
-        return "l2", "the default on Intel CPUs, where it measured faster"
-    return "l1", f"the default on {vendor or 'this CPU'}: L2 is measured on Intel CPUs only"
+    if vendor in L2_VENDORS:
+        return "l2", f"the default on {L2_VENDORS[vendor]} CPUs, where it measured faster"
+    return "l1", f"the default on {vendor or 'this CPU'}: L2 is measured on Intel and AMD CPUs only"
 
 
 def load_level(name: str) -> Kernels:
