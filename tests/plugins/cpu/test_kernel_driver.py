@@ -253,38 +253,49 @@ def quant_cases(gen):
 PREFETCH_AHEAD = 4096  # csrc/prefetch.h: how far ahead of its loop a product prefetches
 
 
-def prefetch_cases(gen):
+def prefetch_cases(gen, coded=()):
     """Batch-1 products (one x row) on every weight a decode streams, with their weight's
     prefetched lines marked (the driver's "prefetched_" cases): omni_qlinear on each kind's rows as
-    stored (float and int8 activations) and in groups of 8, omni_linear on float32 and bfloat16;
-    each into L1 and into L2. Each weight is 64 x 2048, many times PREFETCH_AHEAD.
-    (case, what it is) pairs."""
+    stored (float and int8 activations) and in groups of 8, omni_linear on float32 and bfloat16, and
+    omni_linear_ec on the coded copies of the dtypes in `coded` (those the driver's level decodes,
+    packed by the kernels loaded here); each into L1 and into L2. Each weight is 64 x 2048, many
+    times PREFETCH_AHEAD. (case, what it is, the bytes streamed: a coded copy's rows) triples."""
+    from omniinfer_cpu.kernels import build
     from omniinfer_cpu.quant import KIND_CODES, QACT_INT8, X8_CODES
     from omniinfer_cpu.quant_x8 import repack
 
     rows, cols = 64, 2048
-    x, y = rand(gen, 1, cols), torch.zeros(1, rows)
-    ways = []  # (what, kernel, kind code or dtype, weight, scale)
+    ways = []  # (what, kernel, kind code or dtype, weight, scale, x's dtype, bytes streamed)
     for kind in QUANT_KINDS:
         code = KIND_CODES.get(kind if kind == "int8" else f"gguf:{kind}")
         blocks, scale, _ = quantized(gen, kind, rows, cols)
-        if code is not None:
-            ways.append((f"{kind} rows, float x", "qlinear", code, blocks, scale))
-            if code <= KIND_CODES["int8"]:  # (the kinds with a row-at-a-time int8 dot)
-                ways.append((f"{kind} rows, int8 x", "qlinear", code | QACT_INT8, blocks, scale))
         x8 = X8_CODES.get(f"gguf:{kind}")
-        if x8 is not None:
-            grouped = repack(f"gguf:{kind}", blocks, (rows, cols)).tensors["blocks8"]
-            ways.append((f"{kind} groups of 8, int8 x", "qlinear", x8 | QACT_INT8, grouped, None))
+        grouped = [] if x8 is None else [(f"{kind} groups of 8, int8 x", x8 | QACT_INT8,
+                                          repack(f"gguf:{kind}", blocks, (rows, cols)).tensors["blocks8"], None)]
+        as_stored = [] if code is None else [(f"{kind} rows, float x", code, blocks, scale)] + (
+            [(f"{kind} rows, int8 x", code | QACT_INT8, blocks, scale)] if code <= KIND_CODES["int8"] else [])
+        for what, c, w, sc in as_stored + grouped:
+            ways.append((what, "qlinear", c, w, sc, F32, w.numel()))
+    kernels = build.load()
     for dt in (F32, BF16):
-        ways.append((f"{TORCH_DTYPE[dt]} rows", "linear", dt, rand(gen, rows, cols, dt=dt), None))
+        w = rand(gen, rows, cols, dt=dt, scale=0.05)
+        ways.append((f"{TORCH_DTYPE[dt]} rows", "linear", dt, w, None, dt, w.numel() * w.element_size()))
+        if dt in coded and kernels is not None and kernels.ec_supported(dt):
+            patches = kernels.ec_count(w.data_ptr(), rows, cols, dt, 1)
+            copy = torch.empty(kernels.ec_size(rows, cols, dt, patches), dtype=torch.uint8)
+            assert patches >= 0 and kernels.ec_pack(w.data_ptr(), rows, cols, dt, patches, copy.data_ptr(), 1) == 0
+            lanes, group = (16, 56) if dt == F32 else (32, 48)  # (coded.c: a group's weights, bytes)
+            ways.append((f"{TORCH_DTYPE[dt]} coded rows", "linear_ec", dt, copy, None, dt,
+                         rows * (cols // lanes) * group))
     out = []
-    for what, kernel, code, w, scale in ways:
+    for what, kernel, code, w, scale, xdt, streamed in ways:
+        x, y = rand(gen, 1, cols, dt=xdt), torch.zeros(1, rows, dtype=TORCH_DTYPE[xdt])
         seen = torch.zeros(-(-w.numel() * w.element_size() // 64), dtype=torch.uint8)
         for l2 in (0, 1):
-            # qlinear: M N K kind dt threads; linear: M N K dt threads; then the driver's L2 flag
-            ints = [1, rows, cols, code, F32, 2, l2] if kernel == "qlinear" else [1, rows, cols, code, 2, l2]
-            out.append(((f"prefetched_{kernel}", ints, [], [x, w, scale, y, seen]), f"{what}, into L{1 + l2}"))
+            # qlinear: M N K kind dt threads; linear(_ec): M N K dt threads; then the driver's L2 flag
+            ints = [1, rows, cols, code, xdt, 2, l2] if kernel == "qlinear" else [1, rows, cols, code, 2, l2]
+            out.append(((f"prefetched_{kernel}", ints, [], [x, w, scale, y, seen]), f"{what}, into L{1 + l2}",
+                        streamed))
     return out
 
 
@@ -446,14 +457,16 @@ def test_batch1_products_prefetch_every_line_of_their_weight(target, drivers, tm
     each block's 128-144-byte header; on a Zen 4 with prefetcht1 that left Q4_K, Q5_K and Q6_K
     streams 1.2-1.6x slower (docs/performance.md, twelfth pass)."""
     cmd = drivers(target)
+    decoded = subprocess.run([*cmd, "--coded"], capture_output=True, text=True, timeout=60).stdout.split()
+    coded = [dt for dt, on in zip((F32, BF16), decoded) if on == "1"]
     gen = torch.Generator().manual_seed(7)
-    cases = prefetch_cases(gen)
-    outs = run_driver(cmd, tmp_path, [c for c, _ in cases], "prefetch")
+    cases = prefetch_cases(gen, coded)
+    outs = run_driver(cmd, tmp_path, [c for c, _, _ in cases], "prefetch")
     missed = []
-    for (case, what), arrays in zip(cases, outs):
-        seen, w = arrays[-1], case[3][1]
+    for (_, what, streamed), arrays in zip(cases, outs):
+        seen = arrays[-1][:-(-streamed // 64)]
         lines = torch.nonzero(seen[PREFETCH_AHEAD // 64:] == 0).flatten() + PREFETCH_AHEAD // 64
         if len(lines):
             missed.append(f"{what}: {len(lines)} of {len(seen)} lines never prefetched, at bytes "
-                          f"{(lines[:6] * 64).tolist()} of {w.numel() * w.element_size()}")
+                          f"{(lines[:6] * 64).tolist()} of {streamed}")
     assert not missed, f"{target}:\n" + "\n".join(missed)

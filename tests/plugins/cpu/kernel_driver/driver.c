@@ -37,6 +37,9 @@ int omni_paged_attention(const void *q, int64_t q_stride, const void *key, int64
                          int nthreads);
 void omni_q8_pack(const void *w, int N, int K, int dt, int8_t *q, float *scale, float *coef,
                   int nthreads);
+int omni_ec_supported(int dt);
+int omni_linear_ec(const void *x, int64_t ldx, const uint8_t *ec, const void *bias, void *y, int64_t ldy,
+                   int M, int N, int K, int dt, int nthreads);
 int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy,
                  int M, int N, int K, int kind, int dt, int nthreads);
 int omni_linear_argmax_q8(const void *x, int64_t ldx, const void *w, const int8_t *q,
@@ -171,6 +174,9 @@ static int run(Case *c) {
                                     A(3), I(0), A(4), A(5), A(6), I(9), A(7), A(8), I(1), A(9),
                                     (int64_t)H * D, H, KVH, D, I(5), c->floats[0], I(6), I(7), I(8));
     }
+    if (!strcmp(k, "linear_ec")) {  /* M N K dt threads; x ec (omni_ec_pack's copy) bias y */
+        return omni_linear_ec(A(0), I(2), A(1), OPT(2), A(3), I(1), I(0), I(1), I(2), I(3), I(4));
+    }
     if (!strcmp(k, "qlinear")) {  /* M N K kind dt threads; x w scale y */
         return omni_qlinear(A(0), I(2), A(1), OPT(2), A(3), I(1), I(0), I(1), I(2), I(3), I(4), I(5));
     }
@@ -214,7 +220,11 @@ int main(int argc, char **argv) {
         printf("%s\n", omni_isa());
         return 0;
     }
-    need(argc == 3, "usage: driver CASES OUT | driver --isa");
+    if (argc == 2 && !strcmp(argv[1], "--coded")) {  /* the dtypes omni_linear_ec runs here */
+        printf("%d %d\n", omni_ec_supported(0), omni_ec_supported(1));
+        return 0;
+    }
+    need(argc == 3, "usage: driver CASES OUT | driver --isa | driver --coded");
     FILE *in = fopen(argv[1], "rb"), *out = fopen(argv[2], "wb");
     need(in && out, "cannot open the files");
     char magic[8];

@@ -56,8 +56,8 @@ INLINE void prefetch_ahead(const void *p, int bytes) {
 /* `code` (a kernel's inlined call) twice, under one test of omni_prefetch_l2: in each copy the
  * compiler knows the flag, so prefetch_ahead tests nothing in the loops (a test a block left a
  * 32768 x 4096 Q4_0 stream 6-8% slower than prefetcht1 alone; 6 runs each, 6/167). The groups of
- * 8 (ROWS_OF), the int8 row dots (quant_q8.c) and omni_linear's rows use it; quant.c's
- * float-activation row dots, compute-bound, still test once a block. */
+ * 8 (ROWS_OF), the int8 row dots (quant_q8.c), omni_linear's rows and the coded copies' rows
+ * (coded.c) use it; quant.c's float-activation row dots, compute-bound, still test once a block. */
 #define WITH_PREFETCH_TARGET(code) \
     do {                           \
         if (omni_prefetch_l2) {    \
