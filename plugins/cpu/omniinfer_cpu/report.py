@@ -79,8 +79,8 @@ def kernel_report() -> dict:
            f"bfloat16, float32 sums); {build.ENV_AMX}=0 keeps them on the int8 path" if kernels.amx == "on"
            else f"{kernels.amx}: products of many rows stay on the int8 path")
     family("weight prefetch", True,
-           f"batch-1 quantised products prefetch the weight 4 KB ahead into {kernels.prefetch}; "
-           f"{build.ENV_PREFETCH}=l1|l2 chooses")
+           f"batch-1 products (quantised, float and coded weights) prefetch the weight 4 KB ahead into "
+           f"{kernels.prefetch}; {build.ENV_PREFETCH}=l1|l2 chooses")
     report["cpu_kernel_families"] = families
     return report
 

@@ -123,7 +123,8 @@ def test_env_reports_the_level_and_the_kernel_families(isa_level):
                              "paged attention", "layer ops", "mixture of experts", "AMX quantised prefills",
                              "weight prefetch"}
     assert families["weight prefetch"]["why"].startswith(
-        f"batch-1 quantised products prefetch the weight 4 KB ahead into {isa_level.prefetch}")
+        f"batch-1 products (quantised, float and coded weights) prefetch the weight 4 KB ahead into "
+        f"{isa_level.prefetch}")
     assert isa_level.prefetch.startswith(("L1 (", "L2 ("))
     # (the fixture sets OMNIINFER_CPU_AMX=0; below avx512_bf16 the library has no tile code at all)
     amx = families["AMX quantised prefills"]
