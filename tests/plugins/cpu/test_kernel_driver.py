@@ -196,9 +196,9 @@ QUANT_KINDS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8", "Q4_1", "Q5_0", "Q5_1", "
                "Q3_K")
 
 
-def quantized(gen, kind, rows, cols):
-    """A random rows x cols weight as `kind` stores it: (blocks, scale or None, the reference's
-    dequantised weight)."""
+def quantized(gen, kind, rows, cols, scale=0.05):
+    """A random rows x cols weight (normal, times `scale`) as `kind` stores it: (blocks, scale or
+    None, the reference's dequantised weight)."""
     import numpy as np
 
     from omniinfer.quantization.base import dequantize_piece
@@ -207,7 +207,7 @@ def quantized(gen, kind, rows, cols):
     gguf = pytest.importorskip("gguf")
     from omniinfer.testing import kquant
 
-    w = torch.randn(rows, cols, generator=gen) * 0.05
+    w = torch.randn(rows, cols, generator=gen) * scale
     if kind == "int8":
         piece = quantize(w)
         return piece.tensors["q"], piece.tensors["scale"], dequantize_piece(piece)
@@ -261,6 +261,7 @@ def prefetch_cases(gen, coded=()):
     packed by the kernels loaded here); each into L1 and into L2. Each weight is 64 x 2048, many
     times PREFETCH_AHEAD. (case, what it is, the bytes streamed: a coded copy's rows) triples."""
     from omniinfer_cpu.kernels import build
+    from omniinfer_cpu.linear import EC_BITS
     from omniinfer_cpu.quant import KIND_CODES, QACT_INT8, X8_CODES
     from omniinfer_cpu.quant_x8 import repack
 
@@ -284,9 +285,8 @@ def prefetch_cases(gen, coded=()):
             patches = kernels.ec_count(w.data_ptr(), rows, cols, dt, 1)
             copy = torch.empty(kernels.ec_size(rows, cols, dt, patches), dtype=torch.uint8)
             assert patches >= 0 and kernels.ec_pack(w.data_ptr(), rows, cols, dt, patches, copy.data_ptr(), 1) == 0
-            lanes, group = (16, 56) if dt == F32 else (32, 48)  # (coded.c: a group's weights, bytes)
             ways.append((f"{TORCH_DTYPE[dt]} coded rows", "linear_ec", dt, copy, None, dt,
-                         rows * (cols // lanes) * group))
+                         rows * cols * EC_BITS[TORCH_DTYPE[dt]] // 8))
     out = []
     for what, kernel, code, w, scale, xdt, streamed in ways:
         x, y = rand(gen, 1, cols, dt=xdt), torch.zeros(1, rows, dtype=TORCH_DTYPE[xdt])
@@ -303,20 +303,13 @@ def qmoe_cases(gen):
     """omni_qmoe (one token: int8 activations on groups of 8, float ones on rows as stored) and
     omni_qmoe_tokens (a chunk) against torch on the `gguf` package's dequantisation: the routed
     experts' weighted sum, x and the SiLU-and-multiply rounded as the int8 path rounds them."""
-    import numpy as np
-
-    gguf = pytest.importorskip("gguf")
-    from omniinfer.testing import kquant
     from omniinfer_cpu.quant import KIND_CODES, QACT_INT8, X8_CODES
     from omniinfer_cpu.quant_x8 import repack
 
     E, H, inter = 5, 256, 256
 
     def expert(kind, rows, cols, grouped):
-        w = (torch.randn(rows, cols, generator=gen) * 0.1).numpy()
-        q = kquant.QUANTIZERS[kind](w) if kind in kquant.QUANTIZERS else gguf.quants.quantize(w, gguf.GGMLQuantizationType[kind])
-        blocks = torch.from_numpy(np.ascontiguousarray(q.view(np.uint8).reshape(rows, -1)))
-        ref = torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType[kind]).reshape(rows, cols))
+        blocks, _, ref = quantized(gen, kind, rows, cols, scale=0.1)
         return (repack(f"gguf:{kind}", blocks, (rows, cols)).tensors["blocks8"] if grouped else blocks), ref.double()
 
     out = []

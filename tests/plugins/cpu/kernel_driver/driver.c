@@ -55,12 +55,13 @@ int omni_qmoe(const float *x, const int64_t *w13, const int64_t *s13, const int3
 int omni_qmoe_tokens(const float *x, int T, const int64_t *w13, int kind13, const int64_t *w2, int kind2,
                      const int64_t *ids, const float *weights, int n, int E, float *out, int H, int I, int nthreads);
 
-#ifdef OMNI_PREFETCH_TRACE
+#ifndef OMNI_PREFETCH_TRACE
+#error "the driver is built with the kernels' prefetch trace: -DOMNI_PREFETCH_TRACE (test_kernel_driver.py)"
+#endif
 /* the kernels' prefetch trace (csrc/prefetch.h): set around a "prefetched_" case */
 const char *omni_prefetch_base;
 size_t omni_prefetch_bytes;
 uint8_t *omni_prefetch_seen;
-#endif
 int omni_prefetch_to_l2(int on);
 
 #define MAX_ARGS 32
@@ -119,7 +120,6 @@ static int run(Case *c) {
     if (!strncmp(k, "prefetched_", 11)) {
         /* the case named after the prefix, with the lines of its weight (array 1) that the kernels
          * prefetch marked in its last array; its last int: 1 prefetch into L2, 0 into L1 */
-#ifdef OMNI_PREFETCH_TRACE
         Case inner = *c;
         memset(inner.name, 0, sizeof inner.name);
         memcpy(inner.name, c->name + 11, sizeof c->name - 11);
@@ -129,10 +129,6 @@ static int run(Case *c) {
         omni_prefetch_bytes = 0, omni_prefetch_seen = NULL;
         omni_prefetch_to_l2(0);
         return rc;
-#else
-        fprintf(stderr, "driver: %.32s needs a driver built with -DOMNI_PREFETCH_TRACE\n", k);
-        return -101;
-#endif
     }
     if (!strcmp(k, "linear")) {  /* M N K dt threads; x w bias y */
         omni_linear(A(0), I(2), A(1), OPT(2), A(3), I(1), I(0), I(1), I(2), I(3), I(4));
