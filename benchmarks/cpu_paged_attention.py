@@ -24,7 +24,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,10 +49,9 @@ def build(source: str, out_dir: str):
         sys.exit(f"error: no kernel level to build: {why}")
     lib = os.path.join(out_dir, f"k{abs(hash(os.path.abspath(source)))}.so")
     files = isa.sources(source) if os.path.isdir(source) else [source]
-    cmd = ["gcc", *isa.BASE_CFLAGS, *level.cflags, "-fopenmp", *files, "-o", lib, "-lm"]
-    result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"error: building {source} failed:\n{result.stderr[-2000:]}")
+    error = isa.compile_and_link("gcc", [*isa.BASE_CFLAGS, *level.cflags, "-fopenmp"], files, lib)
+    if error is not None:
+        sys.exit(f"error: building {source} failed:\n{error[-2000:]}")
     fn = ctypes.CDLL(lib).omni_paged_attention
     fn.argtypes, fn.restype = SIGNATURES["omni_paged_attention"]
     return fn

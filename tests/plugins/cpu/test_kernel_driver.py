@@ -109,10 +109,9 @@ def drivers(tmp_path_factory):
         native = level.arch == isa.machine_arch()
         cc = (os.environ.get("CC") or "gcc") if native else CROSS_CC
         exe = str(tmp / f"driver-{name}")
-        cmd = [cc, "-O3", "-std=gnu11", "-fopenmp", "-DOMNI_PREFETCH_TRACE", *level.cflags, DRIVER,
-               *isa.sources(str(build.CSRC)), "-o", exe, "-lm"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        flags = ["-O3", "-std=gnu11", "-fopenmp", "-DOMNI_PREFETCH_TRACE", *level.cflags]
+        error = isa.compile_and_link(cc, flags, [DRIVER, *isa.sources(str(build.CSRC))], exe)
+        assert error is None, f"{cc} could not build the {name} driver:\n{error[-3000:]}"
         run = [exe] if native else [QEMU, "-L", CROSS_SYSROOT, exe]
         built[name] = run
         return run

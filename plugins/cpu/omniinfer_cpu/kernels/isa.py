@@ -126,7 +126,8 @@ def choose(cap: str | None, flags: set[str] | None = None) -> tuple[IsaLevel | N
 
 
 # ---- building one level's library (here, or by setup.py into a wheel) ------------------------
-BASE_CFLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11")
+COMPILE_CFLAGS = ("-O3", "-fPIC", "-std=gnu11")
+BASE_CFLAGS = COMPILE_CFLAGS + ("-shared",)
 
 
 def sources(csrc: str) -> list[str]:
@@ -148,12 +149,49 @@ def source_digest(csrc: str) -> str:
     return key.hexdigest()
 
 
-def build_library(cc: str, level: IsaLevel, files: list[str], target: str) -> str | None:
-    """Compile `files` for `level` into one library at `target` (atomically: concurrent builders
-    race harmlessly). Returns None, or a warning when it had to go without OpenMP. Raises
-    RuntimeError with the compiler's last line when it cannot build."""
+def build_jobs() -> int:
+    """Compiler processes at once: the CPUs this process may use."""
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # (no affinity outside Linux)
+        return os.cpu_count() or 1
+
+
+def compile_and_link(cc: str, cflags: list[str] | tuple[str, ...], files: list[str], out: str,
+                     link: list[str] | tuple[str, ...] = ("-lm",), jobs: int | None = None) -> str | None:
+    """Compile each of `files` with `cflags`, `jobs` at once, and link the objects into `out`
+    (`cflags` are given to the link too: -shared, -fopenmp, -march). One gcc call over all the
+    files compiles them one after another; the kernels' ~20 files take 22 s on one core, 11 s
+    on two. None when built, else the compiler's messages (the first failing file's)."""
+    import concurrent.futures
     import os
     import subprocess
+    import tempfile
+
+    compile_flags = [f for f in cflags if f != "-shared"]
+    with tempfile.TemporaryDirectory(prefix="omni-build-") as tmp:
+        objects = [os.path.join(tmp, f"{i}-{os.path.basename(f)}.o") for i, f in enumerate(files)]
+
+        def one(pair):
+            return subprocess.run([cc, *compile_flags, "-c", pair[0], "-o", pair[1]], capture_output=True, text=True)
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, min(len(files), jobs or build_jobs()))) as pool:
+            failed = [r for r in pool.map(one, zip(files, objects)) if r.returncode != 0]
+        if not failed:
+            linked = subprocess.run([cc, *cflags, *objects, "-o", out, *link], capture_output=True, text=True)
+            failed = [linked] if linked.returncode != 0 else []
+    if not failed:
+        return None
+    return failed[0].stderr.strip() or f"exit status {failed[0].returncode}"
+
+
+def build_library(cc: str, level: IsaLevel, files: list[str], target: str, jobs: int | None = None) -> str | None:
+    """Compile `files` for `level` into one library at `target` (atomically: concurrent builders
+    race harmlessly), `jobs` compiler processes at once. Returns None, or a warning when it had to
+    go without OpenMP. Raises RuntimeError with the compiler's last line when it cannot build."""
+    import os
     import tempfile
 
     os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
@@ -162,13 +200,11 @@ def build_library(cc: str, level: IsaLevel, files: list[str], target: str) -> st
     for extra in (["-fopenmp"], []):
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=os.path.dirname(target) or ".")
         os.close(fd)
-        cmd = [cc, *BASE_CFLAGS, *level.cflags, *extra, *files, "-o", tmp, "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode == 0:
+        error = compile_and_link(cc, [*BASE_CFLAGS, *level.cflags, *extra], files, tmp, jobs=jobs)
+        if error is None:
             os.replace(tmp, target)
             return None if extra else f"built without OpenMP (single-threaded): {errors[-1]}"
         os.unlink(tmp)
-        err = result.stderr.strip()
-        errors.append(err.splitlines()[-1] if err else f"exit status {result.returncode}")
+        errors.append(error.splitlines()[-1])
     raise RuntimeError(f"{os.path.basename(cc)} failed to build the CPU kernels for {level.name}: "
                        f"{errors[0]}")
