@@ -177,13 +177,18 @@ def test_the_iq4_polynomial_gives_the_table_at_every_code():
     assert max(abs(p - v) for p, v in zip(poly, gguf_blocks.IQ4_VALUES)) <= 0.44
 
 
+@pytest.mark.parametrize("step", [3, pytest.param(1, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", CLASSIC)
-def test_the_one_row_gemv_of_the_classic_types_decodes_every_weight_bit_for_bit(name):
+def test_the_one_row_gemv_of_the_classic_types_decodes_weights_bit_for_bit(name, step):
     """The one-row GEMV of the classic types and IQ4_NL (kernels/triton/gguf_gemv.py: halfword loads,
-    codes made exact floats in place, d and the minimum applied once a block) times each
-    one-hot row: column i of gguf.quants.dequantize's weights, exactly. K = 96 is 3 blocks, an
-    odd number for the 2-block steps (the masked tail); 72 outputs, a ragged output tile."""
-    one_hot_columns_are_exact(name, 96, range(96))
+    codes made exact floats in place, d and the minimum applied once a block) times one-hot
+    rows: column i of gguf.quants.dequantize's weights, exactly, for every third input (the slow
+    tier: every input): each of the 3 blocks and each of a block's 32 positions. K = 96 is 3
+    blocks, an odd number for the 2-block steps (the masked tail); 72 outputs, a ragged output
+    tile."""
+    inputs = range(0, 96, step)
+    assert {i // 32 for i in inputs} == {0, 1, 2} and {i % 32 for i in inputs} == set(range(32))
+    one_hot_columns_are_exact(name, 96, inputs)
 
 
 def one_hot_columns_are_exact(name: str, k: int, inputs):
@@ -211,14 +216,19 @@ def test_the_one_row_gemv_of_the_classic_types_without_masks(name, dtype):
     close(run(x, blocks, name), torch.nn.functional.linear(x, want.to(dtype)))
 
 
+@pytest.mark.parametrize("step", [13, pytest.param(1, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", KQUANT)
-def test_the_one_row_gemv_of_the_k_quants_decodes_weights_bit_for_bit(name):
+def test_the_one_row_gemv_of_the_k_quants_decodes_weights_bit_for_bit(name, step):
     """The one-row GEMV of Q2_K-Q6_K and IQ4_XS (kernels/triton/gguf_kgemv.py: word or halfword
     loads, codes made floats in place, each sub-block's scale (and minimum) once an output)
-    times one-hot rows: column i of gguf.quants.dequantize's weights, exactly, for every fifth
-    input of two blocks (every chunk, nibble and word position occurs); 72 outputs, a ragged
-    (masked) output tile."""
-    one_hot_columns_are_exact(name, 512, range(0, 512, 5))
+    times one-hot rows: column i of gguf.quants.dequantize's weights, exactly, for every 13th
+    input of two blocks (the slow tier: every input); 72 outputs, a ragged (masked) output tile.
+    An interpreted launch is ~0.15 s, so the default tier takes 40 of the 512 columns: each of
+    the 32 sixteen-wide sub-blocks, and each of the 32 positions of a 32-code chunk (every byte,
+    nibble and word position of the codes)."""
+    inputs = range(0, 512, step)
+    assert {i // 16 for i in inputs} == set(range(32)) and {i % 32 for i in inputs} == set(range(32))
+    one_hot_columns_are_exact(name, 512, inputs)
 
 
 @pytest.mark.parametrize("name", KQUANT)
