@@ -149,3 +149,22 @@ def test_omniinfer_env_without_kernels(monkeypatch):
     text = subprocess.run([sys.executable, "-m", "omniinfer.entrypoints.cli", "env"], capture_output=True,
                           text=True, env=dict(os.environ), timeout=120).stdout
     assert "cpu kernel families:" in text and "  packed GEMM" in text
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc is not installed")
+def test_compile_and_link_builds_each_file_and_names_the_one_that_fails(tmp_path):
+    """isa.compile_and_link compiles the files on several processes, then links them: a library
+    whose functions call across files works, and a file that does not compile is named with the
+    compiler's message (and nothing is linked)."""
+    import ctypes
+
+    (tmp_path / "a.c").write_text("int twice(int x);\nint four_times(int x) { return twice(twice(x)); }\n")
+    (tmp_path / "b.c").write_text("int twice(int x) { return 2 * x; }\n")
+    (tmp_path / "bad.c").write_text("int broken(void) { return undeclared_name; }\n")
+    files = [str(tmp_path / f) for f in ("a.c", "b.c")]
+    lib = tmp_path / "lib.so"
+    assert isa.compile_and_link("gcc", list(isa.BASE_CFLAGS), files, str(lib), jobs=2) is None
+    assert ctypes.CDLL(str(lib)).four_times(5) == 20
+    broken = tmp_path / "broken.so"
+    error = isa.compile_and_link("gcc", list(isa.BASE_CFLAGS), [*files, str(tmp_path / "bad.c")], str(broken))
+    assert "bad.c" in error and "undeclared_name" in error and not broken.exists()
