@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.omniinfer-installed
 DEPS   := pyproject.toml $(wildcard plugins/*/pyproject.toml)
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test test-all lint clean
+.PHONY: setup demo test test-slow test-all lint clean
 
 $(STAMP): $(DEPS)
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +25,11 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+# the slow tier alone (CI runs it after `make test`), with lm-evaluation-harness for its test
+test-slow: lint
+	$(PY) -m pip install -q -e '.[eval]'
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 test-all: lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
