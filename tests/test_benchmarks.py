@@ -73,6 +73,7 @@ def test_throughput_with_multi_step_decoding(tmp_path):
     ("cpu_gemm.py", ["--shape", "tiny", "--rows", "2"], "at least 3 rows"),
     ("latency.py", ["--shape", "tiny", "--output-len", "1"],
      "--output-len 1: ms per output token needs at least 2 tokens"),
+    ("sampler.py", ["--rows", "0"], "--rows [0] / --scale [3.0, 8.0]: expected positive numbers"),
 ])
 def test_bad_arguments_are_refused(script, args, message):
     env = dict(os.environ, OMNIINFER_LOG_LEVEL="WARNING")
@@ -479,3 +480,14 @@ def test_gemv_sass_counts_the_decode_loop_of_a_gemv_compiled_for_an_nvidia_targe
     assert per_thread == 256 and loop > 16 and 2 < per_weight < 100, out
     assert clocks > 0 and est_us > 0, out
     assert "FFMA" in out and "not a measurement" in out
+
+
+def test_sampler_times_every_setting(tmp_path):
+    out = tmp_path / "s.json"
+    text = run("sampler.py", "--vocab", "5000", "--rows", "1", "3", "--scale", "3", "--repeats", "1",
+               "--json", str(out))
+    assert "machine: " in text and "top-p 0.95 set holds" in text
+    results = json.loads(out.read_text())[0]["results"]
+    assert {(r["setting"], r["rows"]) for r in results} == {
+        (s, n) for s in ("greedy", "temperature 1", "top-p 0.95", "top-k 40", "llama.cpp defaults") for n in (1, 3)}
+    assert all(r["ms"] > 0 for r in results)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
+from omniinfer.sampling import processing
 from omniinfer.sampling.metadata import SamplingMetadata, SeqState
 from omniinfer.sampling.params import SamplingParams
-from omniinfer.sampling.processing import SampleRow, apply_penalties
+from omniinfer.sampling.processing import SampleRow, apply_penalties, inverse_cdf
 from omniinfer.sampling.sampler import Sampler
 from omniinfer.step import NewSeq
 
@@ -137,3 +139,108 @@ def test_fork_row_draws_n_independent_samples():
     again = rows(SamplingParams(temperature=1.0, n=4, seed=3), 1)
     again.num_samples = [4]
     assert sample(Sampler(VOCAB), LOGITS[None], again)[0][0] == new[0]  # seeded: reproducible
+
+
+# ---- at the size of a real vocabulary: top-k / top-p among candidates, the two-step draw ----------
+
+def _kept_by_a_whole_sort(row: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """The reference, in float64: sort the row, keep its top_k, then the fewest best tokens whose
+    mass over the kept top-k reaches top_p. Returns the kept mask and, per token, the mass of the
+    tokens ranked before it (where the top-p cut falls)."""
+    order = np.argsort(-row, kind="stable")
+    kept = np.zeros(row.size, dtype=bool)
+    kept[order[:top_k]] = True
+    probs = np.exp(row[order[:top_k]] - row[order[:top_k]].max())
+    probs /= probs.sum()
+    cum_before = np.full(row.size, np.inf)
+    cum_before[order[:top_k]] = np.cumsum(probs) - probs
+    if top_p < 1:
+        kept &= cum_before < top_p
+        kept[order[0]] = True
+    return kept, cum_before
+
+
+@pytest.mark.parametrize("batch", [[0, 1, 2, 3], [3, 2, 1], [0, 1, 2, 3, 4, 5, 6, 7, 8], [8, 4, 6, 5]],
+                         ids=["top-p-alone", "wide-ones", "mixed", "top-k-alone"])
+def test_top_k_top_p_keeps_what_a_whole_sort_keeps(batch, monkeypatch):
+    """Rows whose top-p set lies within each list of candidates (64, 4096, 32768) or none (the
+    whole row sorted), rows with a top-k wider than the first lists, and rows that keep
+    everything: each keeps what sorting its whole row keeps, with its own logits, whatever else is
+    in the batch, and is settled by the first list that holds its answer."""
+    vocab = 40000
+    g = torch.Generator().manual_seed(0)
+    scales = [12.0, 3.0, 1.5, 0.2, 1.0, 1.0, 3.0, 1.0, 0.2]
+    top_k = [vocab, vocab, vocab, vocab, 40, 5000, 100, vocab, 8000]
+    top_p = [0.9, 0.9, 0.9, 0.9, 1.0, 1.0, 0.8, 1.0, 0.99]
+    logits = (torch.randn(len(scales), vocab, generator=g) * torch.tensor(scales)[:, None])[batch]
+    settled_at = {}  # row -> how many of its best tokens settled it
+    real = processing._keep_among_best
+
+    def spy(logits, out, rows, count, k_all, p_all):
+        settled = real(logits, out, rows, count, k_all, p_all)
+        settled_at.update((batch[r], count) for r in rows[settled].tolist())
+        return settled
+
+    monkeypatch.setattr(processing, "_keep_among_best", spy)
+    out = processing._top_k_top_p(logits, [top_k[i] for i in batch], [top_p[i] for i in batch])
+    sizes = {}
+    for row, i in enumerate(batch):
+        want, cum_before = _kept_by_a_whole_sort(logits[row].double().numpy(), top_k[i], top_p[i])
+        got = torch.isfinite(out[row]).numpy()
+        # only a token whose mass before it lies within float32's reach of top_p may differ
+        differ = got != want
+        assert not (differ & (np.abs(cum_before - top_p[i]) > 1e-5)).any(), f"row {i}: {got.sum()} kept, not {want.sum()}"
+        assert torch.equal(out[row][got], logits[row][got])
+        sizes[i] = int(want.sum())
+    # by top-p alone, each row's set fits the list that settled it and not the one before; a top-k
+    # settles in the first list that holds it; the row that keeps everything is never looked at
+    fits = {0: (0, 64), 1: (64, 4096), 2: (4096, 32768), 3: (32768, vocab)}  # (the rows are what they say)
+    assert all(fits[i][0] < sizes[i] <= fits[i][1] for i in batch if i in fits), sizes
+    settles = {0: 64, 1: 4096, 2: 32768, 3: vocab, 4: 64, 5: 32768, 6: 4096, 8: 32768}
+    if all(top_k[i] < vocab for i in batch):  # rows that all have a top-k: among their widest
+        settles.update({4: 40, 6: 100, 5: 8000, 8: 8000})
+    assert settled_at == {i: settles[i] for i in batch if i in settles}
+    assert sizes.get(7, vocab) == vocab
+
+
+def _first_past(probs: np.ndarray, u: float) -> int:
+    """The reference draw: the first token whose float64 running mass exceeds u * the mass, at most
+    the last token of nonzero probability; 0 for a row of zeros."""
+    running = np.cumsum(probs.astype(np.float64))
+    if running[-1] == 0:
+        return 0
+    return min(int(np.searchsorted(running, u * running[-1], side="right")), int(np.flatnonzero(probs)[-1]))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 1024, 1025, 3000, 5120])
+def test_inverse_cdf_takes_the_first_token_past_u(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    probs = torch.softmax(torch.randn(6, vocab, generator=g) * 3, dim=-1)
+    probs[1, ::3] = 0  # zeros, at chunk edges too
+    probs[2, vocab // 2:] = 0  # the last chunks hold no mass
+    probs[3, :] = 0
+    probs[3, -1] = 0.25  # only the last token
+    probs[4] *= 1e-30  # unnormalised, tiny
+    probs[5] = 0  # nothing at all: token 0
+    for u in (0.0, 0.5, 1 - 2.0 ** -53, *torch.rand(8, generator=g, dtype=torch.float64).tolist()):
+        got = inverse_cdf(probs, torch.full((6,), u, dtype=torch.float64)).tolist()
+        want = [_first_past(probs[i].numpy(), u) for i in range(6)]
+        assert got == want, (u, got, want)
+        # never a token of zero probability (from a row with any mass)
+        assert all(probs[i, t] > 0 for i, t in enumerate(got) if probs[i].sum() > 0)
+
+
+def test_random_sampling_matches_softmax_across_chunks():
+    """The two-step draw picks the right chunk and the right token in it: the mass sits on the
+    tokens either side of each 1024-token edge and in the short last chunk."""
+    vocab = 2100
+    hot = torch.tensor([0, 1023, 1024, 2047, 2048, 2099, 1500, 5])
+    logits = torch.full((vocab,), float("-inf"))
+    logits[hot] = LOGITS
+    sampler = Sampler(vocab, torch.Generator().manual_seed(0))
+    counts = torch.zeros(vocab)
+    for _ in range(4):
+        new, _ = sample(sampler, logits.repeat(5000, 1), rows(SamplingParams(temperature=1.0), 5000))
+        counts += torch.bincount(torch.tensor([t[0] for t in new.values()]), minlength=vocab).float()
+    assert counts.sum() == counts[hot].sum()  # nothing outside the hot tokens
+    assert chi_square(counts[hot], torch.softmax(LOGITS, 0)) < CHI2_CRITICAL_DF7

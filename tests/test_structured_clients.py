@@ -206,7 +206,9 @@ def test_langchain_structured_output_and_bind_tools(url):
     langchain_openai = pytest.importorskip("langchain_openai")
     from langchain_core.tools import tool
 
-    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=url, api_key="unused", max_tokens=200,
+    # (max_tokens: room for a forced call whose arguments the demo model draws long; at 200 one
+    # was cut short, and a cut call is no call)
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=url, api_key="unused", max_tokens=400,
                                       temperature=1.0, seed=4, max_retries=0)
     for method in ("json_schema", "function_calling"):
         person = llm.with_structured_output(Person, method=method).invoke("Describe a pet")
@@ -230,7 +232,7 @@ def test_litellm_structured_output_and_tools(url):
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # (no fetch from the internet)
     litellm = pytest.importorskip("litellm")
     common = dict(model=f"openai/{MODEL}", api_base=url, api_key="unused", messages=USER,
-                  max_tokens=200, seed=6)
+                  max_tokens=400, seed=6)  # (room for long arguments, as above)
     r = litellm.completion(**common, response_format=Person)
     Person.model_validate_json(r.choices[0].message.content)
     r = litellm.completion(**common, tools=TOOLS, tool_choice="required")

@@ -1,8 +1,8 @@
 """Turn logits into tokens: penalties, temperature, top-k/top-p/min-p, greedy or random.
 
-Random sampling draws `argmax(probs / Exp(1))` (the exponential race), which is an exact
-draw from `probs`. Seeded requests draw their exponentials from their own generator, so
-their tokens do not depend on what else is in the batch. Log-probabilities returned to
+Random sampling draws one uniform per row and takes the first token whose running mass passes
+it (`processing.inverse_cdf`), an exact draw from `probs`. Seeded requests draw their uniforms
+from their own generator, so their tokens do not depend on what else is in the batch. Log-probabilities returned to
 users are the raw model's (log_softmax of the logits before any processing).
 """
 
@@ -194,7 +194,9 @@ class Sampler:
         if greedy:
             g = torch.tensor(greedy, device=logits.device)
             tokens[g] = logits[g].argmax(dim=-1)
-        if random:
+        if len(random) == len(rows):  # (no [rows, vocab] copy picking them)
+            tokens = draw(random_probs(logits, rows), rows, self.generator)
+        elif random:
             r = torch.tensor(random, device=logits.device)
             random_rows = [rows[i] for i in random]
             tokens[r] = draw(random_probs(logits[r], random_rows), random_rows, self.generator)
