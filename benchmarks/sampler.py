@@ -4,7 +4,9 @@
                                  [--json out.json]
 
 For each setting (greedy; temperature 1; top-p 0.95; top-k 40; llama.cpp's defaults, top-k 40,
-top-p 0.95, min-p 0.05, temperature 0.8), each logit scale and each row count: the median of
+top-p 0.95, min-p 0.05, temperature 0.8; a Qwen2.5 instruct checkpoint's generation_config, which
+the engine takes as its defaults: top-k 20, top-p 0.8, temperature 0.7, repetition penalty
+1.05), each logit scale and each row count: the median of
 --repeats timed calls of the Sampler (after one warm-up), in ms per call, over the same
 random logits (standard normal times the scale: the smaller the scale, the flatter a row and the
 wider its top-p set, which the table gives: 4096 or fewer are found without sorting the row).
@@ -33,6 +35,8 @@ SETTINGS = {
     "top-p 0.95": dict(temperature=1.0, top_p=0.95),
     "top-k 40": dict(temperature=1.0, top_k=40),
     "llama.cpp defaults": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+    # what a Qwen2.5 instruct checkpoint's generation_config.json asks for (the engine's defaults then)
+    "Qwen2.5 defaults": dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05),
 }
 
 

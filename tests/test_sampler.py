@@ -108,6 +108,51 @@ def test_penalties():
     assert processed[0].tolist() == [1.0, -1.0, 2.0 - 1.0 - 0.25, 0.5 - 0.5 - 0.25, 0.0, 0.0, 0.0, 0.0]
 
 
+def _penalised_densely(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """The reference: vLLM's formulas over every token of every row."""
+    counts = torch.zeros_like(logits)
+    seen = torch.zeros_like(logits, dtype=torch.bool)
+    rep, freq, pres = (torch.ones(len(rows), 1), torch.zeros(len(rows), 1), torch.zeros(len(rows), 1))
+    for i, row in enumerate(rows):
+        p = row.params
+        for t in row.seq.output_token_ids + list(row.extra):
+            counts[i, t] += 1
+        if p.repetition_penalty != 1:
+            seen[i, row.seq.prompt_token_ids] = True
+        rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
+    seen |= counts > 0
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - freq * counts - pres * (counts > 0).float()
+
+
+def test_penalties_of_many_rows_equal_the_dense_formulas():
+    """Rows with each penalty alone, all of them, none, proposed tokens (`extra`), repeated and
+    shared tokens: bit for bit what the formulas give over the whole vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 500
+    kinds = [dict(repetition_penalty=1.3), dict(frequency_penalty=0.4), dict(presence_penalty=-0.6),
+             dict(repetition_penalty=0.8, frequency_penalty=-0.2, presence_penalty=0.5), {},
+             dict(repetition_penalty=1.1)]
+    rows_ = []
+    for i, kind in enumerate(kinds):
+        md = rows(SamplingParams(temperature=1.0, **kind), 1,
+                  outputs=torch.randint(0, 40, (30,), generator=g).tolist(), first_id=i)
+        md.seqs[0].prompt_token_ids = torch.randint(20, vocab, (50,), generator=g).tolist()
+        md.seqs[0].token_ids = md.seqs[0].prompt_token_ids + md.seqs[0].token_ids[2:]
+        rows_.append(SampleRow(md.seqs[0], 0, extra=(3, 3, 499) if i % 2 else ()))
+    logits = torch.randn(len(kinds), vocab, generator=g) * 3
+    before = logits.clone()
+    got = apply_penalties(logits, rows_)
+    assert torch.equal(got, _penalised_densely(logits, rows_))
+    assert not torch.equal(got[:4], logits[:4]) and torch.equal(got[4], logits[4])
+    assert torch.equal(logits, before)  # the caller's logits are left alone
+    # a request's first token: its prompt alone is penalised; with no repetition penalty, nothing
+    for kind in (dict(repetition_penalty=1.3), dict(frequency_penalty=0.4)):
+        first = rows(SamplingParams(temperature=1.0, **kind), 1).seqs[0]
+        row = [SampleRow(first, 0)]
+        assert torch.equal(apply_penalties(logits[:1], row), _penalised_densely(logits[:1], row))
+
+
 def test_min_tokens_bans_eos_until_reached():
     sampler = Sampler(VOCAB)
     md = rows(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1]), 1)

@@ -63,31 +63,47 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Repetition (prompt and output), frequency and presence penalties, as vLLM defines them."""
+    """Repetition (prompt and output), frequency and presence penalties, as vLLM defines them
+    (a copy if any row has one). Only the tokens a row has seen change, so only they are
+    computed: gathered from the copy, penalised and put back (the [rows, vocab] way took 35 ms a
+    step of 32 rows of a 151,936-token vocabulary on a 2-core Zen 4)."""
     if not any(row.params.has_penalties for row in rows):
         return logits
-    num_rows, vocab = logits.shape
+    vocab = logits.shape[1]
     device = logits.device
-    counts = torch.zeros(num_rows, vocab, device=device)
-    seen_prompt = torch.zeros(num_rows, vocab, dtype=torch.bool, device=device)
-    rep = torch.ones(num_rows, 1, device=device)
-    freq = torch.zeros(num_rows, 1, device=device)
-    pres = torch.zeros(num_rows, 1, device=device)
+    seen_rows, seen_ids, out_rows, out_ids = [], [], [], []
+    rep, freq, pres = [1.0] * len(rows), [0.0] * len(rows), [0.0] * len(rows)
     for i, row in enumerate(rows):
         p, seq = row.params, row.seq
         if not p.has_penalties:
             continue
-        out_ids = seq.output_token_ids + list(row.extra)
-        if out_ids:
-            ids = torch.tensor(out_ids, device=device)
-            counts[i].index_add_(0, ids, torch.ones(len(out_ids), device=device))
+        output = seq.output_token_ids + list(row.extra)
+        out_rows += [i] * len(output)
+        out_ids += output
         if p.repetition_penalty != 1:
-            seen_prompt[i, torch.tensor(seq.prompt_token_ids, device=device)] = True
+            seen_rows += [i] * len(seq.prompt_token_ids)
+            seen_ids += seq.prompt_token_ids
         rep[i], freq[i], pres[i] = p.repetition_penalty, p.frequency_penalty, p.presence_penalty
-    seen = seen_prompt | (counts > 0)
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    logits = torch.where(seen, penalised, logits)
-    return logits - freq * counts - pres * (counts > 0).float()
+    # (row, token) as one key; the output's keys with their counts, and every seen key
+    out_keys = torch.tensor(out_rows, dtype=torch.long, device=device) * vocab + \
+        torch.tensor(out_ids, dtype=torch.long, device=device)
+    out_keys, counts = out_keys.unique(return_counts=True)  # sorted
+    prompt_keys = torch.tensor(seen_rows, dtype=torch.long, device=device) * vocab + \
+        torch.tensor(seen_ids, dtype=torch.long, device=device)
+    keys = torch.cat([prompt_keys, out_keys]).unique()  # sorted
+    if len(keys) == 0:
+        return logits
+    at = torch.searchsorted(out_keys, keys).clamp_(max=max(len(out_keys) - 1, 0))
+    count = torch.where(out_keys[at] == keys, counts[at], 0).to(logits.dtype) if len(out_keys) else \
+        torch.zeros(len(keys), dtype=logits.dtype, device=device)
+    which = keys // vocab
+    rep_t, freq_t, pres_t = (torch.tensor(v, dtype=logits.dtype, device=device)[which] for v in (rep, freq, pres))
+    logits = logits.clone(memory_format=torch.contiguous_format)  # (never the caller's)
+    flat = logits.view(-1)
+    values = flat[keys]
+    values = torch.where(values > 0, values / rep_t, values * rep_t)
+    flat[keys] = values - freq_t * count - pres_t * (count > 0).to(logits.dtype)
+    return logits
 
 
 # how many of a row's best tokens its top-k / top-p is looked for among, in turn (torch.topk of a
