@@ -107,8 +107,8 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
 
 
 # how many of a row's best tokens its top-k / top-p is looked for among, in turn (torch.topk of a
-# 151,936-token row on a 2-core Zen 4: 0.3 ms for 64, 1.6 for 4096, ~4.5 for 32768, where sorting it
-# took 12.6 ms); a row whose top-p set does not fit in the widest is sorted whole
+# 151,936-token row on a 2-core Zen 4: 0.26 ms for 64, 1.2 for 4096, 2.9 for 32768, where sorting
+# it took 11.5-12.6 ms); a row whose top-p set does not fit in the widest is sorted whole
 _CANDIDATES = (64, 4096, 32768)
 
 
@@ -279,7 +279,7 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def draw(probs: torch.Tensor, rows: list[SampleRow], default: torch.Generator | None) -> torch.Tensor:
     """One exact draw per row by inverse transform (`inverse_cdf`), one float64 uniform per row.
     (The exponential race, argmax(probs / Exp(1)), it replaced needed a random number per token:
-    3 ms a row for a 151,936-token vocabulary on a 2-core Zen 4.) Greedy rows (one-hot probs) take
+    2.9-3.7 ms a row for a 151,936-token vocabulary on a 2-core Zen 4.) Greedy rows (one-hot probs) take
     their argmax without drawing."""
     random = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if len(random) == len(rows):
