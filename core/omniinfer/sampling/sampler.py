@@ -31,6 +31,14 @@ from omniinfer.structured.sampling import after_sampling, has_grammar, mask_rows
 _DEVICE_ERRORS = (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError))
 
 
+def _ranks(logprobs: torch.Tensor, chosen: torch.Tensor) -> list[int]:
+    """Each row's rank of its chosen token (1: the most likely). The comparison's bytes are summed
+    as uint8 into int32: summed as bool, torch first made an int64 copy (14 ms for 32 rows of a
+    151,936-token vocabulary; 2.4 GB for a 2048-token prompt's logprobs), and as bool into int32
+    an int32 copy."""
+    return ((logprobs > chosen).view(torch.uint8).sum(dim=1, dtype=torch.int32) + 1).tolist()
+
+
 class _Draws:
     """What a step sampled, sequence by sequence, until it becomes a ModelRunnerOutput."""
 
@@ -191,10 +199,12 @@ class Sampler:
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         random = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        if greedy:
+        if len(greedy) == len(rows):  # (no [rows, vocab] copy picking them, here or below)
+            tokens = logits.argmax(dim=-1)
+        elif greedy:
             g = torch.tensor(greedy, device=logits.device)
             tokens[g] = logits[g].argmax(dim=-1)
-        if len(random) == len(rows):  # (no [rows, vocab] copy picking them)
+        if len(random) == len(rows):
             tokens = draw(random_probs(logits, rows), rows, self.generator)
         elif random:
             r = torch.tensor(random, device=logits.device)
@@ -249,7 +259,7 @@ class Sampler:
         if raw is not None:
             chosen = raw.gather(1, tokens[:, None])
             chosen_lp = chosen[:, 0].tolist()
-            ranks = ((raw > chosen).sum(dim=1) + 1).tolist()
+            ranks = _ranks(raw, chosen)
             max_n = max(row.params.logprobs or 0 for row in rows)
             if max_n:
                 top_vals, top_ids = raw.topk(max_n, dim=-1)
@@ -275,7 +285,7 @@ class Sampler:
         targets = torch.tensor(rows.target_ids, device=lp.device)
         chosen = lp.gather(1, targets[:, None])
         chosen_lp = chosen[:, 0].tolist()
-        ranks = ((lp > chosen).sum(dim=1) + 1).tolist()
+        ranks = _ranks(lp, chosen)
         k = rows.seq.params.prompt_logprobs
         top = lp.topk(k, dim=-1) if k else None
         top_vals, top_ids = (top.values.tolist(), top.indices.tolist()) if k else ([], [])
