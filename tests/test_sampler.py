@@ -222,9 +222,9 @@ def test_top_k_top_p_keeps_what_a_whole_sort_keeps(batch, monkeypatch):
     real = processing._keep_among_best
 
     def spy(logits, out, rows, count, k_all, p_all):
-        settled = real(logits, out, rows, count, k_all, p_all)
+        settled, mass, least = real(logits, out, rows, count, k_all, p_all)
         settled_at.update((batch[r], count) for r in rows[settled].tolist())
-        return settled
+        return settled, mass, least
 
     monkeypatch.setattr(processing, "_keep_among_best", spy)
     out = processing._top_k_top_p(logits, [top_k[i] for i in batch], [top_p[i] for i in batch])
@@ -246,6 +246,27 @@ def test_top_k_top_p_keeps_what_a_whole_sort_keeps(batch, monkeypatch):
         settles.update({4: 40, 6: 100, 5: 8000, 8: 8000})
     assert settled_at == {i: settles[i] for i in batch if i in settles}
     assert sizes.get(7, vocab) == vocab
+
+
+def test_a_flat_row_goes_from_its_first_candidates_to_the_sort(monkeypatch):
+    """A row of a real vocabulary so flat that its top-p set holds most of it: once its 64 best
+    show that 4096 or 32768 could not hold the set (none of the rest is likelier than the 64th),
+    it is sorted at once, not looked at among those first. Its answer is the sort's."""
+    vocab = 151936
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(1)) * 0.2
+    looked = []
+    real = processing._keep_among_best
+
+    def spy(logits, out, rows, count, k_all, p_all):
+        looked.append(count)
+        return real(logits, out, rows, count, k_all, p_all)
+
+    monkeypatch.setattr(processing, "_keep_among_best", spy)
+    out = processing._top_k_top_p(logits, [vocab], [0.9])
+    assert looked == [64, vocab]
+    want, cum_before = _kept_by_a_whole_sort(logits[0].double().numpy(), vocab, 0.9)
+    differ = torch.isfinite(out[0]).numpy() != want
+    assert want.sum() > 32768 and not (differ & (np.abs(cum_before - 0.9) > 1e-5)).any()
 
 
 def _first_past(probs: np.ndarray, u: float) -> int:

@@ -127,13 +127,24 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     plain = (k_all >= vocab) & (p_all >= 1)  # rows that keep every token
     out[plain] = logits[plain]
     todo = (~plain).nonzero()[:, 0]
+    # what a row's last look saw: how many candidates, their mass, the least one's probability.
+    # Every token further down is no more likely than that one, so a row without a top-k is not
+    # looked at among `width` tokens that could not hold its top-p set (a flat row: straight to
+    # the sort, not through every width first)
+    seen = torch.zeros(num_rows, device=device)
+    mass = torch.zeros(num_rows, device=device)
+    least = torch.full((num_rows,), float("inf"), device=device)
     for width in _CANDIDATES:
         k_rows = k_all[todo]
-        take = todo[(k_rows <= width) | (k_rows >= vocab)]
         count = min(width, vocab)
-        if len(take) and bool((k_all[take] < vocab).all()):  # rows that all have a top-k: their widest
+        could = mass[todo] + (count - seen[todo]) * least[todo] >= p_all[todo]
+        take = todo[(k_rows <= width) | ((k_rows >= vocab) & could)]
+        if len(take) == 0:
+            continue
+        if bool((k_all[take] < vocab).all()):  # rows that all have a top-k: their widest
             count = min(count, int(k_all[take].max()))
-        settled = _keep_among_best(logits, out, take, count, k_all, p_all)
+        settled, mass[take], least[take] = _keep_among_best(logits, out, take, count, k_all, p_all)
+        seen[take] = count
         todo = todo[~torch.isin(todo, take[settled])]
     for rows in (todo[k_all[todo] < vocab], todo[k_all[todo] >= vocab]):
         if len(rows):  # (settled: among its top-k, or the whole row)
@@ -142,29 +153,32 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
 
 
 def _keep_among_best(logits: torch.Tensor, out: torch.Tensor, rows: torch.Tensor, count: int,
-                     k_all: torch.Tensor, p_all: torch.Tensor) -> torch.Tensor:
+                     k_all: torch.Tensor, p_all: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """_top_k_top_p for `rows`, among each one's `count` best tokens: writes the rows it settles
-    into `out`, and says which those are."""
+    into `out`, and says which those are, and each row's candidates' mass and least probability."""
     num_rows, vocab = logits.shape
-    if len(rows) == 0:
-        return torch.zeros(0, dtype=torch.bool, device=logits.device)
     sub = logits if len(rows) == num_rows else logits[rows]
     k_rows, p_rows = k_all[rows], p_all[rows]
-    values, order = sub.topk(count, dim=-1)  # best first
+    # best first (the whole row: a sort, which took 201 ms for 32 rows where topk took 213)
+    values, order = sub.sort(dim=-1, descending=True) if count >= vocab else sub.topk(count, dim=-1)
     drop = torch.arange(count, device=logits.device)[None, :] >= k_rows[:, None]
     # the top-k renormalised: over a row's k best where it has a top-k, else over the row
     has_k = k_rows < vocab
-    total = values.masked_fill(drop, float("-inf")).logsumexp(dim=-1)
-    if not bool(has_k.all()):
+    total = (values.masked_fill(drop, float("-inf")) if bool(has_k.any()) else values).logsumexp(dim=-1)
+    if count < vocab and not bool(has_k.all()):
         total[~has_k] = sub[~has_k].logsumexp(dim=-1)
     probs = (values - total[:, None]).exp().masked_fill(drop, 0.0)
     cum_before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
     # (a row whose top_p is 1 drops nothing: its float32 sums can round up to 1 before the end)
     drop |= (cum_before >= p_rows[:, None]) & (p_rows < 1)[:, None]
     drop[:, 0] = False  # always keep the most likely token
-    settled = (k_rows <= count) | (probs.sum(dim=-1) >= p_rows)
-    out[rows[settled][:, None], order[settled]] = values[settled].masked_fill(drop[settled], float("-inf"))
-    return settled
+    mass = probs.sum(dim=-1)
+    settled = (k_rows <= count) | (mass >= p_rows)
+    if len(rows) == num_rows and bool(settled.all()):  # (scatter_: 7 ms for 32 whole rows, index_put 17)
+        out.scatter_(1, order, values.masked_fill(drop, float("-inf")))
+    else:
+        out[rows[settled][:, None], order[settled]] = values[settled].masked_fill(drop[settled], float("-inf"))
+    return settled, mass, probs[:, -1]
 
 
 def random_probs(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
