@@ -94,10 +94,13 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     if len(keys) == 0:
         return logits
     at = torch.searchsorted(out_keys, keys).clamp_(max=max(len(out_keys) - 1, 0))
-    count = torch.where(out_keys[at] == keys, counts[at], 0).to(logits.dtype) if len(out_keys) else \
-        torch.zeros(len(keys), dtype=logits.dtype, device=device)
+    if len(out_keys):
+        count = torch.where(out_keys[at] == keys, counts[at], 0).to(logits.dtype)
+    else:
+        count = torch.zeros(len(keys), dtype=logits.dtype, device=device)
     which = keys // vocab
-    rep_t, freq_t, pres_t = (torch.tensor(v, dtype=logits.dtype, device=device)[which] for v in (rep, freq, pres))
+    rep_t, freq_t, pres_t = (torch.tensor(v, dtype=logits.dtype, device=device)[which]
+                             for v in (rep, freq, pres))
     logits = logits.clone(memory_format=torch.contiguous_format)  # (never the caller's)
     flat = logits.view(-1)
     values = flat[keys]
@@ -164,7 +167,8 @@ def _keep_among_best(logits: torch.Tensor, out: torch.Tensor, rows: torch.Tensor
     drop = torch.arange(count, device=logits.device)[None, :] >= k_rows[:, None]
     # the top-k renormalised: over a row's k best where it has a top-k, else over the row
     has_k = k_rows < vocab
-    total = (values.masked_fill(drop, float("-inf")) if bool(has_k.any()) else values).logsumexp(dim=-1)
+    top_k_values = values.masked_fill(drop, float("-inf")) if bool(has_k.any()) else values
+    total = top_k_values.logsumexp(dim=-1)
     if count < vocab and not bool(has_k.all()):
         total[~has_k] = sub[~has_k].logsumexp(dim=-1)
     probs = (values - total[:, None]).exp().masked_fill(drop, 0.0)
@@ -174,10 +178,11 @@ def _keep_among_best(logits: torch.Tensor, out: torch.Tensor, rows: torch.Tensor
     drop[:, 0] = False  # always keep the most likely token
     mass = probs.sum(dim=-1)
     settled = (k_rows <= count) | (mass >= p_rows)
-    if len(rows) == num_rows and bool(settled.all()):  # (scatter_: 7 ms for 32 whole rows, index_put 17)
-        out.scatter_(1, order, values.masked_fill(drop, float("-inf")))
+    kept = values.masked_fill(drop, float("-inf"))
+    if len(rows) == num_rows and bool(settled.all()):  # (scatter_: 7 ms for 32 whole rows; index_put 17)
+        out.scatter_(1, order, kept)
     else:
-        out[rows[settled][:, None], order[settled]] = values[settled].masked_fill(drop[settled], float("-inf"))
+        out[rows[settled][:, None], order[settled]] = kept[settled]
     return settled, mass, probs[:, -1]
 
 
@@ -250,7 +255,8 @@ def _noise(shape: tuple[int, int], rows: list[SampleRow], device: torch.device,
             out[i].uniform_(generator=g)
     if unseeded:
         index = torch.tensor(unseeded, device=device)
-        out[index] = torch.empty(len(unseeded), shape[1], device=device, dtype=dtype).uniform_(generator=default)
+        noise = torch.empty(len(unseeded), shape[1], device=device, dtype=dtype)
+        out[index] = noise.uniform_(generator=default)
     return out
 
 
@@ -269,10 +275,12 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     # a few rows at a time: summing all 32 rows of a 151,936-token vocabulary at once took 14 ms,
     # its float64 temporary (39 MB) mapped afresh each time, against 1.4 ms row by row
     step = max(1, _SUM_ELEMENTS // max(vocab, 1))
-    sums = torch.cat([probs[r:r + step, :whole].reshape(-1, whole // _CHUNK, _CHUNK).sum(dim=-1, dtype=torch.float64)
-                      for r in range(0, num_rows, step)]) if whole else probs.new_zeros(num_rows, 0, dtype=torch.float64)
+    parts = [probs[r:r + step, :whole].reshape(-1, whole // _CHUNK, _CHUNK).sum(dim=-1, dtype=torch.float64)
+             for r in range(0, num_rows, step)] if whole else [probs.new_zeros(num_rows, 0, dtype=torch.float64)]
+    sums = torch.cat(parts)
     if whole < vocab:
-        sums = torch.cat([sums, probs[:, whole:].sum(dim=-1, keepdim=True, dtype=torch.float64)], dim=1)
+        tail = probs[:, whole:].sum(dim=-1, keepdim=True, dtype=torch.float64)
+        sums = torch.cat([sums, tail], dim=1)
     upto = sums.cumsum(dim=-1)  # the mass through each chunk
     target = u.to(torch.float64)[:, None] * upto[:, -1:]
     # the first chunk whose running mass exceeds the target; at most the last chunk that has any
@@ -293,11 +301,12 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def draw(probs: torch.Tensor, rows: list[SampleRow], default: torch.Generator | None) -> torch.Tensor:
     """One exact draw per row by inverse transform (`inverse_cdf`), one float64 uniform per row.
     (The exponential race, argmax(probs / Exp(1)), it replaced needed a random number per token:
-    2.9-3.7 ms a row for a 151,936-token vocabulary on a 2-core Zen 4.) Greedy rows (one-hot probs) take
-    their argmax without drawing."""
+    2.9-3.7 ms a row for a 151,936-token vocabulary on a 2-core Zen 4.) Greedy rows (one-hot
+    probs) take their argmax without drawing."""
     random = [i for i, row in enumerate(rows) if not row.params.is_greedy]
     if len(random) == len(rows):
-        return inverse_cdf(probs, _noise((len(rows), 1), rows, probs.device, default, torch.float64)[:, 0])
+        u = _noise((len(rows), 1), rows, probs.device, default, torch.float64)[:, 0]
+        return inverse_cdf(probs, u)
     tokens = probs.argmax(dim=-1)
     if random:
         index = torch.tensor(random, device=probs.device)

@@ -4,8 +4,8 @@ For each drafted position i (draft token d_i drawn from q_i): accept with probab
 min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw the replacement from the
 normalised residual max(0, p_i - q_i) and stop; when all k are accepted, draw a bonus token
 from p_k. Greedy rows have one-hot p and q, which reduces this to prefix matching against
-the target's argmax. Seeded requests take their uniforms (acceptance tests and draws) from their own
-generator, so they stay deterministic.
+the target's argmax. Seeded requests take their uniforms (acceptance tests and draws) from
+their own generator, so they stay deterministic.
 """
 
 from __future__ import annotations

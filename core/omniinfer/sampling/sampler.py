@@ -2,8 +2,9 @@
 
 Random sampling draws one uniform per row and takes the first token whose running mass passes
 it (`processing.inverse_cdf`), an exact draw from `probs`. Seeded requests draw their uniforms
-from their own generator, so their tokens do not depend on what else is in the batch. Log-probabilities returned to
-users are the raw model's (log_softmax of the logits before any processing).
+from their own generator, so their tokens do not depend on what else is in the batch.
+Log-probabilities returned to users are the raw model's (log_softmax of the logits before any
+processing).
 """
 
 from __future__ import annotations
