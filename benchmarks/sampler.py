@@ -82,7 +82,7 @@ def main() -> None:
 
     settings = args.setting or list(SETTINGS)
     g = torch.Generator().manual_seed(0)
-    cases = []  # (setting, scale, rows, the call)
+    cases = []  # (setting, scale, rows, the call, its logits)
     for scale in args.scale:
         for rows in args.rows:
             logits = torch.randn(rows, args.vocab, generator=g) * scale
