@@ -2,6 +2,7 @@
 
     python benchmarks/sampler.py [--vocab 151936] [--rows 1 32] [--scale 3 8] [--repeats 7]
                                  [--json out.json]
+    python benchmarks/sampler.py --prompt-logprobs 2048 [--top 1] [--vocab 151936]
 
 For each setting (greedy; temperature 1; top-p 0.95; top-k 40; llama.cpp's defaults, top-k 40,
 top-p 0.95, min-p 0.05, temperature 0.8; a Qwen2.5 instruct checkpoint's generation_config, which
@@ -10,6 +11,12 @@ the engine takes as its defaults: top-k 20, top-p 0.8, temperature 0.7, repetiti
 --repeats timed calls of the Sampler (after one warm-up), in ms per call, over the same
 random logits (standard normal times the scale: the smaller the scale, the flatter a row and the
 wider its top-p set, which the table gives: 4096 or fewer are found without sorting the row).
+
+With --prompt-logprobs ROWS, instead: what one prompt chunk of ROWS tokens costs when its
+request asks for prompt_logprobs=--top (lm-evaluation-harness' loglikelihood asks for 1): the
+process's peak resident memory growth in the first call, beyond the chunk's logits (held before
+it), and the median time of --repeats more calls. Run it in a process of its own (the peak is the
+process's).
 
 To compare with an older revision, run this script from a worktree of it
 (``git worktree add /tmp/old REV``, then ``PYTHONPATH=/tmp/old/core``); the settings take turns,
@@ -55,6 +62,36 @@ def metadata(params, num_rows: int):
     return md
 
 
+def prompt_logprobs(vocab: int, num_rows: int, top: int, repeats: int) -> dict:
+    """One prompt chunk's log-prob rows through the Sampler: peak memory growth and time."""
+    import resource
+
+    from omniinfer.sampling.metadata import PromptLogprobRows
+    from omniinfer.sampling.params import SamplingParams
+    from omniinfer.sampling.sampler import Sampler
+
+    g = torch.Generator().manual_seed(0)
+    # (made in place: a temporary as big would raise the peak before the call)
+    logits = torch.empty(num_rows + 1, vocab).normal_(generator=g).mul_(8)  # + the row that samples
+    md = metadata(SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=top), 1)
+    targets = torch.randint(0, vocab, (num_rows,), generator=g).tolist()
+    md.prompt_rows.append(PromptLogprobRows(md.seqs[0], 1, targets, 1))
+    sampler = Sampler(vocab)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    start = time.perf_counter()
+    out, _ = sampler(logits, md)
+    first = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert len(out.prompt_logprobs[0][1]) == num_rows
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        sampler(logits, md)
+        times.append(time.perf_counter() - start)
+    return {"rows": num_rows, "top": top, "logits_mb": logits.numel() * 4 / 2**20,
+            "peak_growth_mb": peak / 1024, "first_ms": 1e3 * first, "ms": 1e3 * statistics.median(times)}
+
+
 def top_p_set(logits: torch.Tensor, top_p: float) -> int:
     """The median row's top-p set size: the fewest best tokens whose mass reaches top_p."""
     probs = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True).values
@@ -69,11 +106,29 @@ def main() -> None:
     parser.add_argument("--setting", choices=sorted(SETTINGS), action="append",
                         help="(repeatable; default: all)")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--prompt-logprobs", type=int, metavar="ROWS",
+                        help="instead: one prompt chunk of ROWS log-prob rows (see above)")
+    parser.add_argument("--top", type=int, default=1, help="with --prompt-logprobs: its prompt_logprobs")
     parser.add_argument("--json", help="append the result to this JSON file")
     args = parser.parse_args()
-    for name in ("vocab", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} {getattr(args, name)}: expected a positive number")
+    for name in ("vocab", "repeats", "prompt_logprobs"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} {value}: expected a positive number")
+    if args.top < 0:
+        parser.error(f"--top {args.top}: expected 0 or more")
+    if args.prompt_logprobs:
+        from omniinfer.benchmarks.perf import append_json
+
+        result = prompt_logprobs(args.vocab, args.prompt_logprobs, args.top, args.repeats)
+        print(machine_line())
+        print(f"prompt log-probs of {result['rows']} rows (top {result['top']}) of a {args.vocab}-token "
+              f"vocabulary; the logits: {result['logits_mb']:.0f} MB")
+        print(f"  peak memory growth beyond the logits: {result['peak_growth_mb']:.1f} MB")
+        print(f"  first call {result['first_ms']:.1f} ms; median of {args.repeats} more: {result['ms']:.1f} ms")
+        if args.json:
+            append_json(args.json, {"vocab": args.vocab, "prompt_logprobs": result})
+        return
     if min(args.rows) < 1 or min(args.scale) <= 0:
         parser.error(f"--rows {args.rows} / --scale {args.scale}: expected positive numbers")
     from omniinfer.benchmarks.perf import append_json

@@ -62,6 +62,17 @@ def test_throughput_with_multi_step_decoding(tmp_path):
     assert result["omniinfer"]["mfu"] > 0 and result["omniinfer_single_step"]["mfu"] > 0
 
 
+def test_sampler_prompt_logprobs_mode(tmp_path):
+    out = tmp_path / "p.json"
+    text = run("sampler.py", "--vocab", "5000", "--prompt-logprobs", "300", "--top", "2", "--repeats", "1",
+               "--json", str(out))
+    assert "machine: " in text and "prompt log-probs of 300 rows (top 2)" in text
+    (result,) = json.loads(out.read_text())
+    lp = result["prompt_logprobs"]
+    assert lp["rows"] == 300 and lp["top"] == 2 and lp["ms"] > 0 and lp["peak_growth_mb"] >= 0
+    assert abs(lp["logits_mb"] - 301 * 5000 * 4 / 2**20) < 1e-6
+
+
 @pytest.mark.parametrize("script,args,message", [
     ("throughput.py", ["--shape", "tiny", "--repeats", "0"],
      "--repeats 0: expected a positive number of runs"),
@@ -74,6 +85,8 @@ def test_throughput_with_multi_step_decoding(tmp_path):
     ("latency.py", ["--shape", "tiny", "--output-len", "1"],
      "--output-len 1: ms per output token needs at least 2 tokens"),
     ("sampler.py", ["--rows", "0"], "--rows [0] / --scale [3.0, 8.0]: expected positive numbers"),
+    ("sampler.py", ["--prompt-logprobs", "0"], "--prompt-logprobs 0: expected a positive number"),
+    ("sampler.py", ["--prompt-logprobs", "8", "--top", "-1"], "--top -1: expected 0 or more"),
 ])
 def test_bad_arguments_are_refused(script, args, message):
     env = dict(os.environ, OMNIINFER_LOG_LEVEL="WARNING")

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from omniinfer.sampling import processing
-from omniinfer.sampling.metadata import SamplingMetadata, SeqState
+from omniinfer.sampling import sampler as sampler_module
+from omniinfer.sampling.metadata import PromptLogprobRows, SamplingMetadata, SeqState
 from omniinfer.sampling.params import SamplingParams
 from omniinfer.sampling.processing import SampleRow, apply_penalties, inverse_cdf
 from omniinfer.sampling.sampler import Sampler
@@ -173,6 +174,65 @@ def test_logprobs_are_raw_and_ranked():
     entry = out.top_logprobs[0][0]
     assert set(entry) == {0, 1} and entry[1].rank == 2
     assert abs(entry[1].logprob - ref[1].item()) < 1e-6
+
+
+@pytest.mark.parametrize("dtype,k", [(torch.float32, 4), (torch.bfloat16, 4), (torch.float32, 1)])
+def test_logprob_table_a_few_rows_at_a_time_equals_the_whole_tensor_ops(dtype, k, monkeypatch):
+    """log_softmax, the chosen token's log-prob, its rank and the top k, taken 5 rows at a time
+    (the chunk forced small), equal the whole-tensor ops bit for bit; log_softmax never sees more
+    than 5 rows. Ties (rounded logits) make the ranks and the top k's order matter; the top 1 is
+    the first of the row's best (an argmax, not topk)."""
+    vocab = 1000
+    monkeypatch.setattr(sampler_module, "_LOGPROB_CHUNK_BYTES", 5 * 4 * vocab)
+    seen = []
+    log_softmax = torch.log_softmax
+    monkeypatch.setattr(torch, "log_softmax",
+                        lambda x, *args, **kwargs: seen.append(x.shape[0]) or log_softmax(x, *args, **kwargs))
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(37, vocab, generator=g) * 4).round(decimals=1).to(dtype)
+    ids = torch.randint(0, vocab, (37,), generator=g)
+    ids[:3] = logits[:3].float().argmax(dim=-1)  # rank 1
+    chosen, ranks, top_vals, top_ids = sampler_module.logprob_table(logits, ids, k)
+    assert seen == [5] * 7 + [2]
+    whole = log_softmax(logits.float(), dim=-1)
+    picked = whole.gather(1, ids[:, None])
+    assert chosen == picked[:, 0].tolist()
+    assert ranks == ((whole > picked).sum(dim=1) + 1).tolist()
+    assert ranks[:3] == [1, 1, 1] and max(ranks) > 100
+    if k == 1:
+        first_best = whole.numpy().argmax(axis=-1)
+        assert top_ids == [[int(t)] for t in first_best]
+        assert top_vals == whole.amax(dim=-1, keepdim=True).tolist()
+        assert (whole == whole.amax(dim=-1, keepdim=True)).sum(dim=-1).max() > 1  # a tie was met
+    else:
+        top = whole.topk(k, dim=-1)
+        assert top_vals == top.values.tolist() and top_ids == top.indices.tolist()
+    # already log-probs: taken as they are; no rows: nothing
+    assert sampler_module.logprob_table(whole, ids, 0, normalise=False)[:2] == (chosen, ranks)
+    assert sampler_module.logprob_table(logits[:0], ids[:0], 3) == ([], [], [], [])
+
+
+def test_prompt_logprobs_of_many_rows_equal_those_of_one_log_softmax(monkeypatch):
+    """A prompt's log-prob rows through the Sampler, 3 rows a chunk: every entry (the prompt
+    token's log-prob and rank, and the top 2) is what one whole log_softmax gives."""
+    vocab = 64
+    monkeypatch.setattr(sampler_module, "_LOGPROB_CHUNK_BYTES", 3 * 4 * vocab)
+    logits = torch.randn(12, vocab, generator=torch.Generator().manual_seed(1)) * 3
+    targets = list(range(5, 16))  # rows 1..11 predict these
+    md = rows(SamplingParams(temperature=0, prompt_logprobs=2), 1)
+    md.prompt_rows.append(PromptLogprobRows(md.seqs[0], 1, targets, 1))
+    out, _ = Sampler(vocab)(logits, md)
+    first, entries = out.prompt_logprobs[0]
+    ref = torch.log_softmax(logits[1:], dim=-1)
+    assert first == 1 and len(entries) == len(targets)
+    for i, (tid, entry) in enumerate(zip(targets, entries)):
+        assert entry[tid].logprob == ref[i, tid].item()
+        assert entry[tid].rank == int((ref[i] > ref[i, tid]).sum()) + 1
+        best = ref[i].topk(2)
+        for r, (value, token) in enumerate(zip(best.values.tolist(), best.indices.tolist())):
+            if token != tid:
+                assert entry[token].logprob == value and entry[token].rank == r + 1
+        assert len(entry) == 2 + (tid not in best.indices.tolist())
 
 
 def test_fork_row_draws_n_independent_samples():
