@@ -44,6 +44,9 @@ SETTINGS = {
     "llama.cpp defaults": dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
     # what a Qwen2.5 instruct checkpoint's generation_config.json asks for (the engine's defaults then)
     "Qwen2.5 defaults": dict(temperature=0.7, top_k=20, top_p=0.8, repetition_penalty=1.05),
+    # the openai SDK's logprobs=True, top_logprobs=5: each token's log-prob, rank and 5 best
+    "greedy, logprobs 5": dict(temperature=0.0, logprobs=5),
+    "temperature 1, logprobs 1": dict(temperature=1.0, logprobs=1),
 }
 
 

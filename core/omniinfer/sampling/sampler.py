@@ -240,11 +240,13 @@ class Sampler:
         tokens = torch.empty(len(rows), dtype=torch.long, device=logits.device)
         greedy = [i for i, row in enumerate(rows) if row.params.is_greedy]
         random = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        if len(greedy) == len(rows):  # (no [rows, vocab] copy picking them, here or below)
-            tokens = logits.argmax(dim=-1)
+        # (no [rows, vocab] copy picking them, here or below; the platform's argmax, on the CPU
+        # numpy's: torch's took 2.7 ms for 32 rows of a 151,936-token vocabulary)
+        if len(greedy) == len(rows):
+            tokens = self.argmax_rows(logits)
         elif greedy:
             g = torch.tensor(greedy, device=logits.device)
-            tokens[g] = logits[g].argmax(dim=-1)
+            tokens[g] = self.argmax_rows(logits[g])
         if len(random) == len(rows):
             tokens = draw(random_probs(logits, rows), rows, self.generator)
         elif random:
