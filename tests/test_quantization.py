@@ -115,6 +115,31 @@ def test_gguf_with_int8_activations_follows_transformers_up_to_near_ties(models,
         agreed_steps(tokens, hf_greedy_gguf(path, prompt, PARAMS.max_tokens, scores=True)[1])
 
 
+@pytest.mark.parametrize("file_type", ["q8_0", "q4_k_m"])
+@pytest.mark.parametrize("mode", ["float", "int8"])
+def test_a_lone_prompt_longer_than_a_step_runs(models, file_type, mode, monkeypatch):
+    """A prompt alone, longer than a step's token budget: its chunks before the last sample
+    nothing, so the LM head (quantised in every GGUF file) gets no rows. The CPU kernels refuse
+    to multiply nothing, and every GGUF model failed such a prompt; now no kernel is asked.
+    Tokens as transformers' (int8 activations: up to a near-tie)."""
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", mode)
+    path = gguf_of(models, "llama", file_type)
+    prompt = list(range(40, 75))  # 35 tokens: steps of 16, 16 and 3
+    llm = LLM(path, num_kv_blocks=64, max_num_batched_tokens=16, max_num_seqs=4)
+    try:
+        head = llm.llm_engine.executor.worker.model_runner.model.lm_head
+        assert {name for _, name, _ in head.quant_choices} <= {
+            k for k in kernel_names(llm) if k.startswith("cpu (")}, head.quant_choices  # a kernel's
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], PARAMS, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    tokens, steps = hf_greedy_gguf(path, prompt, PARAMS.max_tokens, scores=True)
+    if mode == "float":
+        assert out.outputs[0].token_ids == tokens
+    else:
+        agreed_steps(out.outputs[0].token_ids, steps)
+
+
 # what llama.cpp's quantiser writes where a row is not whole 256-blocks (gguf_export.tensor_type)
 FALLBACK_MIX = {"q4_k_m": {"Q5_0", "Q8_0"}, "q5_k_m": {"Q5_1", "Q8_0"}, "q3_k_m": {"Q4_0", "Q5_0", "Q5_1", "Q8_0"},
                 "iq4_xs": {"IQ4_NL", "Q8_0"}}

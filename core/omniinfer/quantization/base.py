@@ -349,7 +349,11 @@ class QuantLinearMethod(LinearMethod):
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         kernels = layer.quant_kernels
-        if len(kernels) == 1 and kernels[0][1].piece.shape[0] == layer.qweight.shape[0]:
+        if x.numel() == 0:  # no rows (the LM head of a prefill chunk that samples nothing): no
+            # kernel is asked to multiply nothing (the CPU kernels refuse it: a lone prompt longer
+            # than a step's token budget failed every GGUF model there)
+            out = x.new_empty(*x.shape[:-1], layer.qweight.shape[0])
+        elif len(kernels) == 1 and kernels[0][1].piece.shape[0] == layer.qweight.shape[0]:
             out = kernels[0][1].apply(x)
         else:  # (zeros: an embedding's padding rows have no segment)
             out = torch.zeros(*x.shape[:-1], layer.qweight.shape[0], dtype=x.dtype, device=x.device)
