@@ -16,7 +16,7 @@ import torch
 
 from omniinfer import LLM, SamplingParams
 from omniinfer.distributed import parallel_state as ps
-from omniinfer.distributed.communication import BroadcastStats, broadcast_tensor_dict
+from omniinfer.distributed.communication import BroadcastStats, broadcast_tensor_dict, pack, unpack
 from omniinfer.executor.distributed import free_port
 from omniinfer.testing.processes import assert_no_child_processes
 from omniinfer.worker.model_input import ModelInput, WorkerInput
@@ -183,6 +183,32 @@ def _fields_equal(a, b) -> bool:
         return type(a) is type(b) and all(_fields_equal(getattr(a, f.name), getattr(b, f.name))
                                           for f in dataclasses.fields(a))
     return a == b
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_a_lone_prompt_longer_than_a_step_across_ranks(layout, checkpoint_dir, one_rank):
+    """A prompt alone, in three chunks: the first two sample nothing, so the step's
+    logits_indices are empty (made by numpy: stride 0, which the broadcast could not pack, and
+    every rank failed)."""
+    kwargs = dict(max_num_batched_tokens=12, max_num_seqs=4)
+    prompts = make_prompts([30])
+    ref, _ = one_rank("llama", prompts=prompts, **kwargs)
+    outs, _, (broadcasts, steps) = generate(checkpoint_dir("llama"), prompts, **layout, **kwargs)
+    assert tokens(outs) == tokens(ref) and broadcasts == steps > MAX_TOKENS
+
+
+def test_empty_tensors_pack_and_unpack():
+    """Empty tensors, numpy's (stride 0) among them, beside full ones."""
+    import numpy as np
+
+    sent = {"numpy_empty": torch.from_numpy(np.concatenate([np.arange(0)]).astype(np.int64)),
+            "full": torch.arange(5, dtype=torch.int32), "rows": torch.zeros(0, 7), "n": 3,
+            "after": torch.tensor([1.5, -2.0], dtype=torch.float64)}
+    assert sent["numpy_empty"].stride() == (0,)
+    got = unpack(pack(sent)[0])
+    assert got.keys() == sent.keys() and got["n"] == 3
+    for key in ("numpy_empty", "full", "rows", "after"):
+        assert got[key].dtype == sent[key].dtype and torch.equal(got[key], sent[key]), key
 
 
 def test_broadcast_dict_round_trips_over_gloo(checkpoint_dir):

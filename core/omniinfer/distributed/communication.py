@@ -89,6 +89,8 @@ def pack(tensor_dict: dict[str, Any]) -> tuple[torch.Tensor, int]:
     buffer[:_HEADER].view(torch.int64).copy_(torch.tensor([total, len(header)]))
     buffer[_HEADER:_HEADER + len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
     for at, tensor in tensors:
+        if tensor.numel() == 0:  # (nothing to copy; numpy's empty arrays come with stride 0,
+            continue  # which no byte view takes: a lone prompt's chunk with no logits rows)
         raw = tensor.reshape(-1).view(torch.uint8)
         buffer[start + at:start + at + raw.numel()] = raw
     return buffer, total
