@@ -4,6 +4,8 @@ openai SDK."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
 from types import SimpleNamespace
 
@@ -37,6 +39,38 @@ def check_prompt_entries(entries, prompt, ref, k):
 
 
 # ---- the engine: prefix caching and chunked prefill ---------------------------------------------
+def test_a_steps_logits_for_prompt_log_probs_are_bounded(checkpoint_dir, hf_logprobs, monkeypatch):
+    """The platform bounds a step's logits for prompt log-probs (the CPU's: 256 MiB; here made
+    16 rows of this vocabulary): two prompts owed log-probs, with a plain one beside them, go
+    in steps whose logits never hold more than 16 prompt rows; every entry is transformers'."""
+    from omniinfer.sampling.sampler import Sampler
+    from omniinfer_cpu.platform import CpuPlatform
+
+    path = checkpoint_dir("llama")
+    with open(os.path.join(path, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    monkeypatch.setattr(CpuPlatform, "prompt_logits_bytes", classmethod(lambda cls: 16 * 4 * vocab))
+    prompt_rows = []
+    call = Sampler.__call__
+
+    def spy(self, logits, md):
+        prompt_rows.append(sum(len(r.target_ids) for r in md.prompt_rows))
+        return call(self, logits, md)
+
+    monkeypatch.setattr(Sampler, "__call__", spy)
+    prompts = [prompt_ids(37, seed=1), prompt_ids(30, seed=2), prompt_ids(25, seed=3)]
+    params = [SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1),
+              SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)]
+    with LLM(path, num_kv_blocks=64, max_num_batched_tokens=64, max_num_seqs=4) as llm:
+        assert llm.llm_engine.scheduler.prompt_logprob_rows == 16
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert max(prompt_rows) == 16 and sum(prompt_rows) == 36 + 29
+    for out, prompt, k in zip(outs[:2], prompts, (2, 1)):
+        check_prompt_entries(out.prompt_logprobs, prompt, hf_logprobs(path, prompt), k)
+    assert outs[2].prompt_logprobs is None
+
+
 def test_prompt_logprobs_through_prefix_cache_and_chunks(checkpoint_dir, hf_logprobs):
     """A prompt whose blocks sit in the prefix cache still gets every prompt log-prob (the hit
     is skipped for it), in prefill chunks smaller than the prompt; other requests still hit."""

@@ -16,15 +16,16 @@ from omniinfer.step import ModelRunnerOutput
 
 
 def make_scheduler(budget=32, max_seqs=8, blocks=64, chunked=True, block_size=4, host=0,
-                   mode="recompute", caching=False, max_len=256):
+                   mode="recompute", caching=False, max_len=256, rows=None):
     return Scheduler(
         SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_len,
                         enable_chunked_prefill=chunked, preemption_mode=mode),
-        CacheConfig(block_size=block_size, enable_prefix_caching=caching), blocks, host)
+        CacheConfig(block_size=block_size, enable_prefix_caching=caching), blocks, host,
+        prompt_logprob_rows=rows)
 
 
-def add(s: Scheduler, seq_id: int, prompt_len: int, max_tokens: int = 8) -> Sequence:
-    group = SequenceGroup(f"r{seq_id}", None, list(range(prompt_len)), SamplingParams(),
+def add(s: Scheduler, seq_id: int, prompt_len: int, max_tokens: int = 8, **params) -> Sequence:
+    group = SequenceGroup(f"r{seq_id}", None, list(range(prompt_len)), SamplingParams(**params),
                           max_tokens=max_tokens)
     seq = s.add_request(group)
     assert seq.seq_id == seq_id  # the scheduler numbers sequences in order
@@ -57,7 +58,21 @@ def step(s: Scheduler, check=None):
     if check:
         check(out)
     sampled = [x.seq.seq_id for x in out.scheduled if x.is_sampling]
-    s.update_from_output(plain, ModelRunnerOutput(seq_ids=sampled, token_ids=[[1]] * len(sampled)))
+    s.update_from_output(plain, ModelRunnerOutput(seq_ids=sampled, token_ids=[[1]] * len(sampled),
+                                                  prompt_logprobs=prompt_entries(s, plain)))
+    return out
+
+
+def prompt_entries(s: Scheduler, plain) -> dict:
+    """The prompt log-prob entries the workers would return for this schedule (empty dicts; as
+    worker/input_builder.py's _prompt_rows counts them: position p predicts token p + 1)."""
+    out = {}
+    for seq_id, done in plain.prompt_logprobs.items():
+        i = plain.seq_ids.index(seq_id)
+        ctx, q = plain.num_computed_tokens[i], plain.num_scheduled_tokens[i]
+        first, last = max(ctx, done - 1), min(ctx + q, len(s.seqs[seq_id].group.prompt_token_ids) - 1)
+        if last > first:
+            out[seq_id] = (first + 1, [{}] * (last - first))
     return out
 
 
@@ -157,6 +172,58 @@ def test_request_that_can_never_fit_is_rejected_not_queued_forever():
     assert "needs up to 8 KV-cache blocks" in too_big.group.error
     assert [x.seq for x in out.scheduled] == [ok]
     run_all(s)
+
+
+def test_prompts_owed_log_probs_share_the_steps_rows():
+    """`prompt_logprob_rows` (the platform's bound on a step's logits for prompt log-probs):
+    prompts owed log-probs get 6 tokens a step, all together; a plain prompt takes the rest of
+    the budget; once a prompt's log-probs are all in, its decodes are not counted."""
+    s = make_scheduler(budget=16, rows=6)
+    a = add(s, 0, 10, max_tokens=3, prompt_logprobs=1)
+    b = add(s, 1, 9, max_tokens=3, prompt_logprobs=0)
+    add(s, 2, 20, max_tokens=3)  # plain
+    sizes = []
+    while s.num_unfinished:
+        out = step(s)
+        sizes.append({x.seq.seq_id: x.num_new_tokens for x in out.scheduled})
+        owed = sum(x.num_new_tokens for x in out.scheduled if x.seq.group.params.prompt_logprobs is not None
+                   and x.seq.num_computed_tokens - x.num_new_tokens < x.seq.num_prompt_tokens)
+        assert owed <= 6
+    # a takes the step's 6 rows; b, and c behind it, wait (arrival order) until rows are left;
+    # a decodes uncounted while b takes 6 rows and c the rest of the budget
+    assert sizes == [{0: 6}, {0: 4, 1: 2, 2: 10}, {0: 1, 1: 6, 2: 9}, {0: 1, 1: 1, 2: 1},
+                     {1: 1, 2: 1}, {1: 1, 2: 1}]
+    for group in (a.group, b.group):
+        assert len(group.prompt_logprobs) == len(group.prompt_token_ids)
+
+
+def test_without_chunked_prefill_prompt_log_probs_are_not_bounded():
+    s = make_scheduler(budget=32, rows=6, chunked=False, max_len=32)
+    add(s, 0, 20, prompt_logprobs=1)
+    assert step(s).scheduled[0].num_new_tokens == 20
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_workloads_with_prompt_log_probs_obey_the_rows(seed):
+    rng = random.Random(seed)
+    rows = rng.choice([1, 5, 9])
+    s = make_scheduler(budget=24, max_seqs=5, blocks=20, block_size=4, host=20,
+                       mode=rng.choice(["recompute", "swap"]), max_len=24, rows=rows)
+
+    def check(out):
+        owed = [x for x in out.scheduled if x.seq.group.wants_prompt_logprobs]
+        assert sum(x.num_new_tokens for x in owed) <= rows
+
+    seq_id = 0
+    for _ in range(60):
+        for _ in range(rng.randrange(3)):
+            n = rng.randrange(1, 16)
+            extra = {"prompt_logprobs": 1} if rng.random() < 0.5 else {}
+            add(s, seq_id, n, max_tokens=rng.randrange(1, 24 - n + 1), **extra)
+            seq_id += 1
+        if s.num_unfinished:
+            step(s, check)
+    run_all(s, check=check)
 
 
 @pytest.mark.parametrize("seed", range(4))

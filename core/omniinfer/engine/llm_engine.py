@@ -70,6 +70,21 @@ def _freeze_loaded_objects() -> None:
 _unfreeze_registered = False
 
 
+def prompt_logprob_rows(platform, config: EngineConfig) -> int | None:
+    """The most prompt tokens owed log-probs one step computes (`Platform.prompt_logits_bytes`
+    over a float32 row of the vocabulary; at least 16), or None where that bound is no tighter
+    than the step's token budget."""
+    limit = platform.prompt_logits_bytes()
+    if limit is None:
+        return None
+    rows = max(16, limit // (4 * config.model.vocab_size))
+    if rows >= config.scheduler.max_num_batched_tokens:
+        return None
+    logger.info("prompt log-probs: at most %d prompt tokens a step (%d MiB of float32 logits for "
+                "a %d-token vocabulary)", rows, limit >> 20, config.model.vocab_size)
+    return rows
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True):
         self.config = config
@@ -104,7 +119,8 @@ class LLMEngine:
             logger.info("sliding-window layers keep every block: %s",
                         window_pool_refusal(config, self.attn_backend))
         self.scheduler = Scheduler(config.scheduler, config.cache, self.executor.num_device_blocks,
-                                   self.executor.num_host_blocks, window_pool)
+                                   self.executor.num_host_blocks, window_pool,
+                                   prompt_logprob_rows(self.platform, config))
         self.groups: dict[str, SequenceGroup] = {}  # the unfinished requests
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.groups)
         _freeze_loaded_objects()

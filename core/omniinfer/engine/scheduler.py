@@ -54,9 +54,13 @@ class ScheduledSeq:
 class Scheduler(ScheduleOutputs):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_device_blocks: int, num_host_blocks: int,
-                 window_pool: tuple[int, int] | None = None):
-        """`window_pool`: (window, blocks) of the sliding layers' own pool (engine/kv_groups.py)."""
+                 window_pool: tuple[int, int] | None = None, prompt_logprob_rows: int | None = None):
+        """`window_pool`: (window, blocks) of the sliding layers' own pool (engine/kv_groups.py).
+        `prompt_logprob_rows`: with chunked prefill, the most prompt tokens owed log-probs one
+        step computes, all sequences together (each is a row of logits; None: the step's budget)."""
         self.config = scheduler_config
+        self.prompt_logprob_rows = prompt_logprob_rows if scheduler_config.enable_chunked_prefill else None
+        self._rows_left: int | None = None  # this step's, while it is scheduled
         self.block_size = cache_config.block_size
         if window_pool is None:
             self.blocks = BlockManager(cache_config.block_size, num_device_blocks, num_host_blocks,
@@ -162,6 +166,7 @@ class Scheduler(ScheduleOutputs):
         scheduled: dict[int, ScheduledSeq] = {}
         self._copies: dict[int, list[tuple[int, int]]] = {}  # this step's copy-on-writes per seq
         self._num_preempted = 0
+        self._rows_left = self.prompt_logprob_rows
         decodes, prefills = [], []
         for s in self.running:
             (decodes if len(s.token_ids) - s.num_computed_tokens == 1 else prefills).append(s)
@@ -170,7 +175,7 @@ class Scheduler(ScheduleOutputs):
         for seq in decodes + prefills:
             if seq.status != running:  # preempted earlier in this loop
                 continue
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            num_new = self._grant(seq, len(seq.token_ids) - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
             slots = num_new + (ahead if num_new == 1 else 0)
@@ -178,6 +183,7 @@ class Scheduler(ScheduleOutputs):
             if has_room(seq, slots):  # the common decode: nothing to allocate
                 scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
                 budget -= cost
+                self._take_rows(seq, num_new)
                 continue
             while not self._allocate(seq, slots):
                 victim = self._pick_victim(seq)
@@ -187,10 +193,12 @@ class Scheduler(ScheduleOutputs):
                 if victim.seq_id in scheduled:
                     given = scheduled.pop(victim.seq_id).num_new_tokens
                     budget += given + (lookahead if given == 1 else 0)
+                    self._take_rows(victim, -given)
                 self._preempt(victim, out)
             else:
                 scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
                 budget -= cost
+                self._take_rows(seq, num_new)
 
         if self._num_preempted == 0:
             budget = self._schedule_swapped(out, scheduled, budget)
@@ -266,9 +274,9 @@ class Scheduler(ScheduleOutputs):
                           budget: int) -> int:
         while self.swapped and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._grant(seq, seq.num_tokens - seq.num_computed_tokens, budget)
             extra = self.config.num_lookahead_slots if num_new == 1 else 0
-            if not self.blocks.can_swap_in(seq, num_new + extra):
+            if num_new <= 0 or not self.blocks.can_swap_in(seq, num_new + extra):
                 break
             self.swapped.popleft()
             out.blocks_to_swap_in += self.blocks.swap_in(seq)
@@ -278,6 +286,7 @@ class Scheduler(ScheduleOutputs):
             self.running.append(seq)
             scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
             budget -= num_new + extra
+            self._take_rows(seq, num_new)
         return budget
 
     def _schedule_waiting(self, scheduled: dict[int, ScheduledSeq], budget: int) -> None:
@@ -295,8 +304,8 @@ class Scheduler(ScheduleOutputs):
             if not chunked and remaining > budget:
                 seq.num_computed_tokens = 0
                 break
-            num_new = min(remaining, budget)
-            if not self._allocate(seq, num_new, computed):
+            num_new = self._grant(seq, remaining, budget)
+            if num_new <= 0 or not self._allocate(seq, num_new, computed):
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
@@ -304,6 +313,19 @@ class Scheduler(ScheduleOutputs):
             self.running.append(seq)
             scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
             budget -= num_new
+            self._take_rows(seq, num_new)
+
+    def _grant(self, seq: Sequence, left: int, budget: int) -> int:
+        """Tokens `seq` gets of the `left` it has: what the step's budget holds, and for a prompt
+        owed log-probs what its rows of logits left this step hold (`prompt_logprob_rows`)."""
+        if self._rows_left is not None and seq.group.wants_prompt_logprobs:
+            return min(left, budget, self._rows_left)
+        return min(left, budget)
+
+    def _take_rows(self, seq: Sequence, num_new: int) -> None:
+        """Count a prompt owed log-probs against this step's rows (negative: give them back)."""
+        if self._rows_left is not None and seq.group.wants_prompt_logprobs:
+            self._rows_left -= num_new
 
     def _never_fits(self, seq: Sequence) -> str | None:
         return self.never_fits(seq.num_prompt_tokens, seq.group.max_tokens)

@@ -251,6 +251,14 @@ class Platform:
         return budget
 
     @classmethod
+    def prompt_logits_bytes(cls) -> int | None:
+        """Bytes of float32 logits one step may make for prompts owed log-probs (lm-evaluation-
+        harness' loglikelihood asks for every prompt token's): such prompts then get no more
+        tokens a step, all together, than rows of the vocabulary that holds. None (the default):
+        no bound but the step's token budget."""
+        return None
+
+    @classmethod
     def verify_config(cls, config: EngineConfig) -> list[str]:
         """Reasons this platform cannot run `config` (empty: it can).
 

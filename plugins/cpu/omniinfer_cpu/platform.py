@@ -47,6 +47,14 @@ class CpuPlatform(Platform):
         return CpuModelTransform(config, attn_backend)
 
     @classmethod
+    def prompt_logits_bytes(cls) -> int | None:
+        """256 MiB: 441 prompt tokens a step for a 151,936-token vocabulary. A prompt's logits are
+        host memory here, and prefill steps of ~500 tokens run as fast as of 2048 (measured: a
+        2040-token prompt with prompt_logprobs=1 on the medium q4_0 file took 8.6 s in 512-token
+        steps against 8.9 in one, and grew the process by 510 MB against 1346)."""
+        return 256 << 20
+
+    @classmethod
     def kv_cache_memory_bytes(cls, config, model_bytes: int) -> int:
         """OMNIINFER_CPU_KVCACHE_GIB if set; else a quarter of available memory (shared by the
         ranks of a parallel run), at most 4 GiB, and never more than the running batch can use
