@@ -502,6 +502,7 @@ def test_sampler_times_every_setting(tmp_path):
     assert "machine: " in text and "top-p 0.95 set holds" in text
     results = json.loads(out.read_text())[0]["results"]
     assert {(r["setting"], r["rows"]) for r in results} == {
-        (s, n) for s in ("greedy", "temperature 1", "top-p 0.95", "top-k 40", "llama.cpp defaults", "Qwen2.5 defaults")
+        (s, n) for s in ("greedy", "temperature 1", "top-p 0.95", "top-k 40", "llama.cpp defaults", "Qwen2.5 defaults",
+                         "greedy, logprobs 5", "temperature 1, logprobs 1")
         for n in (1, 3)}
     assert all(r["ms"] > 0 for r in results)
