@@ -13,9 +13,11 @@
 # sm_80/90/100, gfx90a, gfx942, plus this GPU, loaded by its driver); then print the summary
 # table (per backend: conformance passed/failed/skipped, decode/prefill/chunked tokens/s), the
 # quantized kernels' times and models, and the kernels' table (registers, spills, shared memory
-# per configuration and target). Time limits: kit 5 min, attention benchmark 2.5, quantized
-# benchmark 3.3 (12 formats since 2026-12-07), int8 weight-only at 64-512 rows both ways 1, tile sweep 4 (it stops itself at
-# 220 s); the kernel compiles, the quantized models and the kernel tests
+# per configuration and target), and time the Sampler (benchmarks/sampler.py: each sampling
+# setting at 1 and 32 rows, and a 2048-token prompt's log-probs). Time limits: kit 5 min,
+# attention benchmark 2.5, quantized benchmark 3.3 (12 formats since 2026-12-07), int8
+# weight-only at 64-512 rows both ways 1, tile sweep 4 (it stops itself at 220 s), the Sampler
+# 1.5; the kernel compiles, the quantized models and the kernel tests
 # run beside the kit, within its 5. On an H200 (2026-12-04) the whole check took 180 s
 # with the sweep at rows 1 and 512 (now 1, 2, 4, 8 and 512): well within a 10-minute call.
 #
@@ -201,6 +203,14 @@ timeout 240 env "${tiles_env[@]}" "$PYTHON" benchmarks/gguf_tiles.py --budget-s 
   --json "$OUT/gguf_tiles.json" "${tiles_args[@]}" >"$OUT/gguf_tiles.log" 2>&1 || status=1
 # (the whole table is in the log: here the best variant per layer, type and rows, and mishaps)
 grep -E "best:|WRONG|FAILED|stops here|Error" "$OUT/gguf_tiles.log" || true
+
+say "the Sampler on $PLATFORM (budget 90 s; what its host syncs and prompt log-probs' chunks cost there)"
+sampler_args=()
+[[ $PLATFORM != cpu ]] || sampler_args=(--vocab 5000 --repeats 1)
+timeout 60 "$PYTHON" benchmarks/sampler.py --platform "$PLATFORM" --json "$OUT/sampler.json" \
+  "${sampler_args[@]}" 2>&1 | tee "$OUT/sampler.log" || status=1
+timeout 30 "$PYTHON" benchmarks/sampler.py --platform "$PLATFORM" --prompt-logprobs 2048 --repeats 3 \
+  --json "$OUT/sampler_prompt.json" "${sampler_args[@]}" 2>&1 | tee -a "$OUT/sampler.log" || status=1
 
 say "summary ($PLATFORM)"
 "$PYTHON" - "$OUT/conformance.xml" "$OUT/bench.json" "$OUT/quant_bench.json" \

@@ -62,8 +62,15 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert "tiny                Q8_0     1  best: gguf_linear (current)" in out
     tiles = json.loads((tmp_path / "gguf_tiles.json").read_text())["results"]
     assert [r["variant"].split()[0] for r in tiles] == ["torch", "gguf_linear"] and tiles[1]["ok"]
+    # the Sampler timed on the platform's device (here the CPU's memory, a small vocabulary)
+    [sampling] = json.loads((tmp_path / "sampler.json").read_text())
+    assert sampling["device"] == "cpu" and sampling["vocab"] == 5000 and len(sampling["results"]) == 32
+    assert all(r["ms"] > 0 for r in sampling["results"])
+    [prompt] = json.loads((tmp_path / "sampler_prompt.json").read_text())
+    assert prompt["prompt_logprobs"]["rows"] == 2048 and prompt["prompt_logprobs"]["ms"] > 0
+    assert "the Sampler on a 5000-token vocabulary (cpu)" in out
     for name in ("conformance.xml", "conformance.log", "bench.json", "bench.log", "aot.log",
-                 "quant_bench.log", "gguf_tiles.log", "triton_tests.log", "triton_tests.xml"):
+                 "quant_bench.log", "gguf_tiles.log", "triton_tests.log", "triton_tests.xml", "sampler.log"):
         assert (tmp_path / name).exists(), name
 
 
