@@ -113,6 +113,87 @@ def test_other_decoders_get_the_token_by_token_detokenizers():
     assert added == " brown fox jumps"
 
 
+def byte_fallback_tokenizer():
+    """Llama 2's kind of tokenizer, built here: SentencePiece-style spaces (Metaspace) and the 256
+    `<0xNN>` byte tokens in the vocabulary for what it has no token for (its decoder's
+    ByteFallback turns a run of them into UTF-8, or into U+FFFD for each byte of an invalid run)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    letters = "\u2581abcdefghijklmnopqrstuvwxyzHLW"
+    vocab.update({c: len(vocab) + i for i, c in enumerate(letters)})
+    merges = [("\u2581", "H"), ("e", "l"), ("el", "l"), ("ell", "o")]
+    for a, b in merges:
+        vocab[a + b] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_an_invalid_byte_run_does_not_fail_the_stream():
+    """A byte token that read as ")" alone reads as U+FFFD once an invalid byte (a lead byte with
+    no continuation) joins its run: tokenizers' DecodeStream then raised "Invalid prefix
+    encountered", and the engine failed the request. The text given out stays; the rest goes on
+    through IncrementalDetokenizer."""
+    tok = byte_fallback_tokenizer()
+    prompt = tok("Hello").input_ids
+    ids = tok.convert_tokens_to_ids(["x", "<0x29>", "<0xC7>", "d", "\u2581", "o", "k"])
+    d = Detokenizers(tok)(prompt, True)
+    assert isinstance(d, StreamDetokenizer)
+    texts = [d.add(t) for t in ids]
+    assert texts[:3] == ["x", ")", ""] and d.fallback is not None  # (the lead byte waits)
+    assert "".join(texts) + d.flush() == "x)\ufffdd ok"
+    whole = tok.decode(prompt + ids)
+    assert whole == "Hellox\ufffd\ufffdd ok"  # (decoded at once, the ")" is U+FFFD too)
+
+
+def test_an_output_cut_inside_a_character_ends_with_its_replacement():
+    """max_tokens ends the output inside a character: flush gives a U+FFFD for each of its bytes,
+    as decoding the whole does. (It decoded the output alone, which a SentencePiece decoder's
+    Strip shortens by its first space, and the last of them was lost.)"""
+    tok = byte_fallback_tokenizer()
+    prompt = tok("Hello").input_ids
+    ids = tok.convert_tokens_to_ids(["\u2581", "o", "k", "<0xE2>", "<0x82>"])
+    d = Detokenizers(tok)(prompt, True)
+    assert "".join(d.add(t) for t in ids) == " ok" and d.flush() == "\ufffd\ufffd"
+    assert tok.decode(prompt + ids) == "Hello ok\ufffd\ufffd"
+
+
+def test_random_byte_tokens_stream_as_the_window_decoder_reads_them():
+    """Random outputs after real prompts, 40% of them bytes: none fails, and the text is what
+    IncrementalDetokenizer (decoding a window, holding back a trailing U+FFFD) gives, up to how
+    many U+FFFD an invalid run shows (one a byte, or fewer, by where the windows cut the run);
+    push/take/flush give add's text."""
+    import re
+
+    runs = re.compile("\ufffd+")
+    tok = byte_fallback_tokenizer()
+    backend = tok._tokenizer
+    rng = random.Random(0)
+    fell_back = 0
+    for _ in range(300):
+        prompt = tok(rng.choice(["Hello", "Hello world", "x\u20ac", "ok\n"])).input_ids
+        ids = [rng.randrange(3, 259) if rng.random() < 0.4 else rng.randrange(259, len(tok)) for _ in range(10)]
+        d = Detokenizers(tok)(prompt, True)
+        text = "".join(d.add(t) for t in ids) + d.flush()
+        fell_back += d.fallback is not None
+        ref = IncrementalDetokenizer(backend, prompt)
+        expected = "".join(ref.add(t) for t in ids) + ref.flush()
+        assert runs.sub("\ufffd", text) == runs.sub("\ufffd", expected), (prompt, ids)
+        pushed = Detokenizers(tok)(prompt, True)
+        for t in ids[:4]:
+            pushed.push(t)
+        head = pushed.take()
+        for t in ids[4:]:
+            pushed.push(t)
+        assert head + pushed.flush() == text
+    assert 30 < fell_back < 270  # (both ways were taken)
+
+
 def test_engine_text_streamed_or_not_and_with_stop_strings(checkpoint_dir):
     llm = LLM(checkpoint_dir("llama"), num_kv_blocks=96, block_size=8, max_num_seqs=8,
               max_num_batched_tokens=64)

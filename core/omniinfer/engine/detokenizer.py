@@ -69,34 +69,59 @@ class IncrementalDetokenizer(_TextQueue):
 
 class StreamDetokenizer(_TextQueue):
     """The same contract through the tokenizers library's DecodeStream (Rust, 0.8-1.6 us a token),
-    for other fast tokenizers: it keeps its own window and holds back incomplete characters."""
+    for other fast tokenizers: it keeps its own window and holds back incomplete characters.
 
-    __slots__ = ("backend", "stream", "ids", "text_len", "skip_special_tokens", "queued")
+    DecodeStream raises where a later token changes text it already gave out: with a byte-fallback
+    decoder (Llama 2's, Mistral's, Gemma's: `<0xNN>` tokens) a run of byte tokens that is not valid
+    UTF-8 as a whole decodes to U+FFFD for every byte, so a byte that read as ")" alone reads as
+    U+FFFD once an invalid byte follows it ("Invalid prefix encountered while decoding stream"). The
+    sequence then goes on through IncrementalDetokenizer, its tokens since the last text given out
+    first: the text already given out stays as it was."""
+
+    __slots__ = ("backend", "stream", "context", "ids", "done", "skip_special_tokens", "queued",
+                 "fallback")
 
     def __init__(self, backend, prompt_ids: list[int], skip_special_tokens: bool = True):
         from tokenizers.decoders import DecodeStream
 
         self.backend = backend  # a tokenizers.Tokenizer
-        self.stream = DecodeStream(ids=list(prompt_ids[-_CONTEXT_TOKENS:]),
-                                   skip_special_tokens=skip_special_tokens)
+        self.context = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.stream = DecodeStream(ids=self.context, skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []
-        self.text_len = 0
+        self.done = 0  # ids[:done] are in the text given out; the rest wait (an incomplete character)
         self.skip_special_tokens = skip_special_tokens
         self.queued = ""
+        self.fallback: IncrementalDetokenizer | None = None
 
     def add(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.stream.step(self.backend, token_id)
+        if self.fallback is not None:
+            return self.fallback.add(token_id)
+        try:
+            text = self.stream.step(self.backend, token_id)
+        except Exception:  # noqa: BLE001 - DecodeStream's "Invalid prefix" (above), a plain Exception
+            return self._go_on_by_windows()
         if text:
-            self.text_len += len(text)
+            self.done = len(self.ids)
             return text
         return ""
 
+    def _go_on_by_windows(self) -> str:
+        """Hand the sequence to IncrementalDetokenizer, the text given out as its context: the
+        text of the tokens still waiting."""
+        self.fallback = IncrementalDetokenizer(self.backend, self.context + self.ids[:self.done],
+                                               self.skip_special_tokens)
+        return "".join(self.fallback.add(t) for t in self.ids[self.done:])
+
     def flush(self) -> str:
-        full = self.backend.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
-        rest = full[self.text_len:] if len(full) > self.text_len else ""
-        self.text_len += len(rest)
-        return self.take() + rest
+        """What still waits, through the window decoder too: decoded alone, the output's text
+        would lose its first space to a SentencePiece decoder's Strip, and the end of it a
+        character."""
+        if self.fallback is None:
+            if self.done == len(self.ids):
+                return self.take()
+            self.queued += self._go_on_by_windows()
+        return self.take() + self.fallback.flush()
 
 
 class ByteLevelDetokenizer:
