@@ -339,3 +339,94 @@ def test_the_rope_table_holds_max_model_len_positions_not_the_files_context(file
         assert len(out.outputs[0].token_ids) == 64 - 39  # (to the last position the table holds)
     finally:
         llm.shutdown()
+
+
+# ---- a SentencePiece vocabulary (Llama 2's, Mistral's kind) ------------------------------------
+SPM_TEXTS = ["Hello world", " leading space", "two  spaces", "naïve café 😀 日本語", "\nnewline first",
+             "tabs\tand\nlines", "def main(argv):\n    return 0", "x" * 30, ""]
+SPECIAL_TEXTS = ["hi </s> there", "</s> x", "a</s>b"]
+
+
+@pytest.fixture(scope="module")
+def spm_file(tmp_path_factory):
+    """A q8_0 file of a tiny llama whose tokenizer is Llama 2's kind (build_sentencepiece_tokenizer),
+    alone in its directory, and its checkpoint."""
+    root = tmp_path_factory.mktemp("spm")
+    model = build_tiny_checkpoint(str(root / "ckpt"), "llama", tokenizer="sentencepiece", hidden_size=128,
+                                  intermediate_size=256, seed=3)
+    os.makedirs(root / "file")
+    return export(model, str(root / "file" / "q8_0.gguf"), "q8_0"), model
+
+
+def test_a_sentencepiece_vocabulary_tokenizes_as_its_checkpoint(spm_file):
+    """The exporter writes it as llama.cpp's converter does (tokenizer model "llama", `<0xNN>`
+    tokens of type BYTE, <unk> UNKNOWN); the tokenizer built from the file encodes every text as
+    the checkpoint's own tokenizer does, BOS first, with a space before the text and after each
+    special token (llama.cpp's add_space_prefix; transformers' class for the file put it only at
+    the start, and not before a leading space), and decodes back to the text."""
+    from transformers import AutoTokenizer
+
+    path, model = spm_file
+    reader = gguf.GGUFReader(path)
+    assert bytes(reader.fields["tokenizer.ggml.model"].parts[-1]).decode() == "llama"
+    types = reader.fields["tokenizer.ggml.token_type"]
+    types = [int(types.parts[i][0]) for i in types.data]
+    assert types[:3] == [2, 3, 3] and set(types[3:259]) == {6} and set(types[259:]) == {1}
+    ours, ref = gguf_tokenizer.load_tokenizer(path), AutoTokenizer.from_pretrained(model)
+    for text in SPM_TEXTS + SPECIAL_TEXTS:
+        ids = ours(text).input_ids
+        assert ids == ref(text).input_ids, text
+        assert ids[0] == 1
+    for text in SPM_TEXTS:
+        assert ours.decode(ours(text).input_ids, skip_special_tokens=True) == text
+    assert ours.convert_ids_to_tokens(ours(" hi").input_ids)[:3] == ["<s>", "\u2581", "\u2581"]
+
+
+def test_a_sentencepiece_file_without_the_space_prefix(tmp_path, monkeypatch):
+    """tokenizer.ggml.add_space_prefix false (Gemma's files say so): no space is put before the text."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tokenizer_pre",
+                        lambda self, pre, w=gguf.GGUFWriter.add_tokenizer_pre: (w(self, pre),
+                                                                               self.add_add_space_prefix(False)))
+    model = build_tiny_checkpoint(str(tmp_path / "ckpt"), "llama", tokenizer="sentencepiece", seed=3)
+    os.makedirs(tmp_path / "file")
+    path = export(model, str(tmp_path / "file" / "q8_0.gguf"), "q8_0")
+    ours, ref = gguf_tokenizer.load_tokenizer(path), AutoTokenizer.from_pretrained(model)
+    pieces = ref.backend_tokenizer.model.tokenize("hello\u2581world")  # (the pieces, no space before)
+    assert ours("hello world").input_ids == [1] + [p.id for p in pieces]
+
+
+def test_a_sentencepiece_file_runs_as_transformers_runs_it(spm_file, monkeypatch):
+    """The engine on the file (float activations: exact up to float32 sums): the prompt's ids are
+    the checkpoint tokenizer's and the greedy tokens transformers' on the same file. A random
+    model writes stray byte tokens, so the text is checked against the tokenizer's decode of
+    prompt and output whole where it can be: every character that decode gives (not U+FFFD)
+    appears in the engine's text, in order. Decoded whole, a run of byte tokens that is invalid
+    UTF-8 is U+FFFD for every byte, even those that read as a character alone, which the engine
+    gave out as that character when it came."""
+    from omniinfer import LLM, SamplingParams
+    from omniinfer.engine.detokenizer import Detokenizers
+    from omniinfer.testing.greedy import hf_greedy
+
+    monkeypatch.setenv("OMNIINFER_CPU_QUANT_ACTIVATIONS", "float")
+    path, model = spm_file
+    ours = gguf_tokenizer.load_tokenizer(path)
+    prompts = ["The quick brown fox", " leading space and \U0001f600"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(path, num_kv_blocks=32, max_model_len=64)
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outs):
+        assert out.prompt_token_ids == ours(prompt).input_ids
+        [(tokens, _)] = hf_greedy(os.path.dirname(path), [out.prompt_token_ids], 12, os.path.basename(path))
+        assert out.outputs[0].token_ids == tokens
+        text = out.outputs[0].text
+        d = Detokenizers(ours)(out.prompt_token_ids, True)
+        assert "".join(d.add(t) for t in tokens) + d.flush() == text
+        whole = ours.decode(out.prompt_token_ids + tokens, skip_special_tokens=True)
+        assert whole.startswith(prompt)
+        left = iter(text)
+        assert all(c in left for c in whole[len(prompt):] if c != "\ufffd"), (text, whole)

@@ -173,6 +173,29 @@ def test_a_qwen_files_tokenizer_encodes_as_llama_cpp(arch, tmp_path):
     assert load_tokenizer(path).encode(text) == json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def test_a_sentencepiece_files_tokenizer_encodes_as_llama_cpp(tmp_path):
+    """A file with a SentencePiece vocabulary (Llama 2's kind: build_sentencepiece_tokenizer):
+    `llama-tokenize` and the tokenizer built from the file give the same ids, BOS, the space
+    llama.cpp puts before the text and after each special token, and byte fallback included."""
+    from test_gguf_header import SPECIAL_TEXTS, SPM_TEXTS
+
+    from omniinfer.quantization.gguf_tokenizer import load_tokenizer
+
+    try:
+        tokenize = tool("llama-tokenize")
+    except SkippedRun as e:
+        pytest.skip(f"llama.cpp's tokenizer tool is absent: {e}")
+    ckpt = build_tiny_checkpoint(str(tmp_path / "ckpt"), "llama", tokenizer="sentencepiece", seed=3)
+    os.makedirs(tmp_path / "file")
+    path = export(ckpt, str(tmp_path / "file" / "q8_0.gguf"), "q8_0")
+    ours = load_tokenizer(path)
+    for text in [t for t in SPM_TEXTS if t] + SPECIAL_TEXTS:
+        out = subprocess.run([tokenize, "-m", path, "-p", text, "--ids", "--log-disable"],
+                             capture_output=True, text=True, check=True, timeout=120,
+                             env=dict(os.environ, LD_LIBRARY_PATH=os.path.dirname(tokenize)))
+        assert ours.encode(text) == json.loads(out.stdout.strip().splitlines()[-1]), text
+
+
 @pytest.mark.parametrize("arch, add_bos, pre", [
     ("llama", True, None), ("llama", False, None), ("llama", None, None), ("llama", None, "llama-bpe"),
     ("qwen2", True, None), ("qwen2", None, None), ("gemma2", True, None), ("gemma2", None, None),

@@ -319,24 +319,42 @@ def _phi3_metadata(writer, cfg: dict, heads: int) -> dict[str, np.ndarray]:
 
 
 def _add_vocab(writer, model_dir: str, vocab_size: int, arch: str) -> None:
-    """The byte-level BPE tokenizer as llama.cpp's "gpt2" model, padded to vocab_size."""
+    """The tokenizer, padded to vocab_size: a byte-level BPE one as llama.cpp's "gpt2" model; a
+    SentencePiece-style one (BPE with byte fallback: Llama 2's, Mistral's, Gemma's) as its "llama"
+    model, as llama.cpp's converter writes a Hugging Face checkpoint of those: `<0xNN>` tokens of
+    type BYTE, <unk> UNKNOWN, the special tokens CONTROL, a score per token (here the negated id:
+    BPE training numbers pieces in merge order, which llama.cpp's SentencePiece tokenizer merges
+    by) and the merges."""
     with open(os.path.join(model_dir, "tokenizer.json"), encoding="utf-8") as f:
         tok = json.load(f)
     vocab = tok["model"]["vocab"]
+    sentencepiece = bool(tok["model"].get("byte_fallback"))
     tokens = [""] * max(vocab_size, len(vocab))
     types = [5] * len(tokens)  # UNUSED until filled
     for text, i in vocab.items():
-        tokens[i], types[i] = text, 1  # NORMAL
+        byte = sentencepiece and len(text) == 6 and text.startswith("<0x") and text.endswith(">")
+        tokens[i], types[i] = text, 6 if byte else 1  # BYTE, NORMAL
     for added in tok.get("added_tokens", []):
-        tokens[added["id"]], types[added["id"]] = added["content"], 3 if added.get("special") else 4
+        unknown = added["content"] == tok["model"].get("unk_token")
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = 2 if unknown else 3 if added.get("special") else 4
     for i, text in enumerate(tokens):
         if not text:
             tokens[i] = f"[PAD{i}]"
     merges = tok["model"].get("merges", [])
     merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe") else "default")
-    writer.add_token_list(tokens)
+    if sentencepiece:
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_scores([-float(i) for i in range(len(tokens))])
+        unk = tok["model"].get("unk_token")
+        if unk in vocab:
+            writer.add_unk_token_id(vocab[unk])
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe") else "default")
+        writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
     with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:

@@ -45,7 +45,33 @@ def load_tokenizer(path: str):
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = template
     _follow_the_files_special_tokens(tokenizer, file)
+    _follow_the_files_space_prefix(tokenizer, file)
     return tokenizer
+
+
+def _follow_the_files_space_prefix(tokenizer, file: GGUFFile) -> None:
+    """A SentencePiece vocabulary ("llama": Llama 2's, Mistral's) puts a space before the text and
+    after each special token, as llama.cpp does (`add_space_prefix`, its default for these
+    vocabularies: llama-vocab.cpp's `is_prev_special`) and as Llama 2's own tokenizer.json does (a
+    Prepend normalizer, run on each piece of text between special tokens). transformers' class
+    for such files pre-tokenizes with Metaspace(prepend_scheme="first"): once at the start, and
+    not before text that starts with a space, so " hi" became "▁hi" where llama.cpp makes
+    "▁▁hi", and "a</s>b" lost the space before "b". Files whose tokenizer transformers
+    builds otherwise (Gemma's, Phi-3's) are left as they are."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    if file.field("tokenizer.ggml.model") != "llama":
+        return
+    backend = tokenizer.backend_tokenizer
+    if not isinstance(backend.pre_tokenizer, pre_tokenizers.Metaspace) or backend.normalizer is not None:
+        return
+    if file.field("tokenizer.ggml.add_space_prefix", True):
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                                   normalizers.Replace(" ", "\u2581")])
+        backend.pre_tokenizer = None
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="never",
+                                                         split=False)
 
 
 # llama.cpp's byte-level pre-tokenizers that add a BOS unless the file says otherwise (llama-vocab.cpp)

@@ -6,6 +6,7 @@ position, and position or KV-cache bugs would go unnoticed.
 
 from __future__ import annotations
 
+import json
 import os
 
 _CORPUS = (
@@ -62,17 +63,48 @@ def build_tokenizer(vocab_size: int = 384):
                                    pad_token="<pad>")
 
 
+def build_sentencepiece_tokenizer(vocab_size: int = 384):
+    """A tokenizer of Llama 2's kind (what its tokenizer.json holds): SentencePiece-style spaces
+    ("▁", a space before the first word), BPE pieces trained on the built-in text, and the 256
+    `<0xNN>` byte tokens in the vocabulary for what no piece covers (ids 3-258 after <unk>, <s>,
+    </s>, as Llama 2's), decoded by ByteFallback; a prompt starts with <s>."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    trained = Tokenizer(models.BPE())
+    trained.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=specials, show_progress=False)
+    trained.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    model = json.loads(trained.to_str())["model"]
+    vocab = {token: i for i, token in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
+    for token, _ in sorted(model["vocab"].items(), key=lambda item: item[1]):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(specials)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
 def build_tiny_checkpoint(path: str, arch: str = "llama", *, dtype: str = "float32",
                           max_shard_size: str | None = None, seed: int = 0, norm_jitter: float = 0.0,
-                          **overrides) -> str:
+                          tokenizer: str = "byte-level", **overrides) -> str:
     """Write a tiny model of `arch` (a key of ARCHITECTURES) and its tokenizer to `path`.
     `norm_jitter`: the norms' weights 1 + norm_jitter * N(0, 1), not transformers' ones (every
-    norm alike cannot tell one norm's weight from another's)."""
+    norm alike cannot tell one norm's weight from another's). `tokenizer`: "byte-level" (GPT-2's
+    kind, `build_tokenizer`) or "sentencepiece" (Llama 2's, `build_sentencepiece_tokenizer`)."""
     import torch
     import transformers
 
     config_cls, model_cls = (getattr(transformers, n) for n in ARCHITECTURES[arch])
-    tokenizer = build_tokenizer()
+    builders = {"byte-level": build_tokenizer, "sentencepiece": build_sentencepiece_tokenizer}
+    if tokenizer not in builders:
+        raise ValueError(f"tokenizer={tokenizer!r}: expected one of {sorted(builders)}")
+    tokenizer = builders[tokenizer]()
     settings = dict(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
