@@ -382,14 +382,17 @@ def test_a_sentencepiece_vocabulary_tokenizes_as_its_checkpoint(spm_file):
     assert ours.convert_ids_to_tokens(ours(" hi").input_ids)[:3] == ["<s>", "\u2581", "\u2581"]
 
 
-def test_a_sentencepiece_file_without_the_space_prefix(tmp_path, monkeypatch):
-    """tokenizer.ggml.add_space_prefix false (Gemma's files say so): no space is put before the text."""
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_a_sentencepiece_file_without_the_space_prefix(tmp_path, monkeypatch, arch):
+    """tokenizer.ggml.add_space_prefix false (as llama.cpp's converter writes Gemma's files; the
+    exporter does too): no space is put before the text."""
     from transformers import AutoTokenizer
 
-    monkeypatch.setattr(gguf.GGUFWriter, "add_tokenizer_pre",
-                        lambda self, pre, w=gguf.GGUFWriter.add_tokenizer_pre: (w(self, pre),
-                                                                               self.add_add_space_prefix(False)))
-    model = build_tiny_checkpoint(str(tmp_path / "ckpt"), "llama", tokenizer="sentencepiece", seed=3)
+    if arch == "llama":
+        monkeypatch.setattr(gguf.GGUFWriter, "add_tokenizer_pre",
+                            lambda self, pre, w=gguf.GGUFWriter.add_tokenizer_pre: (w(self, pre),
+                                                                                   self.add_add_space_prefix(False)))
+    model = build_tiny_checkpoint(str(tmp_path / "ckpt"), arch, tokenizer="sentencepiece", seed=3)
     os.makedirs(tmp_path / "file")
     path = export(model, str(tmp_path / "file" / "q8_0.gguf"), "q8_0")
     ours, ref = gguf_tokenizer.load_tokenizer(path), AutoTokenizer.from_pretrained(model)

@@ -173,10 +173,12 @@ def test_a_qwen_files_tokenizer_encodes_as_llama_cpp(arch, tmp_path):
     assert load_tokenizer(path).encode(text) == json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_a_sentencepiece_files_tokenizer_encodes_as_llama_cpp(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "mistral", "phi3", "gemma2"])
+def test_a_sentencepiece_files_tokenizer_encodes_as_llama_cpp(tmp_path, arch):
     """A file with a SentencePiece vocabulary (Llama 2's kind: build_sentencepiece_tokenizer):
     `llama-tokenize` and the tokenizer built from the file give the same ids, BOS, the space
-    llama.cpp puts before the text and after each special token, and byte fallback included."""
+    llama.cpp puts before the text and after each special token (none for Gemma, whose files
+    say add_space_prefix false), and byte fallback included."""
     from test_gguf_header import SPECIAL_TEXTS, SPM_TEXTS
 
     from omniinfer.quantization.gguf_tokenizer import load_tokenizer
@@ -185,7 +187,7 @@ def test_a_sentencepiece_files_tokenizer_encodes_as_llama_cpp(tmp_path):
         tokenize = tool("llama-tokenize")
     except SkippedRun as e:
         pytest.skip(f"llama.cpp's tokenizer tool is absent: {e}")
-    ckpt = build_tiny_checkpoint(str(tmp_path / "ckpt"), "llama", tokenizer="sentencepiece", seed=3)
+    ckpt = build_tiny_checkpoint(str(tmp_path / "ckpt"), arch, tokenizer="sentencepiece", seed=3)
     os.makedirs(tmp_path / "file")
     path = export(ckpt, str(tmp_path / "file" / "q8_0.gguf"), "q8_0")
     ours = load_tokenizer(path)

@@ -351,6 +351,8 @@ def _add_vocab(writer, model_dir: str, vocab_size: int, arch: str) -> None:
         unk = tok["model"].get("unk_token")
         if unk in vocab:
             writer.add_unk_token_id(vocab[unk])
+        if arch.startswith("gemma"):  # (llama.cpp's converter: Gemma puts no space before the text)
+            writer.add_add_space_prefix(False)
     else:
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre("qwen2" if arch in ("qwen2", "qwen3", "qwen2moe", "qwen3moe") else "default")
