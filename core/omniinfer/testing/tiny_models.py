@@ -71,9 +71,12 @@ def build_sentencepiece_tokenizer(vocab_size: int = 384):
     from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
+    def spaces():  # a space before the text, every space as "\u2581" (Llama 2's normalizer)
+        return normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+
     specials = ["<unk>", "<s>", "</s>"]
     trained = Tokenizer(models.BPE())
-    trained.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trained.normalizer = spaces()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=specials, show_progress=False)
     trained.train_from_iterator([_CORPUS] * 4, trainer=trainer)
     model = json.loads(trained.to_str())["model"]
@@ -82,7 +85,7 @@ def build_sentencepiece_tokenizer(vocab_size: int = 384):
         vocab.setdefault(token, len(vocab))
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.normalizer = spaces()
     tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
                                      decoders.Strip(" ", 1, 0)])
     tok.add_special_tokens(specials)
