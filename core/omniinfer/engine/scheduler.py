@@ -172,10 +172,14 @@ class Scheduler(ScheduleOutputs):
             (decodes if len(s.token_ids) - s.num_computed_tokens == 1 else prefills).append(s)
         running = SequenceStatus.RUNNING
         has_room = self.blocks.has_room
+        bounded = self._rows_left is not None  # (looked at once a sequence: this loop is hot)
         for seq in decodes + prefills:
             if seq.status != running:  # preempted earlier in this loop
                 continue
-            num_new = self._grant(seq, len(seq.token_ids) - seq.num_computed_tokens, budget)
+            group = seq.group
+            owed = bounded and group.params.prompt_logprobs is not None and group.wants_prompt_logprobs
+            left = len(seq.token_ids) - seq.num_computed_tokens
+            num_new = min(left, budget, self._rows_left) if owed else min(left, budget)
             if num_new <= 0:
                 continue
             slots = num_new + (ahead if num_new == 1 else 0)
@@ -183,7 +187,8 @@ class Scheduler(ScheduleOutputs):
             if has_room(seq, slots):  # the common decode: nothing to allocate
                 scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
                 budget -= cost
-                self._take_rows(seq, num_new)
+                if owed:
+                    self._rows_left -= num_new
                 continue
             while not self._allocate(seq, slots):
                 victim = self._pick_victim(seq)
@@ -198,7 +203,8 @@ class Scheduler(ScheduleOutputs):
             else:
                 scheduled[seq.seq_id] = ScheduledSeq(seq, num_new)
                 budget -= cost
-                self._take_rows(seq, num_new)
+                if owed:
+                    self._rows_left -= num_new
 
         if self._num_preempted == 0:
             budget = self._schedule_swapped(out, scheduled, budget)
