@@ -164,6 +164,28 @@ def test_chat_uses_the_template_and_matches_completions(server):
     assert chat.usage.prompt_tokens == tokens["count"] and chat.usage.completion_tokens == 8
 
 
+def test_chat_text_parts_are_joined_by_newlines_as_vllm_and_llm_chat_do(server):
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Return the"},
+                                          {"type": "text", "text": "number"}]}]
+    image = [{"role": "user", "content": [{"type": "text", "text": "What is"},
+                                          {"type": "image_url", "image_url": {"url": "data:,"}}]}]
+
+    async def run(client, http):
+        tokens = (await http.post("/tokenize", json={"messages": parts})).json()
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model="tiny", messages=image, max_tokens=2)
+        return tokens, refused.value
+
+    tokens, refused = call(server, run)
+    joined = [{"role": "user", "content": "Return the\nnumber"}]
+    expected = server.ctx.tokenizer.apply_chat_template(
+        joined, chat_template=CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True)
+    assert tokens["tokens"] == server.ctx.tokenizer(expected, add_special_tokens=False).input_ids
+    error = refused.body
+    assert error["param"] == "messages"
+    assert "content[1] is a content part of type 'image_url'; only" in error["message"]
+
+
 def test_chat_logprobs(server):
     async def run(client, _http):
         return await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4,

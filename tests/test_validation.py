@@ -158,8 +158,8 @@ def test_generate_input_types(llm):
     """issue 18 item 10: a clear TypeError for what is not a prompt, numpy token ids accepted."""
     import numpy as np
 
-    with pytest.raises(TypeError, match="prompts must be a string, a dict with 'prompt_token_ids'"
-                       ", or a list of them; got int"):
+    with pytest.raises(TypeError, match="prompts must be a string, a dict with 'prompt' or "
+                       "'prompt_token_ids', or a list of them; got int"):
         llm.generate(5, use_tqdm=False)
     with pytest.raises(TypeError, match=r"prompts\[0\]: prompt must be a string"):
         llm.generate([5], use_tqdm=False)

@@ -134,16 +134,27 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt: a string or {"prompt_token_ids": [...]}; checked."""
+        """(text, token ids) of a prompt, checked: a string, {"prompt": text} or
+        {"prompt_token_ids": [...]} (vLLM's TextPrompt and TokensPrompt; with both keys the ids
+        are what runs and the text is what outputs report)."""
+        if isinstance(prompt, dict):
+            unknown = sorted(map(repr, set(prompt) - {"prompt", "prompt_token_ids"}))
+            if unknown:
+                raise ValueError(f"prompt holds the key(s) {', '.join(unknown)}; allowed: 'prompt' "
+                                 "(text) and 'prompt_token_ids' (this engine runs text models)")
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), request_checks.token_ids(prompt, self.config.model.vocab_size)
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+                if not isinstance(prompt, str):
+                    raise TypeError(f"prompt['prompt'] must be a string, got {type(prompt).__name__}")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty; give at least one character or token")
             request_checks.check_text("prompt", prompt)
             return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), request_checks.token_ids(prompt, self.config.model.vocab_size)
-        raise TypeError(f"prompt must be a string or a dict with 'prompt_token_ids', got "
-                        f"{type(prompt).__name__}")
+        raise TypeError(f"prompt must be a string, {{'prompt': text}} or {{'prompt_token_ids': [...]}}, "
+                        f"got {type(prompt).__name__}{' without either key' if isinstance(prompt, dict) else ''}")
 
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """Check a request of this many prompt tokens against the engine's limits (max_logprobs,

@@ -52,14 +52,6 @@ def _prompts(args) -> list[str]:
     return prompts or ["Return the", "This module provides", "def "]
 
 
-def _chat_inputs(tokenizer, prompts: list[str]) -> list[dict]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise SystemExit("error: --chat needs a tokenizer with a chat template; this model has none")
-    return [{"prompt_token_ids": tokenizer.apply_chat_template(
-        [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
-        return_dict=False)} for p in prompts]
-
-
 def run(args: argparse.Namespace) -> int:
     from omniinfer import LLM, SamplingParams
 
@@ -71,8 +63,13 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, n=args.n, seed=args.sampling_seed,
                             stop=args.stop, ignore_eos=args.ignore_eos)
-    inputs = _chat_inputs(llm.get_tokenizer(), prompts) if args.chat else prompts
-    outputs = llm.generate(inputs, params, use_tqdm=not args.json)
+    if args.chat:
+        if not getattr(llm.get_tokenizer(), "chat_template", None):
+            raise SystemExit("error: --chat needs a tokenizer with a chat template; this model has none")
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params,
+                           use_tqdm=not args.json)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=not args.json)
     for out, prompt in zip(outputs, prompts):
         out.prompt = prompt
     for out in outputs:

@@ -67,13 +67,13 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list; returns one RequestOutput per prompt, in order.
 
-        A prompt is a string or {"prompt_token_ids": [...]}. Every prompt is checked before any
-        is queued, so a bad one raises without starting the others."""
+        A prompt is a string, {"prompt": text} or {"prompt_token_ids": [...]}. Every prompt is
+        checked before any is queued, so a bad one raises without starting the others."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Iterable):
-            raise TypeError(f"prompts must be a string, a dict with 'prompt_token_ids', or a list "
-                            f"of them; got {type(prompts).__name__}")
+            raise TypeError(f"prompts must be a string, a dict with 'prompt' or 'prompt_token_ids', "
+                            f"or a list of them; got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -102,6 +102,35 @@ class LLM:
             engine.abort_request(request_ids)
             raise
         return [finished[rid] for rid in request_ids]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None,
+             ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or a list of
+        conversations; one RequestOutput each, in order, its `prompt` the rendered text.
+
+        As vLLM's `LLM.chat`: each conversation goes through the chat template (`chat_template`,
+        else the tokenizer's), with `tools` and `chat_template_kwargs` given to it, and the text
+        is tokenized without adding special tokens (the template writes them). Content may be a
+        string or a list of text parts. Every conversation is checked and rendered before any
+        is queued."""
+        from omniinfer.entrypoints import chat_utils
+
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for i, conversation in enumerate(chat_utils.conversations(messages)):
+            text = chat_utils.render(tokenizer, conversation, chat_template=chat_template,
+                                     add_generation_prompt=add_generation_prompt,
+                                     continue_final_message=continue_final_message, tools=tools,
+                                     chat_template_kwargs=chat_template_kwargs)
+            ids = chat_utils.prompt_token_ids(tokenizer, text)
+            if not ids:
+                raise ValueError(f"messages: conversation {i} renders to no tokens with this chat "
+                                 "template")
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, pending: set[str], total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         from tqdm.auto import tqdm

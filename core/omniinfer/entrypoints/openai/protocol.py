@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from omniinfer.entrypoints.chat_utils import content_text
 from omniinfer.entrypoints.openai.limits import (
     MAX_CONTENT_PARTS,
     MAX_DETOKENIZE_TOKENS,
@@ -251,14 +252,12 @@ class ChatMessage(OpenAIModel):
     def as_template_input(self) -> dict:
         content = self.content
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(f"message content of type {part.type!r} is not supported; "
-                                   "only 'text' parts are", param="messages")
-                texts.append(part.text)
-            content = "".join(texts)
-        message = {"role": self.role, "content": content or ""}
+            content = [part.model_dump() for part in content]
+        try:
+            content = content_text(content, "content")
+        except (ValueError, TypeError) as e:
+            raise APIError(f"messages: {e}", param="messages") from None
+        message = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
         if self.tool_calls:

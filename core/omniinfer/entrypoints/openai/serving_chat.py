@@ -6,6 +6,7 @@ import functools
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
+from omniinfer.entrypoints.chat_utils import template_messages
 from omniinfer.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     now,
@@ -28,7 +29,6 @@ from omniinfer.entrypoints.openai.tools.serving import (
     ToolPlan,
     ToolStream,
     finish_reason,
-    template_messages,
 )
 
 

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from omniinfer.engine.outputs import RequestOutput
 from omniinfer.engine.request_checks import check_text
+from omniinfer.entrypoints import chat_utils
 from omniinfer.entrypoints.openai.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -165,13 +166,12 @@ class ServingContext:
             raise APIError(f"the model `{self.model_name}` has no chat template in its tokenizer; "
                            "start the server with --chat-template FILE_OR_STRING", param="messages")
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, chat_template=template, tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, **(kwargs or {}))
-        except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
-            raise APIError(f"the chat template could not render these messages: "
-                           f"{type(e).__name__}: {e}", param="messages") from None
+            return chat_utils.render(self.tokenizer, messages, chat_template=template,
+                                     add_generation_prompt=add_generation_prompt,
+                                     continue_final_message=continue_final_message,
+                                     chat_template_kwargs=kwargs)
+        except ValueError as e:
+            raise APIError(str(e), param="messages") from None
 
     def generate(self, request_id: str, prompt_input: dict, params: SamplingParams,
                  ) -> AsyncIterator[RequestOutput]:

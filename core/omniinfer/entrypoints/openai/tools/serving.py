@@ -3,8 +3,6 @@ sampling and its answer (whole, or streamed as OpenAI streams tool-call deltas).
 
 from __future__ import annotations
 
-import contextlib
-import json
 from dataclasses import dataclass
 
 from omniinfer.entrypoints.openai.tools.parsers import ToolCall, ToolParser, parse_required
@@ -110,18 +108,6 @@ class ToolStream:
     def _call_delta(index: int, call: ToolCall, arguments: str = "") -> dict:
         return {"tool_calls": [{"index": index, "id": call.id, "type": "function",
                                 "function": {"name": call.name, "arguments": arguments}}]}
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Assistant tool calls with their arguments as objects: the Hermes, Qwen, Llama and Mistral
-    templates write `arguments | tojson` and expect a mapping (vLLM does the same)."""
-    for m in messages:
-        for call in m.get("tool_calls") or []:
-            fn = call.get("function", {})
-            if isinstance(fn.get("arguments"), str):
-                with contextlib.suppress(ValueError):
-                    fn["arguments"] = json.loads(fn["arguments"])
-    return messages
 
 
 def add_tool_flags(parser, env_default) -> None:
