@@ -187,3 +187,20 @@ def test_progress_bar_reports_throughput(llm, capsys):
     llm.generate(["a b c"] * 3, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=True)
     err = capsys.readouterr().err
     assert "Processed prompts" in err and "3/3" in err and "tok/s" in err
+
+
+def test_a_script_holding_an_llm_exits_quietly(checkpoint_dir, tmp_path):
+    """`import omniinfer` and a module-level LLM: the LLM is finalized after the interpreter has
+    set module globals to None, and its __del__ printed 'Exception ignored ... NoneType object
+    has no attribute suppress' (twice) at the end of every such script."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text("import omniinfer\n"
+                      f"llm = omniinfer.LLM({checkpoint_dir('llama')!r}, num_kv_blocks=16, block_size=8)\n"
+                      "print(len(llm.generate('Hello', omniinfer.SamplingParams(max_tokens=2), "
+                      "use_tqdm=False)))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
+    assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -11,7 +11,6 @@ in order.) Everything vendor-specific, speculative drafting included, sits behin
 from __future__ import annotations
 
 import atexit
-import contextlib
 import gc
 import time
 from collections.abc import Iterable
@@ -246,5 +245,10 @@ class LLMEngine:
             executor.shutdown()
 
     def __del__(self):
-        with contextlib.suppress(Exception):  # interpreter teardown: the atexit hook covers it
+        # No module globals here (contextlib, ...): collected during interpreter teardown, as an
+        # object in a reference cycle is, they may already be None. The atexit hook has shut
+        # the executor down by then.
+        try:  # noqa: SIM105 - contextlib may be None by then
             self.shutdown()
+        except Exception:  # noqa: BLE001
+            pass

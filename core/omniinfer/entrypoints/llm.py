@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import time
 from collections.abc import Iterable
@@ -57,8 +56,13 @@ class LLM:
         self.shutdown()
 
     def __del__(self):
-        with contextlib.suppress(Exception):
+        # No module globals here (contextlib, ...): collected during interpreter teardown, as an
+        # object in a reference cycle is, they may already be None. The atexit hook has shut
+        # the executor down by then.
+        try:  # noqa: SIM105 - contextlib may be None by then
             self.shutdown()
+        except Exception:  # noqa: BLE001
+            pass
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
