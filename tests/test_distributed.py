@@ -197,6 +197,30 @@ def test_a_lone_prompt_longer_than_a_step_across_ranks(layout, checkpoint_dir, o
     assert tokens(outs) == tokens(ref) and broadcasts == steps > MAX_TOKENS
 
 
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_allowed_tokens_and_bad_words_across_ranks(layout, checkpoint_dir, one_rank):
+    """The rank that samples (the last pipeline stage is another process) gets the bad words'
+    token ids the engine made with its tokenizer, and each step's output history."""
+    from collections import Counter
+
+    from transformers import AutoTokenizer
+
+    path = checkpoint_dir("llama")
+    allowed = list(range(40, 80))
+    greedy = dict(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, allowed_token_ids=allowed)
+    only, _ = one_rank("llama", params=SamplingParams(**greedy), **STRESS)
+    common = Counter(t for o in tokens(only) for c in o for t in c).most_common(1)[0][0]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    word = tokenizer.decode([common])
+    assert tokenizer(word, add_special_tokens=False).input_ids == [common]
+    params = SamplingParams(**greedy, bad_words=[word])
+    ref, _ = one_rank("llama", params=params, **STRESS)
+    outs, _, _ = generate(path, STRESS_PROMPTS, params, **layout, **STRESS)
+    assert tokens(outs) == tokens(ref)
+    flat = [t for o in tokens(outs) for c in o for t in c]
+    assert set(flat) <= set(allowed) and common not in flat
+
+
 def test_empty_tensors_pack_and_unpack():
     """Empty tensors, numpy's (stride 0) among them, beside full ones."""
     import numpy as np

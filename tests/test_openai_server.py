@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -142,6 +143,55 @@ def test_completion_logprobs(server):
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert chosen <= 0 and 1 <= len(top) <= 3  # byte tokens may share one printed form
         assert max(top.values()) == pytest.approx(chosen)  # greedy picks the most likely
+
+
+def test_vllm_sampling_extras_pass_through(server, monkeypatch):
+    """allowed_token_ids, bad_words and truncate_prompt_tokens (vLLM's extra_body fields; what
+    each does is tested offline in tests/test_sampling_extras.py)."""
+    tok = server.ctx.tokenizer
+    ids = tok("Return the number of items").input_ids
+    seen = []
+    generate = server.ctx.generate
+    monkeypatch.setattr(server.ctx, "generate", lambda rid, prompt, params: seen.append(params) or
+                        generate(rid, prompt, params))
+
+    async def run(client, _http):
+        only = await client.completions.create(
+            model="tiny", prompt=ids, max_tokens=4, temperature=0,
+            extra_body={"allowed_token_ids": [40], "bad_words": ["xyz"], "ignore_eos": True})
+        cut = await client.completions.create(
+            model="tiny", prompt=ids, max_tokens=2, temperature=0, echo=True,
+            extra_body={"truncate_prompt_tokens": 3, "ignore_eos": True})
+        chat = await client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=2, temperature=0,
+            extra_body={"truncate_prompt_tokens": 5})
+        return only, cut, chat
+
+    only, cut, chat = call(server, run)
+    assert only.choices[0].text == tok.decode([40] * 4)
+    assert seen[0].allowed_token_ids == [40] and seen[0].bad_words == ["xyz"]
+    # (" xyz" is a space token and then the same three: covered by the first)
+    assert seen[0].bad_words_token_ids == [tok("xyz", add_special_tokens=False).input_ids]
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text.startswith(tok.decode(ids[-3:]))
+    assert chat.usage.prompt_tokens == 5
+    wait_idle(server)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"allowed_token_ids": [3, 10**9]}, "allowed_token_ids holds token id 1000000000; allowed: 0 <= id < vocab"),
+    ({"allowed_token_ids": []}, r"allowed_token_ids=\[\] is not allowed"),
+    ({"allowed_token_ids": list(range(300000))}, "allowed_token_ids holds 300000 items; at most 262144"),
+    ({"bad_words": [""]}, "bad_words=.* is not allowed"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens=0 is not allowed"),
+])
+def test_bad_vllm_sampling_extras_are_400s_naming_the_field(server, extra, match):
+    async def run(client, _http):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body=extra)
+        return refused.value.body
+
+    error = call(server, run)
+    assert error["param"] == next(iter(extra)) and re.search(match, error["message"]), error
 
 
 # ---- chat --------------------------------------------------------------------------------------

@@ -132,10 +132,16 @@ class LLMEngine:
         return cls(args.create_engine_config(), **kwargs)
 
     # ---- requests ------------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
+    def tokenize_prompt(self, prompt, params: SamplingParams | None = None) -> tuple[str | None, list[int]]:
         """(text, token ids) of a prompt, checked: a string, {"prompt": text} or
         {"prompt_token_ids": [...]} (vLLM's TextPrompt and TokensPrompt; with both keys the ids
-        are what runs and the text is what outputs report)."""
+        are what runs and the text is what outputs report). `params.truncate_prompt_tokens`
+        keeps the last k ids."""
+        text, ids = self._tokenize_prompt(prompt)
+        keep = params.truncate_prompt_tokens if params is not None else None
+        return text, (ids[-keep:] if keep is not None else ids)
+
+    def _tokenize_prompt(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             unknown = sorted(map(repr, set(prompt) - {"prompt", "prompt_token_ids"}))
             if unknown:
@@ -158,7 +164,10 @@ class LLMEngine:
     def check_request(self, num_prompt_tokens: int, params: SamplingParams) -> int:
         """Check a request of this many prompt tokens against the engine's limits (max_logprobs,
         max_num_seqs, the vocabulary, max_model_len, the KV cache); returns its resolved budget
-        of generated tokens. Raises ValueError naming the field to blame."""
+        of generated tokens. Raises ValueError naming the field to blame. A prompt that
+        `params.truncate_prompt_tokens` cuts is counted as cut."""
+        if params.truncate_prompt_tokens is not None:
+            num_prompt_tokens = min(num_prompt_tokens, params.truncate_prompt_tokens)
         request_checks.check_params(self.config, params)
         max_tokens = request_checks.resolve_max_tokens(self.config, num_prompt_tokens, params)
         request_checks.check_fits(self.scheduler, num_prompt_tokens, max_tokens, params)
@@ -180,8 +189,11 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self.tokenize_prompt(prompt)
+        text, ids = self.tokenize_prompt(prompt, params)
         max_tokens = self.check_request(len(ids), params)
+        if params.bad_words:
+            params.bad_words_token_ids = request_checks.bad_words_token_ids(
+                self.tokenizer, params.bad_words, self.config.model.vocab_size)
         grammar = compile_grammar(self, params)
         group = SequenceGroup(request_id, text, ids, params, grammar=grammar,
                               arrival_time=arrival_time or time.monotonic(),

@@ -55,8 +55,9 @@ class OutputProcessor:
             if lps is not None:
                 seq.cumulative_logprob += lps[first + j]
                 top = tops[first + j]
-                for tid, entry in top.items():
-                    entry.decoded_token = self.tokenizer.decode([tid])
+                if p.detokenize:
+                    for tid, entry in top.items():
+                        entry.decoded_token = self.tokenizer.decode([tid])
                 if seq.output_logprobs is None:
                     seq.output_logprobs = []
                 seq.output_logprobs.append(top)
@@ -112,7 +113,8 @@ class OutputProcessor:
     def _text(self, seq: Sequence) -> str:
         """The sequence's text so far: its detokenizer takes the tokens it has not seen."""
         pos = seq.detok_pos
-        if pos is not None and seq.group.error is None:  # a failed request's is not touched again
+        if pos is not None and seq.group.error is None and seq.group.params.detokenize:
+            # (a failed request's text is not touched again; detokenize=False makes none)
             detok = self.detokenizer(seq)
             token_ids = seq.token_ids
             for token in token_ids[pos:]:
@@ -128,7 +130,7 @@ class OutputProcessor:
     def _decode_prompt_logprobs(self, group: SequenceGroup) -> None:
         """Each prompt log-prob's token text (`decoded_token`, as vLLM fills it), once all are in."""
         entries = group.prompt_logprobs
-        if (not entries or len(entries) < len(group.prompt_token_ids)
+        if (not entries or not group.params.detokenize or len(entries) < len(group.prompt_token_ids)
                 or next(iter(entries[-1].values())).decoded_token is not None):
             return
         for entry in entries[1:]:

@@ -72,6 +72,25 @@ def check_params(config: EngineConfig, params: SamplingParams) -> None:
     if bad:
         raise ValueError(f"logit_bias holds token id {bad[0]}; allowed: 0 <= id < vocab size "
                          f"{vocab}")
+    if params.allowed_token_ids is not None and params.allowed_token_ids[-1] >= vocab:  # (sorted)
+        raise ValueError(f"allowed_token_ids holds token id {params.allowed_token_ids[-1]}; "
+                         f"allowed: 0 <= id < vocab size {vocab}")
+
+
+def bad_words_token_ids(tokenizer, words: list[str], vocab_size: int) -> list[list[int]]:
+    """The token id sequences that spell each bad word (vLLM's rule): as written (leading
+    spaces stripped) and after a space, the second only where the space joins the word's first
+    token (same length, another first token) rather than making a token of its own. Sequences
+    holding an id outside the model's vocabulary can never be generated and are left out."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = list(tokenizer(word.lstrip(), add_special_tokens=False).input_ids)
+        spaced = list(tokenizer(" " + word.lstrip(), add_special_tokens=False).input_ids)
+        for ids in (bare, spaced):
+            if (ids and ids not in out and max(ids) < vocab_size
+                    and (ids is bare or (len(ids) == len(bare) and ids[0] != bare[0]))):
+                out.append(ids)
+    return out
 
 
 def resolve_max_tokens(config: EngineConfig, num_prompt_tokens: int, params: SamplingParams) -> int:

@@ -152,7 +152,7 @@ class SequenceGroup:
     # the output processor looks at each new token (stop strings, log-probs); else at the text
     # only when it is read
     watches_tokens: bool = field(init=False, default=False)
-    # its sampling reads the tokens generated so far (penalties, min_tokens): sent each step
+    # its sampling reads the tokens generated so far (penalties, min_tokens, bad words): sent each step
     reads_history: bool = field(init=False, default=False)
     metrics: RequestMetrics | None = None
     grammar: object = None  # the compiled grammar of a structured output (structured/engine.py)
@@ -162,7 +162,8 @@ class SequenceGroup:
         self.decodes_plainly = self.params.n == 1 and self.params.prompt_logprobs is None
         self.watches_tokens = bool(self.params.stop) or self.params.logprobs is not None
         self.reads_history = (self.params.has_penalties or self.params.min_tokens > 0
-                              or self.params.structured_outputs is not None)
+                              or self.params.structured_outputs is not None
+                              or bool(self.params.bad_words))
 
     def mark_forked(self) -> None:
         self.is_forked = True
@@ -171,9 +172,10 @@ class SequenceGroup:
     def decodes_ahead(self, num_output_tokens: int) -> bool:
         """Whether several decode steps may run before the engine sees their tokens: a plain
         decode whose sampling reads nothing that those tokens change (no penalties, min_tokens
-        already reached)."""
+        already reached, no bad words)."""
         p = self.params
-        return self.decodes_plainly and not p.has_penalties and num_output_tokens >= p.min_tokens
+        return (self.decodes_plainly and not p.has_penalties and not p.bad_words
+                and num_output_tokens >= p.min_tokens)
 
     @property
     def is_finished(self) -> bool:

@@ -92,7 +92,7 @@ class LLM:
             if not isinstance(p, SamplingParams):
                 raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(p).__name__}")
             try:
-                text, ids = engine.tokenize_prompt(prompt)
+                text, ids = engine.tokenize_prompt(prompt, p)
                 engine.check_request(len(ids), p)
             except (ValueError, TypeError) as e:
                 raise type(e)(f"prompts[{i}]: {e}") from None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from omniinfer.structured.params import StructuredOutputsParams
 
@@ -25,6 +25,9 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # entries of allowed_token_ids (more than any vocabulary here)
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 1024
 
 
 def _number(name: str, value) -> float:
@@ -56,11 +59,19 @@ class SamplingParams:
     the model's context length. `logit_bias` {token id: bias} is added to those logits before
     penalties and sampling, as OpenAI defines it (log-probs stay the raw model's).
 
+    vLLM's extras: `allowed_token_ids` are the only tokens that may be sampled; `bad_words`
+    are never generated (each word's tokens, as written and after a space: the last token is
+    banned wherever the output so far ends with the ones before it); `truncate_prompt_tokens=k`
+    keeps the prompt's last k tokens; `detokenize=False` returns token ids without text (no
+    stop strings then).
+
     Ranges: n >= 1; temperature [0, 100]; top_p (0, 1]; top_k -1, 0 or [1, 2**31 - 1]; min_p
     [0, 1]; seed a 64-bit int; presence/frequency_penalty [-2, 2]; repetition_penalty
     [0.01, 100]; max_tokens >= 1; 0 <= min_tokens <= max_tokens; logprobs, prompt_logprobs >= 0;
     at most 64 stop strings of at most 1024 characters; at most 1024 stop_token_ids >= 0;
-    logit_bias at most 1024 entries, token ids >= 0, biases in [-100, 100].
+    logit_bias at most 1024 entries, token ids >= 0, biases in [-100, 100]; allowed_token_ids
+    1 .. 2**18 ids >= 0; at most 1024 bad_words of at most 1024 characters;
+    truncate_prompt_tokens >= 1.
     """
 
     n: int = 1
@@ -86,6 +97,13 @@ class SamplingParams:
     # a dict of StructuredOutputsParams' fields is accepted; `guided_decoding` is vLLM's old name
     structured_outputs: StructuredOutputsParams | dict | None = None
     guided_decoding: StructuredOutputsParams | dict | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    detokenize: bool = True
+    # bad_words as token id sequences: filled by the engine from its tokenizer when the request
+    # is added (the sampler, on the workers, has no tokenizer)
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.guided_decoding is not None and self.structured_outputs is None:
@@ -139,6 +157,7 @@ class SamplingParams:
             setattr(self, name, value)
         self._check_stops()
         self._check_logit_bias()
+        self._check_vllm_extras()
         if self.temperature < 1e-5:  # greedy: sampling knobs do not apply
             self.temperature = 0.0
 
@@ -182,6 +201,33 @@ class SamplingParams:
             checked[int(tid)] = value
         self.logit_bias = checked
 
+    def _check_vllm_extras(self) -> None:
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not 1 <= len(ids) <= MAX_ALLOWED_TOKEN_IDS or not all(
+                    isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise ValueError(f"allowed_token_ids={_short(ids)} is not allowed; it must be a list "
+                                 f"of 1 to {MAX_ALLOWED_TOKEN_IDS} token ids (ints >= 0), or None")
+            self.allowed_token_ids = sorted({int(t) for t in ids})
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or len(words) > MAX_BAD_WORDS or not all(
+                    isinstance(w, str) and w.strip() and len(w) <= MAX_BAD_WORD_CHARS for w in words):
+                raise ValueError(f"bad_words={_short(words)} is not allowed; it must be a list of at "
+                                 f"most {MAX_BAD_WORDS} words (non-blank strings of at most "
+                                 f"{MAX_BAD_WORD_CHARS} characters)")
+            self.bad_words = list(words) or None
+        self.truncate_prompt_tokens = _int("truncate_prompt_tokens", self.truncate_prompt_tokens,
+                                           allow_none=True)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens={self.truncate_prompt_tokens} is not allowed; "
+                             "it must be >= 1 (keep the prompt's last k tokens), or None")
+        if not isinstance(self.detokenize, bool):
+            raise TypeError(f"detokenize must be a bool, got {self.detokenize!r}")
+        if not self.detokenize and self.stop:
+            raise ValueError(f"stop={_short(self.stop)} needs detokenize=True (stop strings are "
+                             "found in the text); use stop_token_ids without text")
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
@@ -190,7 +236,8 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Argmax and nothing else: the sampler's fast path."""
         return (self.temperature == 0.0 and self.logprobs is None and self.min_tokens == 0
-                and not self.has_penalties and self.logit_bias is None)
+                and not self.has_penalties and self.logit_bias is None
+                and self.allowed_token_ids is None and not self.bad_words_token_ids)
 
     @property
     def has_penalties(self) -> bool:

@@ -219,10 +219,36 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tenso
     return logits
 
 
+def apply_allowed_and_bad_words(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """-inf for every token outside a row's `allowed_token_ids`, and for the last token of each
+    of its bad words whose tokens before it end the row's output so far (a copy if needed)."""
+    cloned = False
+    for i, row in enumerate(rows):
+        p = row.params
+        allowed, words = p.allowed_token_ids, p.bad_words_token_ids
+        if allowed is None and not words:
+            continue
+        if not cloned:  # never write into the caller's logits
+            logits, cloned = logits.clone(), True
+        if allowed is not None:
+            index = torch.tensor(allowed, device=logits.device)
+            kept = logits[i, index]
+            logits[i] = float("-inf")
+            logits[i, index] = kept
+        if words:
+            output = row.seq.output_token_ids + list(row.extra)
+            banned = [w[-1] for w in words
+                      if len(w) == 1 or (len(w) - 1 <= len(output) and output[len(output) - len(w) + 1:] == w[:-1])]
+            if banned:
+                logits[i, banned] = float("-inf")
+    return logits
+
+
 def processed(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """min-tokens masking, logit bias and penalties (vLLM's order): the logits every row's
-    choice is made from."""
-    return apply_penalties(apply_logit_bias(apply_min_tokens(logits.float(), rows), rows), rows)
+    """Allowed tokens and bad words, min-tokens masking, logit bias and penalties: the logits
+    every row's choice is made from."""
+    logits = apply_allowed_and_bad_words(apply_min_tokens(logits.float(), rows), rows)
+    return apply_penalties(apply_logit_bias(logits, rows), rows)
 
 
 def sampling_probs(logits: torch.Tensor, rows: list[SampleRow], history: bool = True) -> torch.Tensor:

@@ -24,7 +24,13 @@ from omniinfer.entrypoints.openai.limits import (
 )
 from omniinfer.entrypoints.openai.structured import StructuredFields
 from omniinfer.entrypoints.openai.tools.protocol import ToolFields
-from omniinfer.sampling.params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
+from omniinfer.sampling.params import (
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 # sampling defaults a checkpoint's generation_config.json may set (applied when a request omits them)
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -86,7 +92,9 @@ class SamplingRequest(StructuredFields, OpenAIModel):
     """Fields shared by completions and chat completions."""
 
     max_lengths: ClassVar[dict[str, int]] = {"stop": MAX_STOP_STRINGS,
-                                             "stop_token_ids": MAX_STOP_TOKEN_IDS}
+                                             "stop_token_ids": MAX_STOP_TOKEN_IDS,
+                                             "allowed_token_ids": MAX_ALLOWED_TOKEN_IDS,
+                                             "bad_words": MAX_BAD_WORDS}
 
     model: str | None = None
     n: int = 1
@@ -108,6 +116,9 @@ class SamplingRequest(StructuredFields, OpenAIModel):
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None  # token id (a string in JSON) -> bias
     prompt_logprobs: int | None = None  # vLLM's extra: log-probs of the prompt's tokens
+    allowed_token_ids: list[int] | None = None  # vLLM's extras (SamplingParams says what each does)
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     user: str | None = None
 
     @property
@@ -149,7 +160,8 @@ class SamplingRequest(StructuredFields, OpenAIModel):
                 ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
                 logprobs=logprobs, skip_special_tokens=self.skip_special_tokens,
                 prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
-                logit_bias=_logit_bias(self.logit_bias),
+                logit_bias=_logit_bias(self.logit_bias), allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words, truncate_prompt_tokens=self.truncate_prompt_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, **picked)
         except (ValueError, TypeError) as e:
             raise APIError.from_validation(e) from None

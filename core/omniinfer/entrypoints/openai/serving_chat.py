@@ -46,7 +46,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     text = await render_messages(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
                                  continue_final_message=req.continue_final_message, kwargs=kwargs)
     # the template writes the special tokens it wants (a BOS, role markers): add none
-    prompt_input = await ctx.prompt_input(text, add_special_tokens=False, param="messages")
+    prompt_input = ctx.truncated(await ctx.prompt_input(text, add_special_tokens=False, param="messages"),
+                                 params)
     ctx.check_length(prompt_input, params, prompt_param="messages")
     request_id = random_id("chatcmpl")
     stream = ctx.generate(request_id, prompt_input, params)

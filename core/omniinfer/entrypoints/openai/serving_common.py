@@ -147,6 +147,15 @@ class ServingContext:
             raise APIError(str(e), param=param) from None
         return prompt_input
 
+    @staticmethod
+    def truncated(prompt_input: dict, params: SamplingParams) -> dict:
+        """The prompt cut to its last `truncate_prompt_tokens` tokens (vLLM's extra); a cut
+        prompt's text is dropped, so that echo and usage report the tokens that ran."""
+        keep, ids = params.truncate_prompt_tokens, prompt_input["prompt_token_ids"]
+        if keep is None or len(ids) <= keep:
+            return prompt_input
+        return {"prompt": None, "prompt_token_ids": ids[-keep:]}
+
     def check_length(self, prompt_input: dict, params: SamplingParams, *,
                      prompt_param: str = "prompt") -> None:
         """The engine's limits for this request (max_model_len, the KV cache, max_logprobs, n):

@@ -30,7 +30,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest) -> dict
     params = req.sampling_params(max_tokens=1 if req.echo_only else req.max_tokens,
                                  logprobs=req.logprobs, defaults=ctx.generation_defaults)
     constrain(ctx, req, params)
-    inputs = [await ctx.prompt_input(p) for p in req.prompts(ctx.max_prompt_tokens)]
+    inputs = [ctx.truncated(await ctx.prompt_input(p), params) for p in req.prompts(ctx.max_prompt_tokens)]
     for prompt_input in inputs:
         ctx.check_length(prompt_input, params)
     request_id = random_id("cmpl")
