@@ -196,3 +196,54 @@ def test_configuration_errors(checkpoint_dir, draft_dir, tmp_path):
     other = build_tiny_checkpoint(str(tmp_path / "other"), "llama", vocab_size=500)
     with pytest.raises(ValueError, match="vocab_size=500 but the target model has 384"):
         LLM(path, speculative_model=other, num_speculative_tokens=2)
+
+
+def test_allowed_tokens_and_bad_words_under_speculation(checkpoint_dir, draft_dir):
+    """The draft proposes from unmasked logits; the target's check masks the allowed set and
+    the bad words (their history including the proposals before each position), so the
+    tokens are those of decoding without speculation."""
+    from transformers import AutoTokenizer
+
+    path = checkpoint_dir("llama")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    allowed = list(range(40, 80))
+    word = tokenizer.decode([50, 51])
+    assert tokenizer(word, add_special_tokens=False).input_ids == [50, 51]
+    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, allowed_token_ids=allowed,
+                             bad_words=[word, tokenizer.decode([60])]),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, bad_words=[word])]
+    prompts = prompts_of([5, 17])
+    plain = LLM(path, num_kv_blocks=128, block_size=8).generate(prompts, params, use_tqdm=False)
+    for draft in (draft_dir, path):
+        llm = LLM(path, num_kv_blocks=128, block_size=8, speculative_model=draft, num_speculative_tokens=3)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+        assert llm.llm_engine.stats()["num_spec_proposed_tokens"] > 0
+    first = plain[0].outputs[0].token_ids
+    assert set(first) <= set(allowed) and 60 not in first
+    assert not any(first[i:i + 2] == [50, 51] for i in range(len(first)))
+
+
+@pytest.mark.parametrize("extra", [dict(logprobs=2), dict(repetition_penalty=1.3), dict(logit_bias={97: 3.0}),
+                                   dict(min_tokens=12, stop_token_ids=[268])])
+def test_greedy_requests_that_are_not_plain_argmax_under_speculation(extra, checkpoint_dir, draft_dir):
+    """Greedy with log-probs, a penalty, a logit bias or min_tokens: the draft proposes without
+    distributions (every request greedy), and the check failed each such request
+    ("expected Tensor ... got NoneType"). Now it matches the argmax of the processed logits,
+    each position with its own history; tokens and log-probs as without speculation."""
+    path = checkpoint_dir("llama")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **extra)
+    prompts = prompts_of([5, 17, 9])
+    plain = LLM(path, num_kv_blocks=128, block_size=8).generate(prompts, params, use_tqdm=False)
+    for draft in (draft_dir, path):  # (the target as its own draft: most proposals accepted)
+        llm = LLM(path, num_kv_blocks=128, block_size=8, speculative_model=draft, num_speculative_tokens=3)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(o.outputs[0].finish_reason == "length" for o in outs)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+        if params.logprobs:
+            for o, ref in zip(outs, plain):
+                assert [{t: pytest.approx(lp.logprob, abs=1e-4) for t, lp in step.items()}
+                        for step in o.outputs[0].logprobs] == \
+                    [{t: lp.logprob for t, lp in step.items()} for step in ref.outputs[0].logprobs]
+        assert llm.llm_engine.stats()["num_spec_proposed_tokens"] > 0
+    assert llm.llm_engine.stats()["num_spec_accepted_tokens"] > 0

@@ -121,6 +121,15 @@ def _cpu_argmax(array: np.ndarray) -> np.ndarray:
     return np.concatenate([chunks[0].argmax(axis=-1)] + [f.result() for f in futures])
 
 
+def _matched(drafts: list[int], targets: list[int]) -> list[int]:
+    """The drafts up to the first that differs from the target's choice there, then that
+    choice (the bonus token when all match)."""
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == targets[accepted]:
+        accepted += 1
+    return drafts[:accepted] + [targets[accepted]]
+
+
 class Sampler:
     def __init__(self, vocab_size: int, generator: torch.Generator | None = None,
                  argmax_rows: Callable[[torch.Tensor], torch.Tensor] = greedy_tokens):
@@ -271,26 +280,28 @@ class Sampler:
         index = torch.tensor([s.start_row + j for s in spec for j in range(k + 1)],
                              device=logits.device)
         scored = mask_spec_rows(logits[index], spec, prefetch)  # structured outputs: the grammar's
-        if all(s.seq.params.is_plain_greedy for s in spec):  # prefix matching, no probs
+        if all(s.seq.params.is_plain_greedy for s in spec):  # prefix matching, nothing else
             targets = self.argmax_rows(scored).tolist()
             for i, s in enumerate(spec):
-                row = targets[i * (k + 1): (i + 1) * (k + 1)]
-                accepted = 0
-                while accepted < k and s.draft_tokens[accepted] == row[accepted]:
-                    accepted += 1
-                out.tokens[s.seq.seq_id] = s.draft_tokens[:accepted] + [row[accepted]]
+                out.tokens[s.seq.seq_id] = _matched(s.draft_tokens, targets[i * (k + 1): (i + 1) * (k + 1)])
             return
         rows = [SampleRow(s.seq, s.seq.index, tuple(s.draft_tokens[:j]))
                 for s in spec for j in range(k + 1)]
-        p = sampling_probs(scored.float(), rows).view(len(spec), k + 1, -1)
-        drafts = torch.tensor([s.draft_tokens for s in spec], device=logits.device)
-        q = torch.stack([s.draft_probs for s in spec]).to(p.device, p.dtype)
-        result = rejection_sample(p, drafts, q, [SampleRow(s.seq, s.seq.index) for s in spec],
-                                  self.generator)
+        if all(s.seq.params.is_greedy for s in spec):
+            # one-hot p and q (the draft drew no distributions): prefix matching against the
+            # argmax of the logits as each position's history changes them (penalties, bad words)
+            targets = self.argmax_rows(processed(scored.float(), rows)).tolist()
+            results = [_matched(s.draft_tokens, targets[i * (k + 1): (i + 1) * (k + 1)])
+                       for i, s in enumerate(spec)]
+        else:
+            p = sampling_probs(scored.float(), rows).view(len(spec), k + 1, -1)
+            drafts = torch.tensor([s.draft_tokens for s in spec], device=logits.device)
+            q = torch.stack([s.draft_probs for s in spec]).to(p.device, p.dtype)
+            results = rejection_sample(p, drafts, q, [SampleRow(s.seq, s.seq.index) for s in spec],
+                                       self.generator).tokens
         want_logprobs = any(s.seq.params.logprobs is not None for s in spec)
         raw = torch.log_softmax(logits[index].float(), dim=-1) if want_logprobs else None
-        for i in range(len(spec)):
-            tokens = result.tokens[i]
+        for i, tokens in enumerate(results):
             emitted = [rows[i * (k + 1) + j] for j in range(len(tokens))]
             sub = None if raw is None else raw[i * (k + 1): i * (k + 1) + len(tokens)]
             self._collect(torch.tensor(tokens, device=logits.device), sub, emitted, out)
