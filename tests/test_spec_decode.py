@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -247,3 +248,47 @@ def test_greedy_requests_that_are_not_plain_argmax_under_speculation(extra, chec
                     [{t: lp.logprob for t, lp in step.items()} for step in ref.outputs[0].logprobs]
         assert llm.llm_engine.stats()["num_spec_proposed_tokens"] > 0
     assert llm.llm_engine.stats()["num_spec_accepted_tokens"] > 0
+
+
+def test_vllms_speculative_config_spelling(checkpoint_dir, draft_dir, baseline):
+    """vLLM (0.9+) takes the draft as speculative_config={"model", "num_speculative_tokens"}
+    (`--speculative-config '{...}'`); the old flags are what this engine had."""
+    from omniinfer.entrypoints.cli import build_parser
+    from omniinfer.entrypoints.engine_flags import engine_kwargs
+
+    path = checkpoint_dir("llama")
+    config = {"model": draft_dir, "num_speculative_tokens": 3, "method": "draft_model"}
+    llm = LLM(path, num_kv_blocks=128, block_size=8, speculative_config=config)
+    assert llm.llm_engine.config.speculative.num_speculative_tokens == 3
+    assert llm.llm_engine.config.scheduler.num_scheduler_steps == 1  # (not the offline 8)
+    assert greedy_tokens(llm, prompts_of([6, 14])) == baseline([6, 14])
+    assert llm.llm_engine.stats()["num_spec_proposed_tokens"] > 0
+    args = build_parser().parse_args(["serve", path, "--speculative-config", json.dumps(config)])
+    assert engine_kwargs(args)["speculative_config"] == config
+
+
+@pytest.mark.parametrize("config, error, match", [
+    ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}, ValueError,
+     r"speculative_config holds 'prompt_lookup_max'; allowed keys: model, num_speculative_tokens"),
+    ({"method": "eagle", "model": "x", "num_speculative_tokens": 3}, ValueError,
+     "speculative_config method='eagle' is not supported; the one method here is 'draft_model'"),
+    ({"model": "DRAFT"}, ValueError, "num_speculative_tokens=None: give both or neither"),
+    ({"model": "DRAFT", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, ValueError,
+     "draft_tensor_parallel_size=2 is not supported"),
+    ("DRAFT", TypeError, "speculative_config must be a dict"),
+])
+def test_speculative_config_errors(config, error, match, checkpoint_dir, draft_dir):
+    config = {k: draft_dir if v == "DRAFT" else v for k, v in config.items()} if isinstance(config, dict) else config
+    with pytest.raises(error, match=match):
+        LLM(checkpoint_dir("llama"), speculative_config=config)
+    with pytest.raises(ValueError, match="give speculative_config or speculative_model"):
+        LLM(checkpoint_dir("llama"), speculative_model=draft_dir, num_speculative_tokens=2,
+            speculative_config={"model": draft_dir, "num_speculative_tokens": 2})
+
+
+def test_speculative_config_flag_must_be_a_json_object(capsys):
+    from omniinfer.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "m", "--speculative-config", "[1, 2]"])
+    assert "--speculative-config: expected a JSON object, got '[1, 2]'" in capsys.readouterr().err

@@ -225,6 +225,9 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
 
 
+SPECULATIVE_CONFIG_KEYS = ("model", "num_speculative_tokens", "method", "draft_tensor_parallel_size")
+
+
 @dataclass
 class EngineArgs:
     """Every engine argument, flat, with its default (the `LLM(...)` keywords)."""
@@ -252,6 +255,8 @@ class EngineArgs:
     worker_cls: str = DEFAULT_WORKER_CLS
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
+    # vLLM's current spelling of the two above: {"model": ..., "num_speculative_tokens": k}
+    speculative_config: dict | None = None
     num_scheduler_steps: int | None = None  # None: 1 (the offline LLM class picks 8)
     max_logprobs: int = 20  # a request's logprobs / prompt_logprobs at most; -1: the vocabulary
     quantization: str | None = None  # "int8": quantise a float checkpoint at load; a .gguf is "gguf"
@@ -277,8 +282,8 @@ class EngineArgs:
         speculative = self._speculative_config(model)
         steps = 1 if self.num_scheduler_steps is None else self.num_scheduler_steps
         if speculative is not None and steps != 1:
-            raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps!r} with speculative_model="
-                             f"{self.speculative_model!r}: multi-step decoding and speculative "
+            raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps!r} with a speculative model "
+                             f"({speculative.draft.model!r}): multi-step decoding and speculative "
                              "decoding cannot be combined; use num_scheduler_steps=1")
         budget = self.max_num_batched_tokens
         if budget is None:
@@ -317,27 +322,55 @@ class EngineArgs:
             speculative=speculative,
         )
 
+    def _speculative_fields(self) -> tuple[str | None, int | None]:
+        """(speculative_model, num_speculative_tokens), from vLLM's `speculative_config` dict
+        when that is given (a draft model is the one method here)."""
+        spec = self.speculative_config
+        if spec is None:
+            return self.speculative_model, self.num_speculative_tokens
+        if not isinstance(spec, dict):
+            raise TypeError(f"speculative_config must be a dict such as {{'model': PATH, "
+                            f"'num_speculative_tokens': K}}, got {type(spec).__name__}")
+        unknown = sorted(set(spec) - set(SPECULATIVE_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config holds {', '.join(map(repr, unknown))}; allowed keys: "
+                             f"{', '.join(SPECULATIVE_CONFIG_KEYS)} (a draft model is the one method here)")
+        method = spec.get("method")
+        if method not in (None, "draft_model"):
+            raise ValueError(f"speculative_config method={method!r} is not supported; the one method "
+                             "here is 'draft_model' (give 'model': a checkpoint sharing the target's "
+                             "vocabulary)")
+        tp = spec.get("draft_tensor_parallel_size", 1)
+        if tp != 1:
+            raise ValueError(f"speculative_config draft_tensor_parallel_size={tp!r} is not supported; "
+                             "the draft runs on the driver alone (1)")
+        if self.speculative_model is not None or self.num_speculative_tokens is not None:
+            raise ValueError("give speculative_config or speculative_model / num_speculative_tokens, "
+                             "not both")
+        return spec.get("model"), spec.get("num_speculative_tokens")
+
     def _speculative_config(self, target: ModelConfig) -> SpeculativeConfig | None:
-        if self.speculative_model is None and self.num_speculative_tokens is None:
+        path, k = self._speculative_fields()
+        if path is None and k is None:
             return None
-        if self.speculative_model is None or self.num_speculative_tokens is None:
-            raise ValueError(f"speculative_model={self.speculative_model!r} and num_speculative_tokens="
-                             f"{self.num_speculative_tokens!r}: give both or neither")
-        _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
-        if self.num_speculative_tokens > MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} is not allowed; it "
-                             f"must be <= {MAX_SPECULATIVE_TOKENS}")
+        if path is None or k is None:
+            raise ValueError(f"speculative_model={path!r} and num_speculative_tokens={k!r}: give both "
+                             "or neither (speculative_config: 'model' and 'num_speculative_tokens')")
+        _check_int("num_speculative_tokens", k, minimum=1)
+        if k > MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens={k} is not allowed; it must be <= "
+                             f"{MAX_SPECULATIVE_TOKENS}")
         from omniinfer.checkpoint_config import load_model_config
 
-        draft = load_model_config(self.speculative_model, tokenizer=None, dtype=target.dtype,
+        draft = load_model_config(path, tokenizer=None, dtype=target.dtype,
                                   max_model_len=None, seed=self.seed)
         if draft.vocab_size != target.vocab_size:
-            raise ValueError(f"speculative_model={self.speculative_model!r} has vocab_size="
+            raise ValueError(f"speculative_model={path!r} has vocab_size="
                              f"{draft.vocab_size} but the target model has {target.vocab_size}; the "
                              "draft must share the target's tokenizer and vocabulary")
         if draft.max_model_len < target.max_model_len:
-            raise ValueError(f"speculative_model={self.speculative_model!r} supports "
+            raise ValueError(f"speculative_model={path!r} supports "
                              f"{draft.max_model_len} positions, fewer than max_model_len="
                              f"{target.max_model_len}; lower max_model_len")
         draft.max_model_len = target.max_model_len
-        return SpeculativeConfig(draft=draft, num_speculative_tokens=self.num_speculative_tokens)
+        return SpeculativeConfig(draft=draft, num_speculative_tokens=k)

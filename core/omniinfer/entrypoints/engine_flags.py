@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import types
 import typing
@@ -18,6 +19,16 @@ def _parse_bool(text: str) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def _parse_json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def _base_type(annotation) -> type:
@@ -46,7 +57,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = 
             continue
         base = _base_type(f.name)
         flag = "--" + f.name.replace("_", "-")
-        kind = _parse_bool if base is bool else base
+        kind = {bool: _parse_bool, dict: _parse_json_object}.get(base, base)
         env = os.environ.get(env_name(f.name))
         default = f.default
         if env is not None:

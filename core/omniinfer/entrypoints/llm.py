@@ -37,7 +37,8 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
                             f"allowed: {', '.join(sorted(allowed))}")
-        if kwargs.get("num_scheduler_steps") is None and kwargs.get("speculative_model") is None:
+        if kwargs.get("num_scheduler_steps") is None and kwargs.get("speculative_model") is None \
+                and kwargs.get("speculative_config") is None:
             kwargs["num_scheduler_steps"] = OFFLINE_SCHEDULER_STEPS
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
