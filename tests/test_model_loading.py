@@ -13,6 +13,12 @@ from safetensors.torch import load_file, save_file
 from omniinfer import LLM
 
 
+def greedy(n: int):
+    from omniinfer import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
 def copy_checkpoint(src: str, dst) -> str:
     shutil.copytree(src, dst)
     return str(dst)
@@ -73,11 +79,77 @@ def test_unknown_architecture(checkpoint_dir, tmp_path):
     assert "'GPT2LMHeadModel'" in message and "LlamaForCausalLM" in message and config_file in message
 
 
-def test_no_safetensors(checkpoint_dir, tmp_path):
+def test_no_weights(checkpoint_dir, tmp_path):
     path = copy_checkpoint(checkpoint_dir("llama"), tmp_path / "m")
     os.remove(os.path.join(path, "model.safetensors"))
-    with pytest.raises(ValueError, match="no \\*.safetensors weights in"):
+    torch.save({"step": torch.tensor(1)}, os.path.join(path, "training_args.bin"))  # (not weights)
+    with pytest.raises(ValueError, match=r"no weights in .*: expected \*.safetensors or pytorch_model\*.bin"):
         LLM(path, num_kv_blocks=8)
+
+
+def as_bin_checkpoint(src: str, dst, num_shards: int) -> str:
+    """The checkpoint with its weights as PyTorch .bin files, as transformers 4 saved them
+    (`pytorch_model.bin`, or shards and `pytorch_model.bin.index.json`)."""
+    path = copy_checkpoint(src, dst)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    os.remove(os.path.join(path, "model.safetensors"))
+    if num_shards == 1:
+        torch.save(tensors, os.path.join(path, "pytorch_model.bin"))
+        return path
+    names, weight_map = sorted(tensors), {}
+    for i in range(num_shards):
+        file = f"pytorch_model-{i + 1:05d}-of-{num_shards:05d}.bin"
+        part = {n: tensors[n] for n in names[i::num_shards]}
+        torch.save(part, os.path.join(path, file))
+        weight_map.update(dict.fromkeys(part, file))
+    with open(os.path.join(path, "pytorch_model.bin.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return path
+
+
+@pytest.mark.parametrize("num_shards", [1, 3])
+def test_pytorch_bin_checkpoints_load(num_shards, checkpoint_dir, tmp_path, hf_greedy):
+    """Older Hugging Face checkpoints ship only .bin weights; transformers loads them, and so
+    does omniinfer (it said 'convert them to safetensors')."""
+    path = as_bin_checkpoint(checkpoint_dir("llama"), tmp_path / "m", num_shards)
+    prompt = [5, 17, 33, 9, 101]
+    out = LLM(path, num_kv_blocks=16).generate({"prompt_token_ids": prompt}, greedy(12), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(path, prompt, 12)  # (transformers reads the .bin)
+
+
+def test_a_bin_file_that_would_run_code_is_refused(checkpoint_dir, tmp_path):
+    path = as_bin_checkpoint(checkpoint_dir("llama"), tmp_path / "m", 1)
+    marker = tmp_path / "ran"
+    state = torch.load(os.path.join(path, "pytorch_model.bin"), weights_only=True)
+    state["evil"] = Exploit(str(marker))
+    torch.save(state, os.path.join(path, "pytorch_model.bin"))
+    with pytest.raises(ValueError, match=r"pytorch_model.bin could not be read as PyTorch weights "
+                                         r"\(weights_only: tensors only, no code\)"):
+        LLM(path, num_kv_blocks=8)
+    assert not marker.exists()
+
+
+def test_a_bin_shape_mismatch_names_the_file(checkpoint_dir, tmp_path):
+    path = as_bin_checkpoint(checkpoint_dir("llama"), tmp_path / "m", 3)
+    with open(os.path.join(path, "pytorch_model.bin.index.json")) as f:
+        index = json.load(f)
+    name = "model.layers.0.self_attn.k_proj.weight"
+    file = os.path.join(path, index["weight_map"][name])
+    state = torch.load(file, weights_only=True)
+    state[name] = torch.zeros(8, 64)
+    torch.save(state, file)
+    with pytest.raises(ValueError, match=rf"tensor '{name}' in {file} has the wrong shape"):
+        LLM(path, num_kv_blocks=8)
+
+
+class Exploit:
+    """A pickle that creates a file when loaded without weights_only."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
 
 
 @pytest.mark.parametrize("scaling,message", [

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -282,3 +283,24 @@ def test_a_quantized_moe_checkpoint_keeps_its_experts_quantized(moe_model, schem
     finally:
         llm.shutdown()
     assert_transformers_run(got, ref, scheme.label)
+
+
+def test_a_quantized_checkpoint_in_pytorch_bin_files(float_model, tmp_path):
+    """AutoGPTQ-era checkpoints may hold their packed weights in .bin files: the same tokens as
+    the safetensors copy, on one rank and under tensor parallelism."""
+    from safetensors.torch import load_file
+
+    path, _ = checkpoint(float_model, Scheme("gptq", 4, 128, sym=False, act_order=True))
+    as_bin = str(tmp_path / "bin")
+    shutil.copytree(path, as_bin)
+    for name in os.listdir(as_bin):
+        if name.endswith(".safetensors"):
+            torch.save(load_file(os.path.join(as_bin, name)), os.path.join(as_bin, "pytorch_model.bin"))
+            os.remove(os.path.join(as_bin, name))
+    assert os.listdir(as_bin).count("pytorch_model.bin") == 1 and not any(
+        n.endswith(".safetensors") or n.endswith(".index.json") for n in os.listdir(as_bin))
+    with LLM(path, num_kv_blocks=64) as llm:
+        want = [t for t, _ in run(llm)]
+    for tp in (1, 2):
+        with LLM(as_bin, num_kv_blocks=64, tensor_parallel_size=tp) as llm:
+            assert [t for t, _ in run(llm)] == want

@@ -63,7 +63,7 @@ def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.d
     gguf = is_gguf(model)
     if not gguf and (not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model)):
         raise ValueError(f"model={model!r} is not a checkpoint directory or a .gguf file (omniinfer "
-                         "loads local Hugging Face checkpoint directories, config.json + safetensors, "
+                         "loads local Hugging Face checkpoint directories, config.json + safetensors or .bin weights, "
                          "and GGUF files)")
     model = os.fspath(model)
     if gguf:

@@ -1,4 +1,5 @@
-"""Build a model for this rank and fill it from a Hugging Face safetensors checkpoint."""
+"""Build a model for this rank and fill it from a Hugging Face checkpoint (safetensors, or
+PyTorch .bin files), a GGUF file or a quantised checkpoint."""
 
 from __future__ import annotations
 
@@ -12,45 +13,94 @@ from tqdm.auto import tqdm
 
 from omniinfer.config import ModelConfig
 from omniinfer.logger import init_logger
-from omniinfer.models.layers.weights import CheckpointTensor, WeightShapeError
+from omniinfer.models.layers.weights import CheckpointTensor, FileTensor, WeightShapeError
 from omniinfer.models.registry import model_class
 from omniinfer.quantization.choice import CHECKPOINT_METHODS
 
 logger = init_logger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that does not match the model: names the file and the tensor."""
 
 
-def safetensors_files(model_dir: str) -> list[str]:
-    index = os.path.join(model_dir, INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
-        if missing:
-            raise CheckpointError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
-        return [os.path.join(model_dir, f) for f in files]
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
-    if not files:
-        bins = [f for f in os.listdir(model_dir) if f.endswith(".bin")]
-        hint = " (found PyTorch .bin files; convert them to safetensors)" if bins else ""
-        raise CheckpointError(f"no *.safetensors weights in {model_dir}{hint}")
+def _indexed(model_dir: str, index: str) -> list[str]:
+    with open(index, encoding="utf-8") as f:
+        weight_map = json.load(f).get("weight_map", {})
+    files = sorted(set(weight_map.values()))
+    missing = [f for f in files if not os.path.isfile(os.path.join(model_dir, f))]
+    if missing:
+        raise CheckpointError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
     return [os.path.join(model_dir, f) for f in files]
+
+
+def checkpoint_files(model_dir: str) -> list[str]:
+    """The weight files of a Hugging Face checkpoint: safetensors where there are any (as
+    transformers prefers them), else PyTorch `pytorch_model*.bin` files (older checkpoints)."""
+    for index in (INDEX_FILE, BIN_INDEX_FILE):
+        if os.path.isfile(os.path.join(model_dir, index)):
+            return _indexed(model_dir, os.path.join(model_dir, index))
+    names = os.listdir(model_dir)
+    files = sorted(f for f in names if f.endswith(".safetensors"))
+    if not files:
+        files = sorted(f for f in names if f.startswith("pytorch_model") and f.endswith(".bin"))
+    if not files:
+        raise CheckpointError(f"no weights in {model_dir}: expected *.safetensors or "
+                              "pytorch_model*.bin files")
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def _load_bin(path: str) -> dict[str, torch.Tensor]:
+    """A PyTorch state dict, read with `weights_only` (tensors and plain containers only: a
+    pickle that would run code is refused) and memory-mapped where the file allows it."""
+    import pickle
+
+    try:
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)  # (the legacy format)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
+        raise CheckpointError(f"{path} could not be read as PyTorch weights (weights_only: tensors "
+                              f"only, no code): {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise CheckpointError(f"{path} is not a state dict of tensors (got {type(state).__name__})")
+    return state
+
+
+def checkpoint_names(files: list[str]) -> set[str]:
+    """The names of every tensor in `files`, read from their headers (a .bin file is mapped)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for path in files:
+        if path.endswith(".bin"):
+            names.update(_load_bin(path))
+        else:
+            with safe_open(path, framework="pt") as handle:
+                names.update(handle.keys())  # noqa: SIM118 - safe_open is not a dict
+    return names
 
 
 def iterate_checkpoint(files: list[str], progress: bool = True) -> Iterator[tuple[str, CheckpointTensor]]:
     from safetensors import safe_open
 
-    with tqdm(total=len(files), desc="Loading safetensors shards", unit="shard",
+    with tqdm(total=len(files), desc="Loading checkpoint shards", unit="shard",
               disable=not progress) as bar:
         for path in files:
-            with safe_open(path, framework="pt") as handle:
-                for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
-                    yield name, CheckpointTensor(name, path, handle)
+            if path.endswith(".bin"):
+                state = _load_bin(path)
+                while state:  # (each tensor let go once loaded)
+                    name, tensor = state.popitem()
+                    yield name, FileTensor(name, path, tensor)
+            else:
+                with safe_open(path, framework="pt") as handle:
+                    for name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
+                        yield name, CheckpointTensor(name, path, handle)
             bar.update(1)
 
 
@@ -72,7 +122,7 @@ def _checkpoint(config: ModelConfig, progress: bool):
         tensors = list(GGUFFile(config.model).named_tensors())
         quantized = {name for name, t in tensors if t.is_quantized}
         return iter(tensors), quantized
-    files = safetensors_files(config.model)
+    files = checkpoint_files(config.model)
     if config.quantization in CHECKPOINT_METHODS:  # GPTQ / AWQ / compressed-tensors
         from omniinfer.quantization.int_pieces import int_checkpoint
 

@@ -225,17 +225,11 @@ def int_checkpoint(quantization_config: dict, files: list[str], progress: bool =
     `<layer>.weight` (IntCheckpointTensor), and the names of those; float tensors pass through
     as they are read. A quantised layer's tensors (its quantised bytes) are read as they come and
     the layer is handed on once the files are read (its parts may lie in different shards)."""
-    from safetensors import safe_open
-
-    from omniinfer.models.loader import iterate_checkpoint
+    from omniinfer.models.loader import checkpoint_names, iterate_checkpoint
 
     config = parse_quantization_config(quantization_config)
     method = str(quantization_config.get("quant_method")).lower().replace("_", "-")
-    names: set[str] = set()
-    for path in files:
-        with safe_open(path, framework="pt") as handle:
-            names.update(handle.keys())  # noqa: SIM118 - safe_open is not a dict
-    layers = _layers(method, names)
+    layers = _layers(method, checkpoint_names(files))
     formats = {}
     for prefix in layers:
         fmt = config.layer_format(prefix)

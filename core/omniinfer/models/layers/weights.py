@@ -46,14 +46,29 @@ class CheckpointTensor:
         return self._handle.get_tensor(self.name)
 
 
+class FileTensor:
+    """One tensor of a PyTorch .bin file (memory-mapped where the file allows it), with the
+    file it came from, as CheckpointTensor has."""
+
+    def __init__(self, name: str, path: str, tensor: torch.Tensor):
+        self.name = name
+        self.path = path
+        self._tensor = tensor
+        self.shape = tuple(tensor.shape)
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        return self._tensor.narrow(dim, start, length)
+
+    def full(self) -> torch.Tensor:
+        return self._tensor
+
+
 def tensor_of(loaded) -> torch.Tensor:
     """A lazily read checkpoint tensor (safetensors, GGUF) in full, or the tensor given."""
     return loaded.full() if hasattr(loaded, "full") else loaded
 
 
 def narrow(loaded, dim: int, start: int, length: int) -> torch.Tensor:
-    if isinstance(loaded, CheckpointTensor):
-        return loaded.narrow(dim, start, length)
     return loaded.narrow(dim, start, length)
 
 
