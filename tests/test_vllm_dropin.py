@@ -3,7 +3,9 @@ series vLLM exports (names, types, buckets), requests counted as requests."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -15,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_openai_server import call, make_engine, wait_idle
 from test_serve_socket import CONSOLE_SCRIPT, free_port
 
-from omniinfer import SamplingParams
+from omniinfer import LLM, SamplingParams
 from omniinfer.entrypoints.cli import build_parser
 from omniinfer.entrypoints.engine_flags import engine_kwargs
 from omniinfer.entrypoints.openai.api_server import ServerState
@@ -23,7 +25,10 @@ from omniinfer.entrypoints.openai.metrics import ServerMetrics, buckets_1_2_5
 
 VLLM_LINE = ["--gpu-memory-utilization", "0.85", "--disable-log-requests", "-tp", "1",
              "--trust-remote-code", "--max-logprobs", "5", "--disable-log-stats",
-             "--no-enable-prefix-caching", "--enable-log-requests", "--metrics-prefix", "vllm"]
+             "--no-enable-prefix-caching", "--enable-log-requests", "--metrics-prefix", "vllm",
+             "--kv-cache-dtype", "auto", "--tokenizer-mode", "auto", "--generation-config", "vllm",
+             "--override-generation-config", '{"top_k": 1}', "--guided-decoding-backend", "xgrammar",
+             "--allowed-origins", '["https://ui.example"]', "--root-path", "/proxy"]
 
 
 def families(text: str) -> dict:
@@ -45,6 +50,57 @@ def test_a_vllm_launch_line_parses_to_engine_arguments():
     assert engine_kwargs(later)["pipeline_parallel_size"] == 2
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "m", "--metrics-prefix", "tgi"])
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--guided-decoding-backend", "outlines"], "--guided-decoding-backend='outlines' is not supported; "
+                                                "allowed: auto, xgrammar"),
+    (["--structured-outputs-config", '{"backend": "guidance"}'], "backend='guidance' is not supported"),
+    (["--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}'],
+     "holds 'disable_any_whitespace'; the one key allowed is 'backend'"),
+    (["--override-generation-config", '{"max_new_tokens": 5}'],
+     "holds 'max_new_tokens'; allowed: temperature, top_p, top_k, min_p, repetition_penalty"),
+    (["--override-generation-config", '{"temperature": -1}'], "temperature=-1.0 is not allowed"),
+    (["--generation-config", "/nonexistent"], "'/nonexistent': no generation_config.json there"),
+    (["--ssl-keyfile", "/nonexistent", "--ssl-certfile", "/nonexistent"], "--ssl-keyfile '/nonexistent': no such file"),
+])
+def test_vllm_serving_flags_we_cannot_honour_are_named(flags, match):
+    from omniinfer.entrypoints.openai.protocol import GENERATION_DEFAULTS
+    from omniinfer.entrypoints.serve_options import serve_options
+
+    args = build_parser().parse_args(["serve", "m", *flags])
+    with pytest.raises(ValueError, match=re.escape(match)):
+        serve_options(args, GENERATION_DEFAULTS)
+
+
+@pytest.mark.parametrize("name, value", [("kv_cache_dtype", "fp8"), ("tokenizer_mode", "mistral")])
+def test_engine_values_only_vllm_has_are_refused(name, value, checkpoint_dir):
+    with pytest.raises(ValueError, match=f"{name}={value!r} is not supported; allowed: 'auto'"):
+        LLM(checkpoint_dir("llama"), **{name: value})
+
+
+def test_generation_config_sources(checkpoint_dir, tmp_path):
+    """'auto': the checkpoint's generation_config.json; 'vllm': none; a directory: its file;
+    the overrides over each."""
+    from omniinfer.entrypoints.openai.protocol import GENERATION_DEFAULTS
+    from omniinfer.entrypoints.serve_options import GenerationOptions
+
+    checkpoint = {"temperature": 0.3, "top_k": 5, "do_sample": True, "max_length": 20}
+    other = tmp_path / "gen"
+    other.mkdir()
+    (other / "generation_config.json").write_text(json.dumps({"top_p": 0.5}))
+    cases = [(GenerationOptions("auto"), {"temperature": 0.3, "top_k": 5}),
+             (GenerationOptions("vllm"), {}),
+             (GenerationOptions(str(other)), {"top_p": 0.5}),
+             (GenerationOptions("auto", {"top_k": 1}), {"temperature": 0.3, "top_k": 1})]
+    for options, expected in cases:
+        assert options.defaults(checkpoint, GENERATION_DEFAULTS) == expected
+    state = ServerState("tiny", stats_interval_s=0, generation=GenerationOptions("vllm", {"min_p": 0.1}))
+    state.attach(make_engine(checkpoint_dir("llama")))
+    try:
+        assert state.ctx.generation_defaults == {"min_p": 0.1}
+    finally:
+        state.shutdown()
 
 
 def test_vllm_launch_line_serves_over_a_socket(checkpoint_dir, tmp_path):
@@ -78,6 +134,20 @@ def test_vllm_launch_line_serves_over_a_socket(checkpoint_dir, tmp_path):
             assert r.choices[0].logprobs.token_logprobs[0] is None
         with pytest.raises(openai.BadRequestError, match="max_logprobs=5"):
             client.completions.create(model="tiny", prompt="hi", max_tokens=1, logprobs=6)
+        # --allowed-origins: a browser's preflight from that origin is allowed, another's not
+        preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"}
+        ok = httpx.options(f"{url}/v1/completions", headers={"Origin": "https://ui.example", **preflight})
+        other = httpx.options(f"{url}/v1/completions", headers={"Origin": "https://evil.example", **preflight})
+        assert ok.headers["access-control-allow-origin"] == "https://ui.example"
+        assert "access-control-allow-origin" not in other.headers
+        # --root-path: a proxy serves the app under /proxy and strips it; the paths it forwards
+        # are the app's own (the log line names the public address)
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
+        # --override-generation-config top_k 1: sampling at temperature 1 is greedy
+        texts = {client.completions.create(model="tiny", prompt="Return the", max_tokens=6,
+                                           temperature=1.0).choices[0].text for _ in range(3)}
+        greedy = client.completions.create(model="tiny", prompt="Return the", max_tokens=6, temperature=0)
+        assert texts == {greedy.choices[0].text}
         time.sleep(1.0)  # several stats intervals
         text = httpx.get(f"{url}/metrics").text
     finally:
@@ -91,10 +161,11 @@ def test_vllm_launch_line_serves_over_a_socket(checkpoint_dir, tmp_path):
     assert "vllm:num_requests_running" in found and not any(n.startswith("omniinfer:") for n in found)
     samples = {s.name: s.value for f in found.values() for s in f.samples}
     assert samples["vllm:prefix_cache_queries_total"] == 0  # --no-enable-prefix-caching
-    assert samples["vllm:request_success_total"] >= 2
+    assert samples["vllm:request_success_total"] >= 6
     output = log.read_text()
-    assert output.count("prompt tokens [") == 2, output  # --enable-log-requests: one per request queued
+    assert output.count("prompt tokens [") == 6, output  # --enable-log-requests: one per request queued
     assert "prompt throughput" not in output  # --disable-log-stats
+    assert f"at http://127.0.0.1:{port}/proxy/v1" in output
 
 
 # ---- metrics: names, types and buckets as vLLM's; requests counted as requests ------------------

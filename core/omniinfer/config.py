@@ -262,6 +262,9 @@ class EngineArgs:
     quantization: str | None = None  # "int8": quantise a float checkpoint at load; a .gguf is "gguf"
     gpu_memory_utilization: float | None = None  # accelerators' memory share (CacheConfig)
     trust_remote_code: bool = False  # let the tokenizer run the checkpoint's code (models are ours)
+    # vLLM's, accepted for its launch lines at the one value served here
+    kv_cache_dtype: str = "auto"  # the KV cache is kept in the model's dtype
+    tokenizer_mode: str = "auto"  # the tokenizer's fast (tokenizers) implementation
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -271,6 +274,10 @@ class EngineArgs:
         from omniinfer.checkpoint_config import load_model_config
 
         _check_int("seed", self.seed, minimum=0)
+        for name, why in (("kv_cache_dtype", "the KV cache is kept in the model's dtype"),
+                          ("tokenizer_mode", "the fast (tokenizers) tokenizer is used")):
+            if getattr(self, name) != "auto":
+                raise ValueError(f"{name}={getattr(self, name)!r} is not supported; allowed: 'auto' ({why})")
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("max_logprobs", self.max_logprobs, minimum=-1)
         model = load_model_config(self.model, tokenizer=self.tokenizer, dtype=self.dtype,

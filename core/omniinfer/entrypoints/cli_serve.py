@@ -14,6 +14,7 @@ from omniinfer.entrypoints.engine_flags import (
     env_default,
 )
 from omniinfer.entrypoints.openai.tools.serving import add_tool_flags, tool_config
+from omniinfer.entrypoints.serve_options import add_serve_options
 
 DEMO_MODEL_NAME = "omniinfer-demo"
 
@@ -69,6 +70,7 @@ def register(sub) -> None:
                         help="keep serving (503 on /health, 500 on requests) after the engine "
                         "failed, instead of exiting with status 1 for a supervisor to restart")
     add_tool_flags(p, env_default)
+    add_serve_options(p, env_default)
     add_engine_args(p)
     p.set_defaults(func=run)
 
@@ -82,7 +84,9 @@ def read_chat_template(value: str | None) -> str | None:
 
 def run(args: argparse.Namespace) -> int:
     from omniinfer.entrypoints.openai.limits import ServerLimits
+    from omniinfer.entrypoints.openai.protocol import GENERATION_DEFAULTS
     from omniinfer.entrypoints.openai.run import run_server
+    from omniinfer.entrypoints.serve_options import serve_options
 
     model, name = args.model, args.served_model_name
     if args.model_flag is not None:
@@ -102,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
                               max_body_bytes=args.max_body_bytes,
                               shutdown_timeout_s=args.shutdown_timeout)
         tools = tool_config(args)
+        generation, http = serve_options(args, GENERATION_DEFAULTS)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -112,4 +117,4 @@ def run(args: argparse.Namespace) -> int:
                       uvicorn_log_level=args.uvicorn_log_level, limits=limits,
                       keep_alive_on_engine_death=args.keep_alive_on_engine_death,
                       metrics_prefix=args.metrics_prefix, log_requests=args.enable_log_requests,
-                      tools=tools)
+                      tools=tools, generation=generation, http=http)

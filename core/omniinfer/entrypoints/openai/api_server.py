@@ -21,6 +21,7 @@ from omniinfer.entrypoints.openai.http_guard import RequestGuard, parse_body
 from omniinfer.entrypoints.openai.limits import ServerLimits
 from omniinfer.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from omniinfer.entrypoints.openai.protocol import (
+    GENERATION_DEFAULTS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,8 +46,9 @@ class ServerState:
     def __init__(self, model_name: str, *, api_key: str | None = None,
                  chat_template: str | None = None, stats_interval_s: float = 10.0,
                  limits: ServerLimits | None = None, metrics_prefix: str = "omniinfer",
-                 log_requests: bool = False, tools=None):
+                 log_requests: bool = False, tools=None, generation=None):
         self.model_name = model_name
+        self.generation = generation  # GenerationOptions (--generation-config ...); None: 'auto'
         self.log_requests = log_requests
         self.tools = tools  # ToolConfig: --enable-auto-tool-choice, --tool-call-parser
         self.api_key = api_key or None
@@ -71,9 +73,12 @@ class ServerState:
                                       stats_interval_s=self.stats_interval_s,
                                       on_dead=lambda: self.on_engine_dead and self.on_engine_dead())
         self.metrics.bind(engine.config.model.max_model_len)
+        defaults = None
+        if self.generation is not None:
+            defaults = self.generation.defaults(engine.config.model.generation_config, GENERATION_DEFAULTS)
         self.ctx = ServingContext(async_engine, tokenizer, model_name=self.model_name,
                                   chat_template=self.chat_template, limits=self.limits,
-                                  log_requests=self.log_requests)
+                                  log_requests=self.log_requests, generation_defaults=defaults)
         if self.tools is not None:
             self.ctx.tools = self.tools
 
@@ -148,12 +153,19 @@ class _SSE(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def build_app(state: ServerState) -> FastAPI:
+def build_app(state: ServerState, cors=None) -> FastAPI:
+    """The app; `cors` (serve_options.HttpOptions) adds CORS headers when it names origins."""
     # /openapi.json is one of the API routes (behind the key); no docs pages
     app = FastAPI(title="omniinfer", version=__version__, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.server = state
     app.add_middleware(RequestGuard, max_body_bytes=lambda: state.limits.max_body_bytes)
+    if cors is not None and cors.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins,
+                           allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,
+                           allow_credentials=cors.allow_credentials)
     _add_error_handlers(app)
     _add_ops_routes(app, state)
     app.include_router(_api_routes(state, app))

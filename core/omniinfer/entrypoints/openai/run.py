@@ -63,23 +63,27 @@ def run_server(model: str, engine_kwargs: dict, *, host: str = "127.0.0.1", port
                chat_template: str | None = None, stats_interval_s: float = 10.0,
                uvicorn_log_level: str = "info", limits: ServerLimits | None = None,
                keep_alive_on_engine_death: bool = False, metrics_prefix: str = "omniinfer",
-               log_requests: bool = False, tools=None) -> int:
+               log_requests: bool = False, tools=None, generation=None, http=None) -> int:
     """Serve until interrupted; the model loads in a thread while /health answers 503.
 
     Returns 1 when the model failed to load or the engine failed (the server stops then),
-    else 0."""
+    else 0. `generation` and `http`: serve_options' GenerationOptions and HttpOptions."""
     import uvicorn
 
     from omniinfer.config import EngineArgs
     from omniinfer.engine.llm_engine import LLMEngine
+    from omniinfer.entrypoints.serve_options import HttpOptions
 
     limits = limits or ServerLimits()
     state = ServerState(model_name or model, api_key=api_key, chat_template=chat_template,
                         stats_interval_s=stats_interval_s, limits=limits,
-                        metrics_prefix=metrics_prefix, log_requests=log_requests, tools=tools)
+                        metrics_prefix=metrics_prefix, log_requests=log_requests, tools=tools,
+                        generation=generation)
+    http = http or HttpOptions()
     server = _server_class()(uvicorn.Config(
-        build_app(state), host=host, port=port, log_level=uvicorn_log_level, http=H11Protocol,
-        timeout_graceful_shutdown=limits.shutdown_timeout_s + END_GRACE_S))
+        build_app(state, cors=http), host=host, port=port, log_level=uvicorn_log_level,
+        http=H11Protocol, timeout_graceful_shutdown=limits.shutdown_timeout_s + END_GRACE_S,
+        root_path=http.root_path, ssl_keyfile=http.ssl_keyfile, ssl_certfile=http.ssl_certfile))
     server.state = state
     engine_died = threading.Event()
 
@@ -105,7 +109,8 @@ def run_server(model: str, engine_kwargs: dict, *, host: str = "127.0.0.1", port
             logger.error("could not load %s: %s", model, state.load_error)
             server.should_exit = True
             return
-        logger.info("serving %s as %r at http://%s:%d/v1", model, state.model_name, host, port)
+        logger.info("serving %s as %r at %s://%s:%d%s/v1", model, state.model_name,
+                    "https" if http.ssl_certfile else "http", host, port, http.root_path)
 
     threading.Thread(target=load, name="omniinfer-load", daemon=True).start()
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then raises the signal again: make that

@@ -44,7 +44,7 @@ class ServingContext:
 
     def __init__(self, engine: AsyncLLMEngine, tokenizer, *, model_name: str,
                  chat_template: str | None = None, limits: ServerLimits | None = None,
-                 log_requests: bool = False):
+                 log_requests: bool = False, generation_defaults: dict | None = None):
         self.engine = engine
         self.log_requests = log_requests  # one log line per request (--enable-log-requests)
         self.tokenizer = tokenizer
@@ -58,8 +58,10 @@ class ServingContext:
         self.limits = limits or ServerLimits()
         limit = self.limits.max_prompt_tokens
         self.max_prompt_tokens = min(limit or self.max_model_len, self.max_model_len - 1)
-        gen = config.generation_config or {}
-        self.generation_defaults = {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
+        if generation_defaults is None:  # the checkpoint's generation_config.json ('auto')
+            gen = config.generation_config or {}
+            generation_defaults = {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
+        self.generation_defaults = generation_defaults
         self._bulk_tokenizer = None
         self.tools = ToolConfig()  # the server's tool flags (set by ServerState.attach)
         self._bulk = ThreadPoolExecutor(1, thread_name_prefix="omniinfer-tokenize")
