@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                               max_body_bytes=args.max_body_bytes,
                               shutdown_timeout_s=args.shutdown_timeout)
         tools = tool_config(args)
-        generation, http = serve_options(args, GENERATION_DEFAULTS)
+        options = serve_options(args, GENERATION_DEFAULTS)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -117,4 +117,4 @@ def run(args: argparse.Namespace) -> int:
                       uvicorn_log_level=args.uvicorn_log_level, limits=limits,
                       keep_alive_on_engine_death=args.keep_alive_on_engine_death,
                       metrics_prefix=args.metrics_prefix, log_requests=args.enable_log_requests,
-                      tools=tools, generation=generation, http=http)
+                      tools=tools, options=options)

@@ -84,15 +84,29 @@ def add_serve_options(parser, env_default) -> None:
     group.add_argument("--allowed-methods", type=_json(list, "a JSON list"), default=["*"])
     group.add_argument("--allowed-headers", type=_json(list, "a JSON list"), default=["*"])
     group.add_argument("--allow-credentials", action="store_true")
+    from omniinfer.entrypoints.openai.reasoning import PARSERS
+
+    group.add_argument("--reasoning-parser", choices=sorted(PARSERS),
+                       default=env_default("reasoning_parser", None),
+                       help="put a thinking model's <think> text in the message's `reasoning` "
+                       "(deepseek_r1: DeepSeek-R1, Qwen3 Thinking-2507; qwen3: Qwen3)")
     group.add_argument("--guided-decoding-backend", default=None,
                        help="structured outputs' backend: auto or xgrammar (the one here)")
     group.add_argument("--structured-outputs-config", type=_json(dict, "a JSON object"), default=None,
                        help='e.g. \'{"backend": "xgrammar"}\'')
 
 
-def serve_options(args: argparse.Namespace, allowed_generation_keys: tuple[str, ...]
-                  ) -> tuple[GenerationOptions, HttpOptions]:
+@dataclass
+class ServeOptions:
+    generation: GenerationOptions
+    http: HttpOptions
+    reasoning_parser: object = None  # reasoning.ReasoningParser
+
+
+def serve_options(args: argparse.Namespace, allowed_generation_keys: tuple[str, ...]) -> ServeOptions:
     """The options of parsed flags; ValueError names the flag and what is allowed."""
+    from omniinfer.entrypoints.openai.reasoning import PARSERS
+
     backends = [("--guided-decoding-backend", args.guided_decoding_backend)]
     config = args.structured_outputs_config or {}
     unknown = sorted(set(config) - {"backend"})
@@ -125,4 +139,5 @@ def serve_options(args: argparse.Namespace, allowed_generation_keys: tuple[str, 
                        ssl_certfile=args.ssl_certfile, allowed_origins=args.allowed_origins,
                        allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
                        allow_credentials=args.allow_credentials)
-    return generation, http
+    parser = PARSERS[args.reasoning_parser] if args.reasoning_parser else None
+    return ServeOptions(generation, http, parser)

@@ -46,8 +46,9 @@ class ServerState:
     def __init__(self, model_name: str, *, api_key: str | None = None,
                  chat_template: str | None = None, stats_interval_s: float = 10.0,
                  limits: ServerLimits | None = None, metrics_prefix: str = "omniinfer",
-                 log_requests: bool = False, tools=None, generation=None):
+                 log_requests: bool = False, tools=None, generation=None, reasoning_parser=None):
         self.model_name = model_name
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser (reasoning.ReasoningParser)
         self.generation = generation  # GenerationOptions (--generation-config ...); None: 'auto'
         self.log_requests = log_requests
         self.tools = tools  # ToolConfig: --enable-auto-tool-choice, --tool-call-parser
@@ -81,6 +82,7 @@ class ServerState:
                                   log_requests=self.log_requests, generation_defaults=defaults)
         if self.tools is not None:
             self.ctx.tools = self.tools
+        self.ctx.reasoning_parser = self.reasoning_parser
 
     def health_error(self) -> str | None:
         """Why the engine cannot serve (failed, or a worker died), or None."""

@@ -260,6 +260,10 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[dict] | None = None  # an assistant's calls, in the history
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # an assistant's earlier chain of thought (vLLM's name, DeepSeek's): templates that show it
+    # again (Qwen3's) read `reasoning_content`
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def as_template_input(self) -> dict:
         content = self.content
@@ -277,6 +281,9 @@ class ChatMessage(OpenAIModel):
                                      for c in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if reasoning is not None:
+            message["reasoning_content"] = message["reasoning"] = reasoning
         return message
 
 

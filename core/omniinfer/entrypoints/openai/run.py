@@ -63,23 +63,24 @@ def run_server(model: str, engine_kwargs: dict, *, host: str = "127.0.0.1", port
                chat_template: str | None = None, stats_interval_s: float = 10.0,
                uvicorn_log_level: str = "info", limits: ServerLimits | None = None,
                keep_alive_on_engine_death: bool = False, metrics_prefix: str = "omniinfer",
-               log_requests: bool = False, tools=None, generation=None, http=None) -> int:
+               log_requests: bool = False, tools=None, options=None) -> int:
     """Serve until interrupted; the model loads in a thread while /health answers 503.
 
     Returns 1 when the model failed to load or the engine failed (the server stops then),
-    else 0. `generation` and `http`: serve_options' GenerationOptions and HttpOptions."""
+    else 0. `options`: serve_options.ServeOptions (sampling defaults, HTTP, reasoning parser)."""
     import uvicorn
 
     from omniinfer.config import EngineArgs
     from omniinfer.engine.llm_engine import LLMEngine
-    from omniinfer.entrypoints.serve_options import HttpOptions
+    from omniinfer.entrypoints.serve_options import GenerationOptions, HttpOptions, ServeOptions
 
     limits = limits or ServerLimits()
+    options = options or ServeOptions(GenerationOptions(), HttpOptions())
     state = ServerState(model_name or model, api_key=api_key, chat_template=chat_template,
                         stats_interval_s=stats_interval_s, limits=limits,
                         metrics_prefix=metrics_prefix, log_requests=log_requests, tools=tools,
-                        generation=generation)
-    http = http or HttpOptions()
+                        generation=options.generation, reasoning_parser=options.reasoning_parser)
+    http = options.http
     server = _server_class()(uvicorn.Config(
         build_app(state, cors=http), host=host, port=port, log_level=uvicorn_log_level,
         http=H11Protocol, timeout_graceful_shutdown=limits.shutdown_timeout_s + END_GRACE_S,

@@ -13,6 +13,7 @@ from omniinfer.entrypoints.openai.protocol import (
     random_id,
     usage,
 )
+from omniinfer.entrypoints.openai.reasoning import ReasoningStream
 from omniinfer.entrypoints.openai.serving_common import (
     SMALL_TEXT_CHARS,
     ServingContext,
@@ -82,7 +83,7 @@ async def _full(ctx, req, request_id, num_prompt, stream, plan) -> dict:
         if req.logprobs:
             logprobs = chat_logprobs(ctx.tokenizer, c.token_ids, c.logprobs or [],
                                      req.top_logprobs or 0)
-        message, has_calls = plan.message(c.text)
+        message, has_calls = _message(ctx, plan, c.text)
         choices.append({"index": c.index, "message": message, "logprobs": logprobs,
                         "finish_reason": finish_reason(c.finish_reason, has_calls),
                         "stop_reason": c.stop_reason})
@@ -93,11 +94,27 @@ async def _full(ctx, req, request_id, num_prompt, stream, plan) -> dict:
             "prompt_logprobs": prompt_logprobs_json(ctx.tokenizer, final.prompt_logprobs)}
 
 
+def _message(ctx, plan, text: str) -> tuple[dict, bool]:
+    """The assistant message of a whole reply: its reasoning apart (--reasoning-parser), then
+    its tool calls apart from the content."""
+    if ctx.reasoning_parser is None:
+        return plan.message(text)
+    reasoning, content = ctx.reasoning_parser.split(text)
+    message, has_calls = plan.message(content or "")
+    if content is None and not has_calls:
+        message["content"] = None
+    if reasoning is not None:
+        message["reasoning"] = message["reasoning_content"] = reasoning  # (vLLM's name, DeepSeek's)
+    return message, has_calls
+
+
 async def _stream(ctx, req, request_id, num_prompt, stream, plan) -> AsyncIterator[str]:
     progress = StreamProgress(request_id, "chat.completion.chunk", ctx.model_name, num_prompt,
                               req.include_usage, now())
     chunk = progress.chunk
     tool_streams = [ToolStream(plan) for _ in range(req.n)]
+    thinking = ([ReasoningStream(ctx.reasoning_parser) for _ in range(req.n)]
+                if ctx.reasoning_parser is not None else None)
 
     try:
         for index in range(req.n):  # the role first, as OpenAI does
@@ -118,7 +135,11 @@ async def _stream(ctx, req, request_id, num_prompt, stream, plan) -> AsyncIterat
                         logprobs = chat_logprobs(ctx.tokenizer, new_ids, steps, req.top_logprobs or 0)
                     progress.sent(c.index, c)
                     tools = tool_streams[c.index]
-                    deltas = tools.feed(text or "", c.finish_reason is not None)
+                    finished = c.finish_reason is not None
+                    reasoning, text = thinking[c.index].feed(text or "", finished) if thinking else ("", text)
+                    deltas = tools.feed(text or "", finished)
+                    if reasoning:
+                        deltas = [{"reasoning": reasoning, "reasoning_content": reasoning}, *deltas]
                     if not deltas and not logprobs and c.finish_reason is None:
                         continue  # (held back: the text of a tool call still being written)
                     deltas = deltas or [{}]

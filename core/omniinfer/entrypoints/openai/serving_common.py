@@ -64,6 +64,7 @@ class ServingContext:
         self.generation_defaults = generation_defaults
         self._bulk_tokenizer = None
         self.tools = ToolConfig()  # the server's tool flags (set by ServerState.attach)
+        self.reasoning_parser = None  # --reasoning-parser (set by ServerState.attach)
         self._bulk = ThreadPoolExecutor(1, thread_name_prefix="omniinfer-tokenize")
 
     def close(self) -> None:
