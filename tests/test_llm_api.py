@@ -204,3 +204,27 @@ def test_a_script_holding_an_llm_exits_quietly(checkpoint_dir, tmp_path):
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_generate_without_params_takes_the_checkpoints_generation_config(checkpoint_dir, tmp_path):
+    """As vLLM's LLM: generation_config.json's sampling defaults (temperature, top_p, top_k,
+    min_p, repetition_penalty) when no SamplingParams is given."""
+    import json
+    import shutil
+
+    path = str(tmp_path / "m")
+    shutil.copytree(checkpoint_dir("llama"), path)
+    gen_file = tmp_path / "m" / "generation_config.json"
+    gen = json.loads(gen_file.read_text())
+    gen_file.write_text(json.dumps({**gen, "temperature": 0.0, "top_k": 7, "do_sample": False}))
+    llm = LLM(path, num_kv_blocks=32, block_size=8)
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_k, defaults.top_p) == (0.0, 7, 1.0)
+    plain = llm.generate("The quick", use_tqdm=False)[0].outputs[0].token_ids
+    assert plain == llm.generate("The quick", SamplingParams(temperature=0, max_tokens=16),
+                                 use_tqdm=False)[0].outputs[0].token_ids
+    gen_file.write_text(json.dumps({**gen, "temperature": -1}))
+    bad = LLM(path, num_kv_blocks=32, block_size=8)
+    with pytest.raises(ValueError, match=r"generation_config.json sets \{'temperature': -1\}, which is not "
+                                         r"allowed: temperature=-1.0 is not allowed"):
+        bad.generate("The quick", use_tqdm=False)

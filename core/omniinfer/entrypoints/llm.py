@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from omniinfer.config import EngineArgs
 from omniinfer.engine.llm_engine import LLMEngine
 from omniinfer.engine.outputs import RequestOutput
-from omniinfer.sampling.params import SamplingParams
+from omniinfer.sampling.params import GENERATION_DEFAULTS, SamplingParams
 
 # Offline batches stream nothing, so several decode steps per schedule only save host time
 # (small bf16 model, 64 x (128 + 128), same process: 1.07x with 4 steps, 1.09x with 8, 1.10x
@@ -68,6 +68,18 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the sampling defaults of the checkpoint's generation_config.json
+        (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM's; what generate() and
+        chat() use when given none."""
+        gen = self.llm_engine.config.model.generation_config or {}
+        picked = {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
+        try:
+            return SamplingParams(**picked)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"the checkpoint's generation_config.json sets {picked}, which is not "
+                             f"allowed: {e}") from None
+
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list; returns one RequestOutput per prompt, in order.
@@ -81,7 +93,7 @@ class LLM:
                             f"or a list of them; got {type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params] * len(prompts))
         if len(params) != len(prompts):

@@ -25,6 +25,9 @@ MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024  # entries of logit_bias
 MAX_ABS_LOGIT_BIAS = 100.0  # OpenAI's range: -100 bans a token, 100 all but forces it
+# the sampling defaults a checkpoint's generation_config.json may set, taken for what a request
+# leaves unset (the server's requests, and LLM.generate without SamplingParams), as vLLM does
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # entries of allowed_token_ids (more than any vocabulary here)
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_CHARS = 1024

@@ -25,15 +25,13 @@ from omniinfer.entrypoints.openai.limits import (
 from omniinfer.entrypoints.openai.structured import StructuredFields
 from omniinfer.entrypoints.openai.tools.protocol import ToolFields
 from omniinfer.sampling.params import (
+    GENERATION_DEFAULTS,
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
 )
-
-# sampling defaults a checkpoint's generation_config.json may set (applied when a request omits them)
-GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class APIError(Exception):
