@@ -251,10 +251,13 @@ class LLMEngine:
         return out
 
     def shutdown(self) -> None:
-        """Stop the workers (processes, Ray actors) and leave the process groups; idempotent."""
+        """Stop the workers (processes, Ray actors) and leave the process groups; idempotent.
+        What loading froze is unfrozen: anything of this engine held in a reference cycle can
+        be collected again (the next engine freezes what is alive then)."""
         executor = getattr(self, "executor", None)
         if executor is not None:
             executor.shutdown()
+        gc.unfreeze()
 
     def __del__(self):
         # No module globals here (contextlib, ...): collected during interpreter teardown, as an

@@ -173,4 +173,14 @@ def load_model(config: ModelConfig, attn_backend, device: torch.device, progress
         int8.quantize_model(model)
     if deferred or config.quantization == "int8":
         loading.finish(model, device, quant_kernels or [])
+    _drop_weight_loaders(model)
     return model.eval()
+
+
+def _drop_weight_loaders(model: torch.nn.Module) -> None:
+    """Each parameter's `weight_loader` is its layer's bound method: a cycle (layer -> parameter
+    -> method -> layer) that only the cyclic collector frees. The engine freezes what it loaded
+    (gc.freeze), so a model in such cycles outlived its engine: every LLM made again in one
+    process kept the last one's weights. Loading is done; the loaders go."""
+    for param in model.parameters():
+        param.__dict__.pop("weight_loader", None)
