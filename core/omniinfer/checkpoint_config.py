@@ -117,4 +117,5 @@ def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.d
         eos_token_ids=_eos_ids(gen.get("eos_token_id", cfg.get("eos_token_id"))),
         generation_config=gen,
         quantization=quantization,
+        dtype_is_auto=isinstance(dtype, str) and dtype == "auto",
     )

@@ -63,6 +63,7 @@ class ModelConfig:
     max_logprobs: int = 20  # most log-probabilities a request may ask for per token (<= vocab_size)
     quantization: str | None = None  # "gguf", "gptq", "awq", "compressed-tensors" (the checkpoint), "int8" (made at load)
     trust_remote_code: bool = False  # the tokenizer may run code shipped with the checkpoint
+    dtype_is_auto: bool = False  # dtype="auto": the checkpoint's, which the platform may change
 
     @property
     def dtype_bytes(self) -> int:

@@ -84,11 +84,27 @@ def prompt_logprob_rows(platform, config: EngineConfig) -> int | None:
     return rows
 
 
+def _platform_dtype(platform, config: EngineConfig) -> None:
+    """dtype="auto": the checkpoint's dtype, unless the platform runs another better
+    (`Platform.auto_dtype`: the CPU runs a float16 checkpoint in bfloat16)."""
+    m = config.model
+    if not m.dtype_is_auto:
+        return
+    dtype = platform.auto_dtype(m.dtype)
+    if dtype != m.dtype:
+        logger.info("the checkpoint is %s; platform %s runs it in %s (dtype='auto'; pass dtype=%r "
+                    "to keep it)", dtype_name(m.dtype), platform.name, dtype_name(dtype), dtype_name(m.dtype))
+        m.dtype = dtype
+        if config.speculative is not None:
+            config.speculative.draft.dtype = dtype
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True):
         self.config = config
         registry = get_registry()
         self.platform = registry.select_platform(config.device.device)
+        _platform_dtype(self.platform, config)
         reasons = self.platform.verify_config(config)
         if reasons:
             raise ValueError(f"platform {self.platform.name} cannot run this configuration: "

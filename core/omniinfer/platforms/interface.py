@@ -259,6 +259,12 @@ class Platform:
         return None
 
     @classmethod
+    def auto_dtype(cls, checkpoint_dtype: torch.dtype) -> torch.dtype:
+        """The dtype `dtype="auto"` runs a checkpoint saved in `checkpoint_dtype` in (the
+        default: that one). A platform that runs it badly names a better one."""
+        return checkpoint_dtype
+
+    @classmethod
     def verify_config(cls, config: EngineConfig) -> list[str]:
         """Reasons this platform cannot run `config` (empty: it can).
 
