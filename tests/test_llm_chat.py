@@ -149,3 +149,56 @@ def test_generate_takes_vllms_text_and_token_prompt_dicts(llm):
     with pytest.raises(TypeError, match=r"prompt must be a string, .* got dict without either key"):
         llm.generate({}, GREEDY, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+NAMED = {"default": "{% for m in messages %}D:{{ m['content'] }}\n{% endfor %}",
+         "tool_use": "{% for m in messages %}T({{ tools | length }}):{{ m['content'] }}\n{% endfor %}"}
+
+
+@pytest.fixture(scope="module")
+def named_templates(checkpoint_dir, tmp_path_factory):
+    """A checkpoint whose tokenizer holds named chat templates (Hermes 2 Pro's, Command R's),
+    saved by transformers (chat_template.jinja, additional_chat_templates/), and as a GGUF file."""
+    import shutil
+
+    from omniinfer.benchmarks.gguf_export import export
+
+    path = str(tmp_path_factory.mktemp("named") / "m")
+    shutil.copytree(checkpoint_dir("llama"), path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.chat_template = dict(NAMED)
+    tokenizer.save_pretrained(path)
+    return path, export(path, path + ".gguf", "f32")
+
+
+def test_named_chat_templates_are_picked_as_transformers_picks_them(named_templates):
+    """'default', or 'tool_use' when tools are given: the whole dict was passed on as the
+    template, and every chat request failed ("unhashable type: 'dict'")."""
+    path, gguf = named_templates
+    reference = AutoTokenizer.from_pretrained(path)
+    assert reference.chat_template == NAMED
+    user = [{"role": "user", "content": "hi"}]
+    for model in (path, gguf):
+        llm = LLM(model, num_kv_blocks=16, block_size=8)
+        assert llm.get_tokenizer().chat_template == NAMED
+        for tools in (None, TOOLS):
+            [out] = llm.chat(user, GREEDY, use_tqdm=False, tools=tools, add_generation_prompt=False)
+            assert out.prompt == reference.apply_chat_template(user, tools=tools, tokenize=False)
+            assert out.prompt == ("T(1):hi\n" if tools else "D:hi\n")
+        llm.shutdown()
+
+
+def test_the_server_picks_named_templates_too(named_templates):
+    from test_openai_server import make_engine
+
+    from omniinfer.entrypoints.openai.api_server import ServerState
+
+    state = ServerState("tiny", stats_interval_s=0)
+    state.attach(make_engine(named_templates[0]))
+    try:
+        for kwargs, expected in (({"tools": TOOLS}, "T(1):hi\n"), (None, "D:hi\n")):
+            text = state.ctx.render_chat([{"role": "user", "content": "hi"}], add_generation_prompt=False,
+                                         continue_final_message=False, kwargs=kwargs)
+            assert text == expected
+    finally:
+        state.shutdown()

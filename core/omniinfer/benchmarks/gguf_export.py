@@ -371,9 +371,33 @@ def _add_vocab(writer, model_dir: str, vocab_size: int, arch: str) -> None:
     if os.path.isfile(tokenizer_config):  # (as llama.cpp's converter: the chat template, BOS / EOS flags)
         with open(tokenizer_config, encoding="utf-8") as f:
             settings = json.load(f)
-        if isinstance(settings.get("chat_template"), str):
-            writer.add_chat_template(settings["chat_template"])
+        templates = _chat_templates(model_dir, settings)
+        if templates:
+            writer.add_chat_template(templates)
         if isinstance(settings.get("add_bos_token"), bool):
             writer.add_add_bos_token(settings["add_bos_token"])
         if isinstance(settings.get("add_eos_token"), bool):
             writer.add_add_eos_token(settings["add_eos_token"])
+
+
+def _chat_templates(model_dir: str, settings: dict) -> str | list[dict] | None:
+    """The checkpoint's chat template(s) as gguf's writer takes them (a string, or named ones as
+    [{"name", "template"}]): tokenizer_config.json's `chat_template` (transformers 4), else
+    chat_template.jinja and additional_chat_templates/*.jinja (transformers 5)."""
+    value = settings.get("chat_template")
+    if isinstance(value, (str, list)):
+        return value
+    templates = []
+    default = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.isfile(default):
+        with open(default, encoding="utf-8") as f:
+            templates.append({"name": "default", "template": f.read()})
+    extra = os.path.join(model_dir, "additional_chat_templates")
+    if os.path.isdir(extra):
+        for name in sorted(os.listdir(extra)):
+            if name.endswith(".jinja"):
+                with open(os.path.join(extra, name), encoding="utf-8") as f:
+                    templates.append({"name": name[: -len(".jinja")], "template": f.read()})
+    if len(templates) == 1 and templates[0]["name"] == "default":
+        return templates[0]["template"]
+    return templates or None

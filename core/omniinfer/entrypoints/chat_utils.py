@@ -83,20 +83,23 @@ def render(tokenizer, messages: list[dict], *, chat_template: str | None = None,
            add_generation_prompt: bool = True, continue_final_message: bool = False,
            tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> str:
     """The chat template (`chat_template`, else the tokenizer's) applied to checked messages.
-    Raises ValueError when there is no template or it cannot render them."""
+    A tokenizer may hold several named templates (Hermes 2 Pro's, Command R's: "default",
+    "tool_use", ...): transformers picks one, "tool_use" when tools are given. Raises ValueError
+    when there is no template or it cannot render them."""
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true "
                          "(continuing the last message adds no new turn)")
-    template = chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the model's tokenizer has no chat template; pass chat_template (a Jinja "
                          "template string)")
     kwargs = dict(chat_template_kwargs or {})
     if tools is not None:
         kwargs["tools"] = tools
+    if chat_template:
+        kwargs["chat_template"] = chat_template
     try:
         return tokenizer.apply_chat_template(
-            messages, chat_template=template, tokenize=False, add_generation_prompt=add_generation_prompt,
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message, **kwargs)
     except Exception as e:  # jinja errors, raise_exception() in templates, bad kwargs
         raise ValueError(f"the chat template could not render these messages: "

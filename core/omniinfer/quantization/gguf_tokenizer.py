@@ -41,12 +41,28 @@ def load_tokenizer(path: str):
             from transformers import TokenizersBackend as cls
     tokenizer = (cls or AutoTokenizer).from_pretrained(os.path.dirname(os.path.abspath(file.path)),
                                                        gguf_file=os.path.basename(file.path))  # (a split's first)
-    template = file.field("tokenizer.chat_template")
-    if template and not getattr(tokenizer, "chat_template", None):
+    template = _chat_templates(file)
+    if template and (isinstance(template, dict) or not getattr(tokenizer, "chat_template", None)):
         tokenizer.chat_template = template
     _follow_the_files_special_tokens(tokenizer, file)
     _follow_the_files_space_prefix(tokenizer, file)
     return tokenizer
+
+
+def _chat_templates(file: GGUFFile) -> str | dict | None:
+    """The file's chat template; with named ones too (llama.cpp's converter writes a checkpoint's
+    "tool_use", "rag", ... as `tokenizer.chat_template.<name>`, listed in
+    `tokenizer.chat_templates`), all of them by name, as transformers holds them ("default" the
+    unnamed one): it picks "tool_use" when a request has tools."""
+    default = file.field("tokenizer.chat_template")
+    if file.field("tokenizer.chat_templates") is None:
+        return default
+    templates = {"default": default} if default else {}
+    for name in file.header.strings("tokenizer.chat_templates"):
+        text = file.field(f"tokenizer.chat_template.{name}")
+        if isinstance(text, str):
+            templates[name] = text
+    return templates or None
 
 
 def _follow_the_files_space_prefix(tokenizer, file: GGUFFile) -> None:

@@ -173,12 +173,11 @@ class ServingContext:
 
     def render_chat(self, messages: list[dict], *, add_generation_prompt: bool,
                     continue_final_message: bool, kwargs: dict | None) -> str:
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template:
+        if not self.chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise APIError(f"the model `{self.model_name}` has no chat template in its tokenizer; "
                            "start the server with --chat-template FILE_OR_STRING", param="messages")
         try:
-            return chat_utils.render(self.tokenizer, messages, chat_template=template,
+            return chat_utils.render(self.tokenizer, messages, chat_template=self.chat_template,
                                      add_generation_prompt=add_generation_prompt,
                                      continue_final_message=continue_final_message,
                                      chat_template_kwargs=kwargs)
