@@ -10,6 +10,9 @@ import torch
 
 from omniinfer.config import _DTYPES, ModelConfig, _check_int
 from omniinfer.hf_config import rope_scaling, rope_theta  # noqa: F401 - re-exported (models import them here)
+from omniinfer.logger import init_logger
+
+logger = init_logger(__name__)
 
 
 def _read_json(path: str) -> dict:
@@ -78,6 +81,10 @@ def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.d
     archs = cfg.get("architectures") or []
     if not archs:
         raise ValueError(f"{config_path} names no architecture ('architectures' is empty)")
+    text_part_of = None
+    if not gguf and archs[0] in TEXT_PARTS:
+        text_part_of, cfg = archs[0], _text_part(cfg, archs[0], config_path)
+        archs = cfg["architectures"]
     quantization = resolve_quantization(model, cfg, quantization, gguf)
 
     if isinstance(dtype, torch.dtype):
@@ -118,4 +125,31 @@ def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.d
         generation_config=gen,
         quantization=quantization,
         dtype_is_auto=isinstance(dtype, str) and dtype == "auto",
+        text_part_of=text_part_of,
     )
+
+
+# multimodal checkpoints whose language model is served alone (text in, text out; images are
+# refused by the server's content checks): architecture -> (the text model's architecture, its
+# model_type). Their weights: models/loader.py `text_part_names`.
+TEXT_PARTS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text")}
+
+
+def _text_part(cfg: dict, arch: str, config_path: str) -> dict:
+    """The text model's config of a multimodal checkpoint: its `text_config` with transformers'
+    defaults filled in (a checkpoint's config.json lists only what differs from them), and the
+    settings of the whole that concern the text (dtype, special tokens, quantization)."""
+    import transformers
+
+    text_arch, model_type = TEXT_PARTS[arch]
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{config_path}: {arch} has no 'text_config' to serve its language model from")
+    full = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in text.items() if k != "model_type"})
+    out = full.to_dict()
+    for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "pad_token_id", "quantization_config"):
+        if cfg.get(key) is not None and (key not in text or key == "quantization_config"):
+            out[key] = cfg[key]
+    out["architectures"] = [text_arch]
+    logger.info("%s: serving its language model (%s); image inputs are not supported", arch, text_arch)
+    return out

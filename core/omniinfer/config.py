@@ -64,6 +64,9 @@ class ModelConfig:
     quantization: str | None = None  # "gguf", "gptq", "awq", "compressed-tensors" (the checkpoint), "int8" (made at load)
     trust_remote_code: bool = False  # the tokenizer may run code shipped with the checkpoint
     dtype_is_auto: bool = False  # dtype="auto": the checkpoint's, which the platform may change
+    # the checkpoint's own architecture when only its language model is served (a multimodal
+    # checkpoint's text part: checkpoint_config.TEXT_PARTS), else None
+    text_part_of: str | None = None
 
     @property
     def dtype_bytes(self) -> int:

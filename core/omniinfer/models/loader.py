@@ -130,6 +130,27 @@ def _checkpoint(config: ModelConfig, progress: bool):
     return iterate_checkpoint(files, progress), set()
 
 
+# a multimodal checkpoint's weights, as its text model names them: transformers 5 writes
+# "model.language_model.X", 4.5x wrote "language_model.model.X" (and "language_model.lm_head.X")
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                  ("language_model.lm_head.", "lm_head."))
+_OTHER_PARTS = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+                "multi_modal_projector.", "model.vision_model.", "vision_model.")
+
+
+def text_part_names(checkpoint):
+    """(name, tensor) of a multimodal checkpoint's language model, named as the text model's
+    own checkpoint names them; the vision tower and projector are left in the file."""
+    for name, tensor in checkpoint:
+        if name.startswith(_OTHER_PARTS):
+            continue
+        for old, new in _TEXT_PREFIXES:
+            if name.startswith(old):
+                name = new + name[len(old):]
+                break
+        yield name, tensor
+
+
 def load_model(config: ModelConfig, attn_backend, device: torch.device, progress: bool = True,
                quant_kernels: list | None = None):
     """This rank's part of the model, on `device`, in `config.dtype`, weights loaded; quantised
@@ -145,6 +166,9 @@ def load_model(config: ModelConfig, attn_backend, device: torch.device, progress
             (deferred_weights() if deferred else contextlib.nullcontext()):
         model = cls(config, attn_backend)
     checkpoint, quantized = _checkpoint(config, progress)
+    if config.text_part_of is not None:
+        checkpoint = text_part_names(checkpoint)
+        quantized = {name for name, _ in text_part_names((q, None) for q in quantized)}
     if deferred:
         targets = {t[0] for t in map(model.checkpoint_target, quantized) if t is not None}
         loading.prepare(model, targets, device)
