@@ -43,6 +43,9 @@ def collect() -> dict:
                                "ignored": e.ignored, "decoder_stack": _stack_note(e.target)}
                         for name, e in sorted(registry.models.items())}
     report["model_conflicts"] = list(registry.model_conflicts)
+    from omniinfer.checkpoint_config import TEXT_PARTS
+
+    report["text_parts"] = {arch: text for arch, (text, _) in TEXT_PARTS.items()}
     for r in registry.records:
         report["plugins"].append({"name": r.name, "distribution": r.distribution, "version": r.version,
                                   "loaded": r.is_loaded, "error": r.error or None,
@@ -158,6 +161,8 @@ def format_report(r: dict) -> str:
         lines.append(f"  {'':<28} one-call decoder stack: {m.get('decoder_stack', 'unknown')}")
     for conflict in r.get("model_conflicts", []):
         lines.append(f"  conflict: {conflict}")
+    for arch, text in r.get("text_parts", {}).items():
+        lines.append(f"  {arch:<28} its language model alone, as {text} (no image inputs)")
     cpu = r["cpu"]
     lines.append(f"cpu: {cpu['model'] or cpu['machine']}, {cpu['usable_cpus']}/{cpu['logical_cpus']} "
                  f"usable CPUs, ISA: {' '.join(cpu['isa_flags']) or '-'}")
