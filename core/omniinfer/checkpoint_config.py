@@ -132,7 +132,8 @@ def load_model_config(model: str, *, tokenizer: str | None, dtype: str | torch.d
 # multimodal checkpoints whose language model is served alone (text in, text out; images are
 # refused by the server's content checks): architecture -> (the text model's architecture, its
 # model_type). Their weights: models/loader.py `text_part_names`.
-TEXT_PARTS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text")}
+TEXT_PARTS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "gemma3_text"),
+              "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "mistral")}
 
 
 def _text_part(cfg: dict, arch: str, config_path: str) -> dict:
@@ -147,8 +148,11 @@ def _text_part(cfg: dict, arch: str, config_path: str) -> dict:
         raise ValueError(f"{config_path}: {arch} has no 'text_config' to serve its language model from")
     full = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in text.items() if k != "model_type"})
     out = full.to_dict()
-    for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "pad_token_id", "quantization_config"):
-        if cfg.get(key) is not None and (key not in text or key == "quantization_config"):
+    for key in ("torch_dtype", "dtype", "eos_token_id", "bos_token_id", "pad_token_id"):
+        if cfg.get(key) is not None and key not in text:
+            out[key] = cfg[key]
+    for key in ("quantization_config", "tie_word_embeddings"):  # (the whole model's decide)
+        if cfg.get(key) is not None:
             out[key] = cfg[key]
     out["architectures"] = [text_arch]
     logger.info("%s: serving its language model (%s); image inputs are not supported", arch, text_arch)
