@@ -111,11 +111,13 @@ def test_text_parts_are_joined_by_newlines_as_vllm_does(llm):
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {}, ValueError,
      r"messages\[0\]\['content'\]\[0\] is a content part of type 'image_url'; only"),
     (CHAT, {"continue_final_message": True}, ValueError,
-     "continue_final_message and add_generation_prompt cannot both be true"),
+     "conversation 0: continue_final_message and add_generation_prompt cannot both be true"),
     (CHAT, {"chat_template": "{{ raise_exception('no system role') }}"}, ValueError,
-     "the chat template could not render these messages: .*no system role"),
+     "conversation 0: the chat template could not render these messages: .*no system role"),
     (CHAT, {"chat_template": "{% if false %}x{% endif %}"}, ValueError,
      "conversation 0 renders to no tokens"),
+    ([CHAT, [{"role": "user", "content": "bad \ud800"}]], {}, ValueError,
+     r"conversation 1: messages holds invalid Unicode at character \d+ \('\\ud800', a lone surrogate\)"),
 ])
 def test_bad_conversations_are_clear_errors_and_nothing_runs(llm, messages, kwargs, error, match):
     with pytest.raises(error, match=match):

@@ -133,15 +133,20 @@ class LLM:
         is tokenized without adding special tokens (the template writes them). Content may be a
         string or a list of text parts. Every conversation is checked and rendered before any
         is queued."""
+        from omniinfer.engine.request_checks import check_text
         from omniinfer.entrypoints import chat_utils
 
         tokenizer = self.get_tokenizer()
         prompts = []
         for i, conversation in enumerate(chat_utils.conversations(messages)):
-            text = chat_utils.render(tokenizer, conversation, chat_template=chat_template,
-                                     add_generation_prompt=add_generation_prompt,
-                                     continue_final_message=continue_final_message, tools=tools,
-                                     chat_template_kwargs=chat_template_kwargs)
+            try:
+                text = chat_utils.render(tokenizer, conversation, chat_template=chat_template,
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, tools=tools,
+                                         chat_template_kwargs=chat_template_kwargs)
+                check_text("messages", text)
+            except ValueError as e:
+                raise ValueError(f"conversation {i}: {e}") from None
             ids = chat_utils.prompt_token_ids(tokenizer, text)
             if not ids:
                 raise ValueError(f"messages: conversation {i} renders to no tokens with this chat "
