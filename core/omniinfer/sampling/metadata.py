@@ -20,7 +20,7 @@ class SeqState:
     """One running sequence, as sampling and drafting see it."""
 
     __slots__ = ("seq_id", "request_id", "index", "params", "prompt_token_ids", "eos_token_ids",
-                 "generators", "plain_greedy", "token_ids", "grammar")
+                 "generators", "plain_greedy", "token_ids", "grammar", "_allowed")
 
     def __init__(self, new: NewSeq, generators: dict):
         self.seq_id = new.seq_id
@@ -38,6 +38,14 @@ class SeqState:
         # a structured output's matcher (omniinfer/structured/state.py), caught up from each
         # step's token_history and advanced by the sampler
         self.grammar = None if new.grammar is None else GrammarState(new.grammar, new.eos_token_ids)
+        self._allowed = None  # params.allowed_token_ids as a tensor (allowed_index)
+
+    def allowed_index(self, device) -> torch.Tensor:
+        """`params.allowed_token_ids` as an int64 tensor on `device`, made once (a list of up to
+        2**18 ids took ~15 ms to turn into a tensor: not something to do every step)."""
+        if self._allowed is None or self._allowed.device != torch.device(device):
+            self._allowed = torch.tensor(self.params.allowed_token_ids, dtype=torch.long, device=device)
+        return self._allowed
 
     @property
     def num_prompt_tokens(self) -> int:

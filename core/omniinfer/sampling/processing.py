@@ -231,7 +231,7 @@ def apply_allowed_and_bad_words(logits: torch.Tensor, rows: list[SampleRow]) -> 
         if not cloned:  # never write into the caller's logits
             logits, cloned = logits.clone(), True
         if allowed is not None:
-            index = torch.tensor(allowed, device=logits.device)
+            index = row.seq.allowed_index(logits.device)
             kept = logits[i, index]
             logits[i] = float("-inf")
             logits[i, index] = kept
