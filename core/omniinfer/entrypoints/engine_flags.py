@@ -21,14 +21,20 @@ def _parse_bool(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
 
 
-def _parse_json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
-    return value
+def json_value(kind: type, what: str):
+    """An argparse type: the flag's text parsed as JSON, which must be a `kind` ("a JSON object")."""
+    def parse(text: str):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r} ({e})") from None
+        if not isinstance(value, kind):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+_parse_json_object = json_value(dict, "a JSON object")
 
 
 def _base_type(annotation) -> type:

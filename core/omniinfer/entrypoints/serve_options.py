@@ -9,6 +9,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from omniinfer.entrypoints.engine_flags import json_value
 from omniinfer.sampling.params import SamplingParams
 
 STRUCTURED_BACKENDS = ("auto", "xgrammar")
@@ -54,35 +55,23 @@ def read_generation_config(directory: str) -> dict:
         return json.load(f)
 
 
-def _json(kind: type, what: str):
-    def parse(text: str):
-        try:
-            value = json.loads(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r} ({e})") from None
-        if not isinstance(value, kind):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-        return value
-    return parse
-
-
 def add_serve_options(parser, env_default) -> None:
     group = parser.add_argument_group("vLLM's serving flags (see docs/serving.md)")
     group.add_argument("--generation-config", default=env_default("generation_config", "auto"),
                        help="sampling defaults: 'auto' (the checkpoint's generation_config.json), "
                        "'vllm' (none) or a directory holding a generation_config.json")
-    group.add_argument("--override-generation-config", type=_json(dict, "a JSON object"),
-                       default=env_default("override_generation_config", {}, _json(dict, "a JSON object")),
+    group.add_argument("--override-generation-config", type=json_value(dict, "a JSON object"),
+                       default=env_default("override_generation_config", {}, json_value(dict, "a JSON object")),
                        help='defaults over those, e.g. \'{"temperature": 0.5}\'')
     group.add_argument("--root-path", default=env_default("root_path", ""),
                        help="the path prefix a proxy serves this app under")
     group.add_argument("--ssl-keyfile", default=env_default("ssl_keyfile", None))
     group.add_argument("--ssl-certfile", default=env_default("ssl_certfile", None))
-    group.add_argument("--allowed-origins", type=_json(list, "a JSON list"),
-                       default=env_default("allowed_origins", None, _json(list, "a JSON list")),
+    group.add_argument("--allowed-origins", type=json_value(list, "a JSON list"),
+                       default=env_default("allowed_origins", None, json_value(list, "a JSON list")),
                        help='CORS origins, e.g. \'["*"]\' (default: no CORS headers)')
-    group.add_argument("--allowed-methods", type=_json(list, "a JSON list"), default=["*"])
-    group.add_argument("--allowed-headers", type=_json(list, "a JSON list"), default=["*"])
+    group.add_argument("--allowed-methods", type=json_value(list, "a JSON list"), default=["*"])
+    group.add_argument("--allowed-headers", type=json_value(list, "a JSON list"), default=["*"])
     group.add_argument("--allow-credentials", action="store_true")
     from omniinfer.entrypoints.openai.reasoning import PARSERS
 
@@ -92,7 +81,7 @@ def add_serve_options(parser, env_default) -> None:
                        "(deepseek_r1: DeepSeek-R1, Qwen3 Thinking-2507; qwen3: Qwen3)")
     group.add_argument("--guided-decoding-backend", default=None,
                        help="structured outputs' backend: auto or xgrammar (the one here)")
-    group.add_argument("--structured-outputs-config", type=_json(dict, "a JSON object"), default=None,
+    group.add_argument("--structured-outputs-config", type=json_value(dict, "a JSON object"), default=None,
                        help='e.g. \'{"backend": "xgrammar"}\'')
 
 
