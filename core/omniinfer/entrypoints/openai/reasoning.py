@@ -44,7 +44,6 @@ class ReasoningStream:
         self.parser = parser
         self.state = _UNDECIDED
         self.pending = ""  # text seen but not yet given out
-        self.has_reasoning = False
         self.strip_start = False  # the current part has given out nothing, and drops leading whitespace
 
     def feed(self, delta: str, finished: bool) -> tuple[str, str]:
@@ -84,7 +83,6 @@ class ReasoningStream:
 
     def _enter(self, state: int) -> None:
         self.state, self.strip_start = state, True
-        self.has_reasoning = self.has_reasoning or state == _THINKING
 
     def _part(self, text: str) -> str:
         if self.strip_start:
