@@ -280,19 +280,19 @@ class Sampler:
         index = torch.tensor([s.start_row + j for s in spec for j in range(k + 1)],
                              device=logits.device)
         scored = mask_spec_rows(logits[index], spec, prefetch)  # structured outputs: the grammar's
-        if all(s.seq.params.is_plain_greedy for s in spec):  # prefix matching, nothing else
-            targets = self.argmax_rows(scored).tolist()
-            for i, s in enumerate(spec):
-                out.tokens[s.seq.seq_id] = _matched(s.draft_tokens, targets[i * (k + 1): (i + 1) * (k + 1)])
-            return
-        rows = [SampleRow(s.seq, s.seq.index, tuple(s.draft_tokens[:j]))
-                for s in spec for j in range(k + 1)]
-        if all(s.seq.params.is_greedy for s in spec):
+        plain = all(s.seq.params.is_plain_greedy for s in spec)
+        rows = None if plain else [SampleRow(s.seq, s.seq.index, tuple(s.draft_tokens[:j]))
+                                   for s in spec for j in range(k + 1)]
+        if plain or all(s.seq.params.is_greedy for s in spec):
             # one-hot p and q (the draft drew no distributions): prefix matching against the
-            # argmax of the logits as each position's history changes them (penalties, bad words)
-            targets = self.argmax_rows(processed(scored.float(), rows)).tolist()
+            # argmax, of the logits as each position's history changes them (penalties, bad words)
+            targets = self.argmax_rows(scored if plain else processed(scored.float(), rows)).tolist()
             results = [_matched(s.draft_tokens, targets[i * (k + 1): (i + 1) * (k + 1)])
                        for i, s in enumerate(spec)]
+            if plain:  # (no log-probs to collect)
+                for s, tokens in zip(spec, results):
+                    out.tokens[s.seq.seq_id] = tokens
+                return
         else:
             p = sampling_probs(scored.float(), rows).view(len(spec), k + 1, -1)
             drafts = torch.tensor([s.draft_tokens for s in spec], device=logits.device)
