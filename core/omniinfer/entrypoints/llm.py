@@ -72,8 +72,10 @@ class LLM:
         """SamplingParams with the sampling defaults of the checkpoint's generation_config.json
         (temperature, top_p, top_k, min_p, repetition_penalty), as vLLM's; what generate() and
         chat() use when given none."""
-        gen = self.llm_engine.config.model.generation_config or {}
-        picked = {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
+        from omniinfer.entrypoints.serve_options import GenerationOptions
+
+        picked = GenerationOptions().defaults(self.llm_engine.config.model.generation_config,
+                                              GENERATION_DEFAULTS)
         try:
             return SamplingParams(**picked)
         except (ValueError, TypeError) as e:

@@ -31,8 +31,7 @@ class GenerationOptions:
             base = {}
         else:
             base = read_generation_config(self.source)
-        merged = {**{k: base[k] for k in allowed if base.get(k) is not None}, **self.overrides}
-        return merged
+        return {**{k: base[k] for k in allowed if base.get(k) is not None}, **self.overrides}
 
 
 @dataclass

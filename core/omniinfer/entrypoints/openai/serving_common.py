@@ -19,6 +19,7 @@ from omniinfer.entrypoints.openai.async_engine import (
 from omniinfer.entrypoints.openai.limits import ServerLimits
 from omniinfer.entrypoints.openai.protocol import GENERATION_DEFAULTS, APIError, usage
 from omniinfer.entrypoints.openai.tools.serving import ToolConfig
+from omniinfer.entrypoints.serve_options import GenerationOptions
 from omniinfer.logger import init_logger
 from omniinfer.sampling.params import SamplingParams
 
@@ -59,8 +60,7 @@ class ServingContext:
         limit = self.limits.max_prompt_tokens
         self.max_prompt_tokens = min(limit or self.max_model_len, self.max_model_len - 1)
         if generation_defaults is None:  # the checkpoint's generation_config.json ('auto')
-            gen = config.generation_config or {}
-            generation_defaults = {k: gen[k] for k in GENERATION_DEFAULTS if gen.get(k) is not None}
+            generation_defaults = GenerationOptions().defaults(config.generation_config, GENERATION_DEFAULTS)
         self.generation_defaults = generation_defaults
         self._bulk_tokenizer = None
         self.tools = ToolConfig()  # the server's tool flags (set by ServerState.attach)
