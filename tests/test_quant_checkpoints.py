@@ -1,4 +1,4 @@
-"""GPTQ, AWQ and compressed-tensors checkpoints end to end: every layer format loads into the
+"""GPTQ, AWQ, compressed-tensors and FP8 checkpoints end to end: every layer format loads into the
 quantisation contract and generates what transformers generates on the float weights the
 quantised ones stand for (their exact values; transformers cannot load these formats here without
 their CUDA packages), with chunked prefill and tensor parallelism; the symmetric ones take the CPU
@@ -87,6 +87,11 @@ SCHEMES = [
     (Scheme("ct", 8, -1, sym=True), "cpu"),
     (Scheme("ct-w8a8", 8, -1), "cpu"),
     (Scheme("ct-w8a8", 8, -1, static=True), "cpu"),
+    (Scheme("fp8", block=(128, 128)), "cpu"),
+    (Scheme("fp8"), "cpu"),
+    (Scheme("ct-fp8", block=(128, 128)), "cpu"),
+    (Scheme("ct-fp8", group_size=-1), "cpu"),
+    (Scheme("ct-fp8"), "cpu"),
 ]
 
 
@@ -151,11 +156,12 @@ def test_int8_activations_keep_transformers_tokens(float_model, scheme, monkeypa
 
 
 @pytest.mark.parametrize("scheme", [Scheme("gptq", 4, 128, sym=False, act_order=True),
-                                    Scheme("awq", 4, 128, sym=False), Scheme("ct", 4, 128, sym=True)],
+                                    Scheme("awq", 4, 128, sym=False), Scheme("ct", 4, 128, sym=True),
+                                    Scheme("fp8", block=(128, 128)), Scheme("ct-fp8", group_size=-1)],
                          ids=lambda s: s.label)
 def test_quantized_checkpoint_under_tensor_parallelism(float_model, scheme):
     """Column-parallel layers split outputs, row-parallel ones inputs (on group boundaries; with
-    act-order every rank keeps every group)."""
+    act-order every rank keeps every group; FP8 on its scale blocks)."""
     path, _ = checkpoint(float_model, scheme)
     single = LLM(path, num_kv_blocks=64)
     try:
@@ -188,8 +194,44 @@ def test_quantized_weights_hold_their_bytes_only(float_model):
         llm.shutdown()
 
 
-def _with_config(float_model, tmp_path, qconfig) -> str:
-    path, _ = checkpoint(float_model, Scheme("gptq", 4, 128, sym=True))
+def test_fp8_weights_hold_their_bytes_only(float_model):
+    """An FP8 model holds the file's e4m3 bytes (the kernel reads them where they are) and its
+    scales, a float32 per 128 x 128 block spread over the rows (1/32 of the bytes): no float copy."""
+    path, _ = checkpoint(float_model, Scheme("fp8", block=(128, 128)))
+    with LLM(path, num_kv_blocks=64) as llm:
+        model = llm.llm_engine.executor.worker.model_runner.model
+        layers = [m for m in model.modules() if getattr(m, "qweight", None) is not None]
+        assert len(layers) == 8
+        for m in layers:
+            rows, cols = m.qweight.shape
+            assert m.weight.is_meta and m.qweight.nbytes == rows * cols + rows * cols // 128 * 4, m
+            held = {t.data_ptr() for s in m.qweight.segments for t in s.piece.tensors.values()}
+            assert all(k.w.data_ptr() in held and k.scale.data_ptr() in held for _, k in m.quant_kernels), m
+
+
+def test_an_fp8_checkpoint_equals_transformers_loading_it(float_model):
+    """transformers reads the same FP8 files itself (its fine-grained FP8 support dequantises them
+    on a machine without an FP8 GPU): the same tokens, log-probs within 1e-4."""
+    pytest.importorskip("accelerate")  # (transformers' FP8 loading needs it)
+    path, _ = checkpoint(float_model, Scheme("fp8", block=(128, 128)))
+    with LLM(path, num_kv_blocks=64) as llm:
+        got = run(llm)
+    assert_transformers_run(got, path, "fp8 files, read by transformers")
+
+
+def test_an_fp8_scale_of_the_wrong_shape_is_named(float_model, tmp_path):
+    """A config whose block size does not match the scales the file holds fails at load, naming
+    the layer, the shape found and the shape expected."""
+    path, _ = checkpoint(float_model, Scheme("fp8", block=(128, 128)))
+    edited = _with_config(float_model, tmp_path, {"quant_method": "fp8", "weight_block_size": [64, 128]}, path)
+    with pytest.raises(ValueError, match=r"model\.layers\.0\..*\(fp8, \d+x\d+\): its scale has shape "
+                                         r"\(\d+, \d+\); expected shape \(\d+, \d+\)"):
+        LLM(edited, num_kv_blocks=64)
+
+
+def _with_config(float_model, tmp_path, qconfig, path: str | None = None) -> str:
+    if path is None:
+        path, _ = checkpoint(float_model, Scheme("gptq", 4, 128, sym=True))
     out = tmp_path / "edited"
     out.mkdir()
     for name in os.listdir(path):
@@ -207,6 +249,12 @@ def _with_config(float_model, tmp_path, qconfig) -> str:
     ({"quant_method": "gptq", "bits": 4, "group_size": 100}, r"group_size=100 is not supported"),
     ({"quant_method": "awq", "bits": 4, "version": "gemv"}, r"version='gemv' is not supported"),
     ({"quant_method": "bitsandbytes"}, r"quant_method='bitsandbytes'.*does not load"),
+    ({"quant_method": "fp8", "fmt": "e5m2"}, r"\(fp8\): fmt='e5m2' is not supported; supported: \('e4m3',\)"),
+    ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size=\[128\] is not supported"),
+    ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, r"scale_fmt='ue8m0'"),
+    ({"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 16}}}},
+     r"weights\.\(type, num_bits\)=\('float', 4\) is not supported"),
 ])
 def test_unsupported_quantization_configs_are_named(float_model, tmp_path, qconfig, match):
     with pytest.raises(ValueError, match=match):

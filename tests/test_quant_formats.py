@@ -88,7 +88,16 @@ def test_configs_as_the_tools_write_them():
                                                "supported: ('gemm',)"),
     (dict(quant_method="awq", zero_point=False), "zero_point=False"),
     (dict(quant_method="bitsandbytes"), "quant_method='bitsandbytes' is not supported; "
-                                        "supported: ['awq', 'compressed-tensors', 'gptq']"),
+                                        "supported: ['awq', 'compressed-tensors', 'fp8', 'gptq']"),
+    (dict(quant_method="fp8", weight_block_size=[0, 128]), "(fp8): weight_block_size=[0, 128] is not supported"),
+    (dict(quant_method="fp8", activation_scheme="per-group"),
+     "activation_scheme='per-group' is not supported; supported: ('dynamic', 'static')"),
+    (dict(quant_method="compressed-tensors", format="float-quantized", config_groups={"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "block"}}}),
+     "weights.block_structure=None is not supported; supported: [rows, columns] with strategy block"),
+    (dict(quant_method="compressed-tensors", format="float-quantized", config_groups={"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "group", "group_size": 16}}}),
+     "weights.strategy='group' is not supported; supported: ('channel', 'tensor', 'block')"),
     (dict(quant_method="compressed-tensors", format="pack-quantized", config_groups={"g": {
         "targets": ["Linear"], "weights": {"num_bits": 2, "strategy": "group",
                                            "group_size": 128}}}),
@@ -98,7 +107,8 @@ def test_configs_as_the_tools_write_them():
         "input_activations": {"num_bits": 8, "strategy": "token", "dynamic": False}}}),
      "input_activations.(strategy, dynamic)=('token', False)"),
     (dict(quant_method="compressed-tensors", format="float-quantized", config_groups={"g": {
-        "targets": ["Linear"], "weights": {"num_bits": 8}}}), "format='float-quantized'"),
+        "targets": ["Linear"], "weights": {"num_bits": 8}}}),
+     "weights.(type, num_bits)=('int', 8) is not supported; supported: ('float', 8) with float-quantized"),
     (dict(quant_method="compressed-tensors", quantization_status="frozen", config_groups={"g": {
         "targets": ["Linear"], "weights": {"num_bits": 4, "group_size": 128}}}),
      "quantization_status='frozen'"),

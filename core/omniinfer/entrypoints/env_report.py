@@ -106,6 +106,8 @@ def quantized_formats(platform, kernels: list) -> dict:
     kinds = [f"gguf:{t}" for t in gguf_blocks.QUANTIZED] + ["int8"]
     # GPTQ / AWQ / compressed-tensors layers as loaded: symmetric or with zero points / act-order
     kinds += ["wint4:g128", "wint4:g128:zp", "wint4:g128:act", "wint8:g128", "w8a8", "w8a8:static"]
+    # FP8 checkpoints' layers: a scale per 128 x 128 block, or per row (channel / tensor)
+    kinds += ["fp8:b128", "fp8"]
     for kind in kinds:
         try:  # (a shape every block size divides)
             cls, why = kernel_for(kind, (256, 4096), platform.device_type, kernels)

@@ -123,6 +123,7 @@ def register_format(prefix: str, dequantize: Callable, narrow: Callable, concat:
 
 # the module that registers each family (imported on first use)
 FORMAT_MODULES = {"gguf": "omniinfer.quantization.gguf_file", "int8": "omniinfer.quantization.int8",
+                  "fp8": "omniinfer.quantization.fp8",
                   **dict.fromkeys(("wint4", "wint8", "w8a8"), "omniinfer.quantization.int_pieces")}
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors")  # a config.json's quantization_config
+CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")  # a config.json's quantization_config
 # what `quantization=` takes (a .gguf file implies "gguf"; a quantization_config its method)
 QUANTIZATIONS = ("int8", "gguf", *CHECKPOINT_METHODS)
 

@@ -22,7 +22,8 @@ from typing import Any
 GROUP_SIZES = (32, 64, 128, -1)  # -1: one group spans all inputs (a scale per output channel)
 GPTQ_BITS = (4, 8)
 GPTQ_CHECKPOINT_FORMATS = ("gptq", "gptq_v2")  # v1 stores zero points minus one
-CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized")
+CT_FORMATS = ("pack-quantized", "int-quantized", "naive-quantized", "float-quantized")
+CT_FLOAT_STRATEGIES = ("channel", "tensor", "block")  # FP8 weights (quantization/fp8.py)
 
 
 def _refuse(method: str, name: str, value: Any, allowed: Any) -> ValueError:
@@ -145,16 +146,20 @@ class CTWeights:
     strategy: str = "group"  # "group", "channel" (or "tensor" for int8 W8A8)
     group_size: int | None = None
     actorder: str | None = None  # "group": checkpoints hold weight_g_idx; "weight": they do not
+    type: str = "int"  # "float": FP8 (e4m3) weights
+    block_structure: tuple[int, int] | None = None  # strategy "block": [rows, columns] a scale
 
 
 @dataclass(frozen=True, slots=True)
 class CTActivations:
-    """``input_activations``: int8, symmetric, per token (dynamic) or per tensor (static)."""
+    """``input_activations``: int8, symmetric, per token (dynamic) or per tensor (static); with
+    FP8 weights, float8 (not applied here: quantization/fp8.py says why)."""
 
     num_bits: int = 8
     symmetric: bool = True
     strategy: str = "token"
     dynamic: bool = True
+    type: str = "int"
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +177,9 @@ class CTScheme:
         w, a = self.weights, self.input_activations
         if self.format not in CT_FORMATS:
             raise _refuse(where, "format", self.format, CT_FORMATS)
+        if w.type == "float" or self.format == "float-quantized":
+            self._check_float(where)
+            return
         if self.format == "pack-quantized":
             if w.num_bits not in (4, 8):
                 raise _refuse(where, "weights.num_bits", w.num_bits, (4, 8))
@@ -202,14 +210,33 @@ class CTScheme:
         if w.actorder == "group" and w.strategy != "group":
             raise _refuse(where, "weights.actorder", w.actorder, "group only with strategy group")
 
+    def _check_float(self, where: str) -> None:
+        """FP8 weights (float-quantized; llm-compressor's FP8, FP8_DYNAMIC and FP8_BLOCK)."""
+        w, a = self.weights, self.input_activations
+        if w.type != "float" or w.num_bits != 8:
+            raise _refuse(where, "weights.(type, num_bits)", (w.type, w.num_bits), "('float', 8) with float-quantized")
+        if self.format not in ("float-quantized", "naive-quantized"):
+            raise _refuse(where, "format", self.format, ("float-quantized", "naive-quantized"))
+        if w.strategy not in CT_FLOAT_STRATEGIES:
+            raise _refuse(where, "weights.strategy", w.strategy, CT_FLOAT_STRATEGIES)
+        if not w.symmetric:
+            raise _refuse(where, "weights.symmetric", w.symmetric, (True,))
+        if w.strategy == "block" and (w.block_structure is None or len(w.block_structure) != 2
+                                      or not all(isinstance(v, int) and v > 0 for v in w.block_structure)):
+            raise _refuse(where, "weights.block_structure", w.block_structure, "[rows, columns] with strategy block")
+        if a is not None and (a.type != "float" or a.num_bits != 8):
+            raise _refuse(where, "input_activations.(type, num_bits)", (a.type, a.num_bits),
+                          "('float', 8) or none with FP8 weights")
+
     @classmethod
     def from_dict(cls, name: str, group: dict, default_format: str | None) -> CTScheme:
         where = f"compressed-tensors, config_groups.{name}"
         weights, acts = group.get("weights"), group.get("input_activations")
         if not isinstance(weights, dict):
             raise _refuse(where, "weights", weights, "integer weight arguments")
-        if weights.get("type", "int") != "int":
-            raise _refuse(where, "weights.type", weights.get("type"), ("int",))
+        wtype = weights.get("type", "int")
+        if wtype not in ("int", "float"):
+            raise _refuse(where, "weights.type", wtype, ("int", "float"))
         if weights.get("dynamic", False):
             raise _refuse(where, "weights.dynamic", weights["dynamic"], (False,))
         group_size = weights.get("group_size")
@@ -220,16 +247,19 @@ class CTScheme:
             actorder, actorder)
         ct_acts = None
         if acts is not None:
-            if acts.get("type", "int") != "int":
-                raise _refuse(where, "input_activations.type", acts.get("type"), ("int",))
+            atype = acts.get("type", "int")
+            if atype not in ("int", "float"):
+                raise _refuse(where, "input_activations.type", atype, ("int", "float"))
             ct_acts = CTActivations(acts.get("num_bits", 8), acts.get("symmetric", True),
-                                    acts.get("strategy") or "tensor", bool(acts.get("dynamic")))
+                                    acts.get("strategy") or "tensor", bool(acts.get("dynamic")), atype)
         fmt = group.get("format") or default_format
         if fmt is None:
-            fmt = "pack-quantized" if acts is None else "int-quantized"
+            fmt = "float-quantized" if wtype == "float" else "pack-quantized" if acts is None else "int-quantized"
+        block = weights.get("block_structure")
         return cls(name, _names(group.get("targets"), where, "targets"),
                    CTWeights(weights.get("num_bits", 8), weights.get("symmetric", True),
-                             strategy, group_size, actorder), ct_acts, fmt)
+                             strategy, group_size, actorder, wtype,
+                             tuple(block) if isinstance(block, (list, tuple)) else block), ct_acts, fmt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,11 +304,24 @@ class CompressedTensorsConfig:
         scheme = self.scheme_for(name)
         if scheme is None:
             return None
+        if scheme.weights.type == "float":
+            from omniinfer.quantization.fp8 import ct_float_format
+
+            return ct_float_format(scheme)
         return CTPackedFormat(scheme) if scheme.format == "pack-quantized" else CTInt8Format(scheme)
 
 
 IntQuantConfig = GPTQConfig | AWQConfig | CompressedTensorsConfig
-_PARSERS = {"gptq": GPTQConfig, "awq": AWQConfig, "compressed-tensors": CompressedTensorsConfig}
+
+
+def _fp8(config: dict):
+    from omniinfer.quantization.fp8 import FP8Config
+
+    return FP8Config.from_dict(config)
+
+
+_PARSERS = {"gptq": GPTQConfig.from_dict, "awq": AWQConfig.from_dict,
+            "compressed-tensors": CompressedTensorsConfig.from_dict, "fp8": _fp8}
 
 
 def parse_quantization_config(config: dict) -> IntQuantConfig:
@@ -289,7 +332,7 @@ def parse_quantization_config(config: dict) -> IntQuantConfig:
     if method not in _PARSERS:
         raise _refuse("quantization_config", "quant_method", config.get("quant_method"),
                       sorted(_PARSERS))
-    return _PARSERS[method].from_dict(config)
+    return _PARSERS[method](config)
 
 
 __all__ = ["AWQConfig", "CTActivations", "CTScheme", "CTWeights", "CompressedTensorsConfig",

@@ -1,4 +1,4 @@
-"""GPTQ, AWQ and compressed-tensors checkpoints as the quantisation contract's pieces (base.py).
+"""GPTQ, AWQ, compressed-tensors and FP8 checkpoints as the quantisation contract's pieces (base.py).
 
 Each quantised linear layer of such a checkpoint is converted once, at load, to one of two
 layouts, whatever format it came in:
@@ -10,6 +10,8 @@ layouts, whatever format it came in:
   group).
 * ``w8a8`` / ``w8a8:static``: compressed-tensors int8 weights with a scale per output channel,
   whose activations are quantised to int8 per token (or with the checkpoint's static scale).
+* ``fp8`` / ``fp8:b128``: FP8 checkpoints' e4m3 bytes as they are, with their scales
+  (quantization/fp8.py).
 
 A piece's rows are the layer's outputs and its columns its inputs, as for every format, so a
 fused layer's parts and tensor-parallel shards narrow here (an input split must fall on a packed
@@ -34,7 +36,7 @@ from omniinfer.quantization.int_layouts import (
 )
 from omniinfer.quantization.int_packing import pack_factor
 
-METHODS = ("gptq", "awq", "compressed-tensors")  # quant_method values these checkpoints carry
+METHODS = ("gptq", "awq", "compressed-tensors", "fp8")  # quant_method values these checkpoints carry
 # every weight-only kind wint_kind() names (groups: int_formats.GROUP_SIZES; "gc" is one group)
 WINT_KINDS = tuple(f"wint{bits}:{group}{extra}" for bits in (4, 8) for group in ("g32", "g64", "g128", "gc")
                    for extra in ("", ":zp", ":act", ":zp:act"))
@@ -173,10 +175,13 @@ class IntCheckpointTensor:
         if self._piece is None:
             out, inp = self.shape
             tensors = {k: v.full() for k, v in self._tensors.items()}
-            check_tensors(self.fmt, tensors, out, inp, self.name.removesuffix(".weight"))
+            layer = self.name.removesuffix(".weight")
+            check_tensors(self.fmt, tensors, out, inp, layer)
+            if hasattr(self.fmt, "check"):  # (FP8: a scale for the tensor, [] or [1])
+                self.fmt.check(tensors, out, inp, f"{layer} ({self.fmt.method}, {out}x{inp})")
             layout = self.fmt.to_kernel_layout(tensors, out, inp)
-            self._piece = (w8a8_piece(layout) if isinstance(layout, Int8Weight)
-                           else wint_piece(layout, self.fmt.group_size))
+            self._piece = (layout if isinstance(layout, QuantPiece) else w8a8_piece(layout)
+                           if isinstance(layout, Int8Weight) else wint_piece(layout, self.fmt.group_size))
         return self._piece
 
     def narrow(self, dim: int, start: int, length: int) -> QuantPiece:
@@ -187,7 +192,7 @@ class IntCheckpointTensor:
 
 def _features(fmt, tensors: dict) -> tuple[int, int]:
     """(out, in) of one layer from its tensors' shapes."""
-    if isinstance(fmt, CTInt8Format):
+    if isinstance(fmt, CTInt8Format) or "weight" in tensors:  # (int8 and FP8 weights as they are)
         return tuple(tensors["weight"].shape)
     if isinstance(fmt, CTPackedFormat):
         if "weight_shape" in tensors:
@@ -205,7 +210,7 @@ def _features(fmt, tensors: dict) -> tuple[int, int]:
 
 _MAIN = {"qweight": ("gptq", "awq"), "weight_packed": ("compressed-tensors",)}
 _SUFFIXES = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale",
-             "weight_zero_point", "weight_shape", "weight_g_idx", "input_scale")
+             "weight_zero_point", "weight_shape", "weight_g_idx", "input_scale", "weight_scale_inv")
 
 
 def _layers(method: str, names: set[str]) -> set[str]:
@@ -214,7 +219,7 @@ def _layers(method: str, names: set[str]) -> set[str]:
     for name in names:
         prefix, _, suffix = name.rpartition(".")
         if (suffix in _MAIN and method in _MAIN[suffix]) or (
-                method == "compressed-tensors" and suffix == "weight_scale"
+                method in ("compressed-tensors", "fp8") and suffix in ("weight_scale", "weight_scale_inv")
                 and f"{prefix}.weight" in names and f"{prefix}.weight_packed" not in names):
             layers.add(prefix)
     return layers

@@ -22,7 +22,10 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 @dataclass(frozen=True)
 class Scheme:
-    """One checkpoint format: `method` "gptq", "awq", "ct" (pack-quantized) or "ct-w8a8"."""
+    """One checkpoint format: `method` "gptq", "awq", "ct" (pack-quantized), "ct-w8a8", "fp8"
+    (transformers' fine-grained FP8: `block` (bn, bk) or, None, a scale a tensor with a static
+    input scale, as neuralmagic's first FP8 models) or "ct-fp8" (float-quantized: `block`, or
+    group_size -1 for a scale a channel, else one a tensor)."""
 
     method: str
     bits: int = 4
@@ -31,9 +34,13 @@ class Scheme:
     act_order: bool = False
     v1: bool = True  # GPTQ: qzeros hold zero - 1
     static: bool = False  # ct-w8a8: a static input scale
+    block: tuple[int, int] | None = None  # fp8 / ct-fp8: [rows, columns] a scale
 
     @property
     def label(self) -> str:
+        if self.method in ("fp8", "ct-fp8"):
+            how = f"b{self.block[0]}x{self.block[1]}" if self.block else "channel" if self.group_size == -1 else "tensor"
+            return f"{self.method}-{how}"
         parts = [self.method, f"{self.bits}b", f"g{self.group_size}", "sym" if self.sym else "asym"]
         parts += ["act"] if self.act_order else []
         parts += ["v2"] if self.method == "gptq" and not self.v1 else []
@@ -41,6 +48,21 @@ class Scheme:
         return "-".join(parts)
 
     def config(self) -> dict:
+        if self.method == "fp8":
+            if self.block:
+                return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                        "weight_block_size": list(self.block)}
+            return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+        if self.method == "ct-fp8":
+            strategy = "block" if self.block else "channel" if self.group_size == -1 else "tensor"
+            weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False,
+                       "block_structure": list(self.block) if self.block else None}
+            acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                    "strategy": "group" if self.block else "token", "group_size": 128 if self.block else None}
+            return {"quant_method": "compressed-tensors", "format": "float-quantized",
+                    "quantization_status": "compressed", "ignore": ["lm_head"],
+                    "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                                  "input_activations": acts}}}
         if self.method == "gptq":
             return {"quant_method": "gptq", "bits": self.bits, "group_size": self.group_size,
                     "sym": self.sym, "desc_act": self.act_order,
@@ -67,6 +89,12 @@ class Scheme:
 
 
 def _layer(weight: torch.Tensor, scheme: Scheme, seed: int) -> tuple[dict, torch.Tensor]:
+    if scheme.method == "fp8":
+        return qw.fp8_tensors(weight, scheme.block, "tensor", "weight_scale_inv" if scheme.block else "weight_scale",
+                              static_input_scale=None if scheme.block else 0.02)
+    if scheme.method == "ct-fp8":
+        strategy = "channel" if scheme.group_size == -1 else "tensor"
+        return qw.fp8_tensors(weight, scheme.block, strategy, "weight_scale", torch.bfloat16)
     if scheme.method == "ct-w8a8":
         return qw.ct_int8_tensors(weight, 0.05 if scheme.static else None)
     q = qw.rtn(weight, scheme.bits, scheme.group_size, scheme.sym, scheme.act_order,

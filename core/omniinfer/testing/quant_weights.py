@@ -104,3 +104,35 @@ def ct_int8_tensors(weight: torch.Tensor, static_input_scale: float | None = Non
     if static_input_scale is not None:
         tensors["input_scale"] = torch.tensor([static_input_scale], dtype=torch.float32)
     return tensors, codes.float() * scale.float()
+
+
+FP8_MAX = 448.0  # e4m3's largest finite value
+
+
+def fp8_tensors(weight: torch.Tensor, block: tuple[int, int] | None, strategy: str = "tensor",
+                scale_name: str = "weight_scale_inv", scale_dtype: torch.dtype = torch.float32,
+                static_input_scale: float | None = None):
+    """FP8 (e4m3) tensors of `weight` as transformers' fine-grained FP8 and llm-compressor write
+    them (a scale per `block` (bn, bk): its largest |w| / 448; else per output channel or per
+    tensor), and the float32 weight they stand for (e4m3 value times scale)."""
+    w = weight.float()
+    rows, cols = w.shape
+    if block is not None:
+        bn, bk = block
+        nr, nc = -(-rows // bn), -(-cols // bk)
+        padded = torch.zeros(nr * bn, nc * bk)
+        padded[:rows, :cols] = w.abs()
+        amax = padded.reshape(nr, bn, nc, bk).amax(dim=(1, 3))
+        scale = (amax / FP8_MAX).clamp(min=1e-12).to(scale_dtype)
+        full = scale.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:rows, :cols]
+    elif strategy == "channel":
+        scale = (w.abs().amax(1, keepdim=True) / FP8_MAX).clamp(min=1e-12).to(scale_dtype)
+        full = scale.float().expand(rows, cols)
+    else:
+        scale = (w.abs().amax() / FP8_MAX).clamp(min=1e-12).to(scale_dtype).reshape(())
+        full = scale.float().expand(rows, cols)
+    q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    tensors = {"weight": q, scale_name: scale}
+    if static_input_scale is not None:
+        tensors["input_scale"] = torch.tensor(static_input_scale, dtype=torch.float32)
+    return tensors, q.float() * full
