@@ -5,7 +5,8 @@ load as types that have a product (quantization/gguf_transcode.py: more bytes): 
 Q6_K, IQ4_NL exactly as Q8_0, IQ4_XS and Q2_K as Q8_0 within the bounds it states. llama.cpp's
 lattice types (IQ1_S/M, IQ2_XXS/XS/S, IQ3_XXS/S) have no product of their own: rewritten so
 always (IQ3 and IQ1 as Q6_K, IQ2 as Q8_0: 2-5x their bytes; the kernel's name says "as Q6_K").
-(F16, BF16 and F32 tensors load as float weights.)
+(F16, BF16 and F32 tensors load as float weights.) FP8 checkpoints' e4m3 rows run as they are,
+decoded exactly in registers, with float activations (a scale per 128 columns).
 
 Activations: by default each row of x is rounded to int8 in blocks of 32 and meets the weight
 blocks in integer multiply-adds (quant_q8.c, as llama.cpp's q8 dot products; the GGUF kinds'
@@ -26,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from omniinfer.quantization.base import QuantKernel
+from omniinfer.quantization.fp8 import block_of
 from omniinfer.quantization.gguf_blocks import BY_NAME
 from omniinfer.quantization.gguf_transcode import LATTICE_AS, REWRITES
 from omniinfer.quantization.int_pieces import WINT_KINDS
@@ -53,6 +55,16 @@ GGUF_OF_CODE = {code: kind for kind, code in KIND_CODES.items() if kind.startswi
 # (quantization/gguf_transcode.py): exactly, Q3_K as Q6_K and IQ4_NL as Q8_0; within float16's
 # rounding of a scale, IQ4_XS as Q8_0; requantised to 8 bits, Q2_K as Q8_0
 TRANSCODED = {f"gguf:{k}": f"gguf:{v}" for k, v in REWRITES.items()}
+# FP8 checkpoints' e4m3 rows (quant_blocks.h's F8: a float32 scale a 128 columns; a coarser scale is
+# spread over them); float activations only
+F8_CODE, F8_BLOCK = 21, 128
+FP8_KINDS = ("fp8", "fp8:b128", "fp8:b256", "fp8:b512")
+# bfloat16 x of more rows than this (quant.c's QGEMM_ROWS: where its float32 panels take over):
+# the FP8 weight is decoded to bfloat16 in slices of rows (omni_qrows) and multiplied by torch's
+# bfloat16 matmul, the reference's arithmetic; 2x faster than the panels from 16 rows (9728 x 896:
+# 2.7 against 4.9 ms at 16 rows, 8.2 against 14.3 at 128; Zen 4, avx512_bf16). With float32 x
+# the panels are as fast or faster: they stay.
+F8_PANEL_ROWS = 8
 
 
 def activation_mode() -> str:
@@ -68,13 +80,22 @@ def activation_mode() -> str:
 class CpuQuantKernel(QuantKernel):
     name = "cpu"
     device_types = ("cpu",)
-    kinds = (*KIND_CODES, *(k for k in WINT_KINDS if k not in WINT), *TRANSCODED)
+    kinds = (*KIND_CODES, *(k for k in WINT_KINDS if k not in WINT), *TRANSCODED, *FP8_KINDS)
 
     @classmethod
     def unavailable(cls, kind: str, shape: tuple[int, int]) -> str | None:
         from omniinfer_cpu.kernels import build
 
         kind = TRANSCODED.get(kind, kind)
+        if kind in FP8_KINDS:
+            if shape[1] % F8_BLOCK:
+                return f"{shape[1]} columns are not whole blocks of {F8_BLOCK}"
+            if block_of(kind, shape[1]) % F8_BLOCK:
+                return f"its scales cover {block_of(kind, shape[1])} columns each, not a multiple of {F8_BLOCK}"
+            kernels = build.load()
+            if kernels is None:
+                return f"the CPU kernels are unavailable: {build.unavailable_reason()}"
+            return None if kernels.quant_supported(F8_CODE) else "omni_qlinear has no fp8 here"
         if kind.startswith("wint") and kind not in WINT:
             return ("asymmetric (zero points) or act-order (g_idx) weights: omni_qlinear runs symmetric "
                     "int4/int8 in contiguous groups only")
@@ -92,6 +113,14 @@ class CpuQuantKernel(QuantKernel):
     def __init__(self, piece):
         from omniinfer_cpu.kernels import build
 
+        if piece.kind in FP8_KINDS:
+            super().__init__(piece)
+            self.k, self.activations, self.code = build.load(), "float", F8_CODE
+            rows, cols = piece.shape
+            self.w = piece.tensors["q"]
+            self.scale = spread_scales(piece.tensors["scale"], block_of(piece.kind, cols), rows, cols)
+            self.name = f"cpu ({self.k.level.name}, float activations)"
+            return
         activations = activation_mode() if piece.shape[1] % 32 == 0 else "float"
         original_kind = piece.kind
         native = piece.kind in X8_ONLY and activations == "int8"
@@ -135,6 +164,8 @@ class CpuQuantKernel(QuantKernel):
             from omniinfer.quantization.base import ReferenceKernel
 
             return ReferenceKernel(self.piece).apply(x)
+        if self.code == F8_CODE and x.dtype == torch.bfloat16 and x.shape[0] > F8_PANEL_ROWS:
+            return self._dequantized_matmul(x)
         if x.stride(1) != 1:
             x = x.contiguous()
         out = torch.empty(x.shape[0], rows, dtype=x.dtype)
@@ -144,6 +175,23 @@ class CpuQuantKernel(QuantKernel):
                             torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"omni_qlinear failed ({rc}) for a {self.piece.kind} weight of shape {self.piece.shape}")
+        return out
+
+    def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W^T with W decoded to x's dtype a slice of rows at a time (the float copy lives for
+        its slice: REFERENCE_SLICE_BYTES at most)."""
+        import torch.nn.functional as F
+
+        from omniinfer.quantization.base import REFERENCE_SLICE_BYTES
+
+        rows, cols = self.piece.shape
+        step = max(1, REFERENCE_SLICE_BYTES // (cols * x.element_size()))
+        if step >= rows:
+            return F.linear(x, self.rows(torch.arange(rows), x.dtype))
+        out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            out[:, r:r + n] = F.linear(x, self.rows(torch.arange(r, r + n), x.dtype))
         return out
 
     @classmethod
@@ -168,6 +216,14 @@ class CpuQuantKernel(QuantKernel):
         if rc != 0:
             raise RuntimeError(f"omni_qrows failed ({rc}) for a {self.piece.kind} weight of shape {self.piece.shape}")
         return out
+
+
+def spread_scales(scale: torch.Tensor, block: int, rows: int, cols: int) -> torch.Tensor:
+    """An fp8 piece's scales (a `block` of columns each) as F8's: float32 [rows, cols / 128]."""
+    per = cols // F8_BLOCK
+    if block == F8_BLOCK:
+        return scale.float().contiguous()
+    return scale.float().repeat_interleave(block // F8_BLOCK, dim=1)[:, :per].contiguous()
 
 
 def as_blocks(piece) -> torch.Tensor:

@@ -157,6 +157,31 @@ def test_quantized_layers_run_in_the_stack_bit_for_bit(isa_level, checkpoint_dir
         llm.shutdown()
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fp8_layers_run_in_the_stack_bit_for_bit(isa_level, tmp_path, dtype):
+    """An FP8 checkpoint's products run in the stack: every step in float32; in bfloat16 the
+    steps of up to F8_PANEL_ROWS tokens (a prefill's bfloat16 products decode the weight for
+    torch's matmul, layer by layer), to the last bit the layers one by one."""
+    from omniinfer.testing.quant_checkpoints import Scheme, write_quantized
+    from omniinfer.testing.tiny_models import build_tiny_checkpoint
+    from omniinfer_cpu.quant import F8_PANEL_ROWS
+
+    float_dir = build_tiny_checkpoint(str(tmp_path / "float"), "qwen2", dtype=dtype, hidden_size=256,
+                                      intermediate_size=512, vocab_size=1000, seed=3)
+    path = write_quantized(float_dir, str(tmp_path / "fp8"), Scheme("fp8", block=(128, 128)))
+    with LLM(path, num_kv_blocks=64) as llm:
+        stack = model_of(llm).decoder_stack
+        assert isinstance(stack, CpuDecoderStack)
+        assert {k.code for m in model_of(llm).modules() for _, k in getattr(m, "quant_kernels", [])} == {21}
+        rows = record_rows(stack)
+        batches = [PROMPTS[:1], PROMPTS]
+        got = run(llm, batches)
+        assert 1 in rows and 4 in rows
+        assert max(rows) <= F8_PANEL_ROWS if dtype == "bfloat16" else max(rows) >= 20
+        model_of(llm).decoder_stack = None
+        assert run(llm, batches) == got
+
+
 MOE = {"qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True),
        "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=256)}
 

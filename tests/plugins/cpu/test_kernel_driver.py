@@ -192,7 +192,7 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 QUANT_KINDS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K", "int8", "Q4_1", "Q5_0", "Q5_1", "Q5_K", "IQ4_NL", "IQ4_XS", "Q2_K",
-               "Q3_K")
+               "Q3_K", "fp8")
 
 
 def quantized(gen, kind, rows, cols, scale=0.05):
@@ -210,6 +210,15 @@ def quantized(gen, kind, rows, cols, scale=0.05):
     if kind == "int8":
         piece = quantize(w)
         return piece.tensors["q"], piece.tensors["scale"], dequantize_piece(piece)
+    if kind == "fp8":  # (e4m3 rows with a scale a 128 x 128 block, as FP8 checkpoints hold them)
+        from omniinfer.quantization.fp8 import piece_of
+        from omniinfer.testing.quant_weights import fp8_tensors
+        from omniinfer_cpu.quant import spread_scales
+
+        tensors, _ = fp8_tensors(w, (128, 128))
+        piece = piece_of(tensors["weight"], tensors["weight_scale_inv"], (128, 128))
+        return (piece.tensors["q"], spread_scales(piece.tensors["scale"], 128, rows, cols),
+                dequantize_piece(piece))
     q = kquant.QUANTIZERS[kind](w.numpy()) if kind in kquant.QUANTIZERS else \
         gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind])
     blocks = torch.from_numpy(np.ascontiguousarray(q.view(np.uint8).reshape(rows, -1)))
@@ -220,12 +229,12 @@ def quantized(gen, kind, rows, cols, scale=0.05):
 def quant_cases(gen):
     """omni_qlinear on each native format against the reference's dequantised weight, with float
     and with int8 activations."""
-    from omniinfer_cpu.quant import KIND_CODES, QACT_INT8, X8_CODES
+    from omniinfer_cpu.quant import F8_CODE, KIND_CODES, QACT_INT8, X8_CODES
     from omniinfer_cpu.quant_x8 import repack
 
     out = []
     for kind in QUANT_KINDS:
-        code = KIND_CODES.get(kind if kind == "int8" else f"gguf:{kind}")  # (None: groups of 8 only)
+        code = F8_CODE if kind == "fp8" else KIND_CODES.get(kind if kind == "int8" else f"gguf:{kind}")  # (None: groups of 8 only)
         blocks, scale, ref = quantized(gen, kind, 19, 512)
         for dt, m in ((F32, 3), (BF16, 3), (F32, 20), (BF16, 20)):  # (20 rows: the decoded panels)
             x = rand(gen, m, 512, dt=dt)
@@ -261,13 +270,13 @@ def prefetch_cases(gen, coded=()):
     times PREFETCH_AHEAD. (case, what it is, the bytes streamed: a coded copy's rows) triples."""
     from omniinfer_cpu.kernels import build
     from omniinfer_cpu.linear import EC_BITS
-    from omniinfer_cpu.quant import KIND_CODES, QACT_INT8, X8_CODES
+    from omniinfer_cpu.quant import F8_CODE, KIND_CODES, QACT_INT8, X8_CODES
     from omniinfer_cpu.quant_x8 import repack
 
     rows, cols = 64, 2048
     ways = []  # (what, kernel, kind code or dtype, weight, scale, x's dtype, bytes streamed)
     for kind in QUANT_KINDS:
-        code = KIND_CODES.get(kind if kind == "int8" else f"gguf:{kind}")
+        code = F8_CODE if kind == "fp8" else KIND_CODES.get(kind if kind == "int8" else f"gguf:{kind}")
         blocks, scale, _ = quantized(gen, kind, rows, cols)
         x8 = X8_CODES.get(f"gguf:{kind}")
         grouped = [] if x8 is None else [(f"{kind} groups of 8, int8 x", x8 | QACT_INT8,

@@ -243,3 +243,66 @@ def test_either_prefetch_target_gives_the_same_products(isa_level, kind, monkeyp
         assert torch.equal(kernel.apply(x), into_l2)
     finally:  # (as loaded)
         isa_level.prefetch_to_l2(1 if isa_level.prefetch.startswith("L2") else 0)
+
+
+# FP8 (e4m3) checkpoints' rows: every byte value but NaN's two, with each scale layout they come in
+FP8_CASES = [((300, 512), (128, 128)), ((64, 256), None), ((130, 384), (128, 256)), ((40, 1024), (1, 128)),
+             ((19, 256), (128, 512))]
+
+
+def fp8_piece(gen, shape, block):
+    from omniinfer.quantization.fp8 import piece_of
+
+    rows, cols = shape
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]
+    q = codes[torch.randint(0, codes.numel(), shape, generator=gen)].view(torch.float8_e4m3fn)
+    if block is None:
+        scale = torch.tensor(0.0123)
+    else:
+        scale = torch.rand(-(-rows // block[0]), -(-cols // block[1]), generator=gen) * 0.01 + 1e-4
+    return piece_of(q, scale, block)
+
+
+@pytest.mark.parametrize("shape,block", FP8_CASES, ids=[f"{s[0]}x{s[1]}-{b}" for s, b in FP8_CASES])
+def test_fp8_rows_match_the_reference(isa_level, shape, block):
+    """omni_qlinear's F8 rows (the file's e4m3 bytes decoded exactly in registers, a scale per 128
+    columns) against the reference's dequantised weight (torch's own e4m3 conversion) in float64,
+    at decode and prefill row counts; bfloat16 x of more than F8_PANEL_ROWS rows as the reference
+    computes it (the weight rounded to bfloat16, torch's matmul); the embedding lookup bit for
+    bit; the bytes held are the piece's (a scale per 128 columns of a row is the piece's own at
+    block 128)."""
+    from omniinfer_cpu.quant import F8_PANEL_ROWS
+
+    gen = torch.Generator().manual_seed(shape[0])
+    piece = fp8_piece(gen, shape, block)
+    rows, cols = shape
+    assert CpuQuantKernel.unavailable(piece.kind, piece.shape) is None
+    kernel = CpuQuantKernel(piece)
+    assert kernel.name == f"cpu ({isa_level.level.name}, float activations)"
+    assert kernel.w.data_ptr() == piece.tensors["q"].data_ptr()
+    assert (kernel.scale.data_ptr() == piece.tensors["scale"].data_ptr()) == (piece.kind == "fp8:b128")
+    w = dequantize_piece(piece).double()
+    for m in (1, 2, 3, 5, 8, 9, 33):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, cols + 8, generator=gen)[:, 4:4 + cols].to(dtype)  # strided rows
+            got = kernel.apply(x)
+            assert got.dtype == dtype and got.shape == (m, rows)
+            if dtype == torch.bfloat16 and m > F8_PANEL_ROWS:
+                torch.testing.assert_close(got, F.linear(x, w.to(dtype)))
+                continue
+            want = x.double() @ w.t()
+            tol = dict(atol=2e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+            torch.testing.assert_close(got.double(), want if dtype == torch.float32 else want.to(dtype).double(),
+                                       **tol)
+    ids = torch.tensor([rows - 1, 0, 7, rows - 1])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert torch.equal(kernel.rows(ids, dtype), dequantize_piece(piece)[ids].to(dtype))
+
+
+def test_what_the_fp8_kernel_leaves_to_the_reference(isa_level):
+    assert CpuQuantKernel.unavailable("fp8:b128", (8, 320)) == "320 columns are not whole blocks of 128"
+    assert CpuQuantKernel.unavailable("fp8", (8, 200)) == "200 columns are not whole blocks of 128"
+    assert CpuQuantKernel.unavailable("fp8:b64", (8, 256)) is not None  # (not a kind it runs: no scale a 128)
+    assert "fp8:b64" not in CpuQuantKernel.kinds
+    assert CpuQuantKernel.unavailable("fp8:b256", (8, 512)) is None

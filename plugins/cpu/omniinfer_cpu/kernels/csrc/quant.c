@@ -137,6 +137,24 @@ static void dot_i8(const uint8_t *w, const float *x, size_t ldx, const float *xs
     }
 }
 
+/* F8: a row of e4m3 bytes and its scales, one a block of 128: each block's Sum q x, times its
+ * scale (the reference's Sum (q s) x up to float32 rounding) */
+static void dot_f8(const uint8_t *w, const float *srow, const float *x, size_t ldx, int K, int MB, float *out) {
+    vf acc[QMB] = {{0}};
+    for (int b = 0; b < K / F8_BLOCK; b++) {
+        const uint8_t *blk = w + (size_t)b * F8_BLOCK;
+        prefetch_ahead(blk, F8_BLOCK);
+        vf part[QMB] = {{0}};
+#pragma GCC unroll 8
+        for (int c = 0; c < F8_BLOCK / VL; c++) {
+            vf q = f8_chunk(blk + c * VL);
+            for (int m = 0; m < MB; m++) part[m] += q * *(const vfu *)(x + m * ldx + b * F8_BLOCK + c * VL);
+        }
+        for (int m = 0; m < MB; m++) acc[m] += (srow[b] * F8_UNIT) * part[m];
+    }
+    for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]);
+}
+
 /* Q4_0 (neither), Q4_1 (has_min), Q5_0 (has_hi), Q5_1 (both): Sum (d q + m) x = d Sum q x + m Sum x,
  * and Q4_0's and Q5_0's Sum d (q - o) x = d Sum q x - o d Sum x (o = 8, 16) */
 INLINE void dot_qn(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K, int MB,
@@ -180,7 +198,8 @@ static const qdot_fn QDOT[NUM_KINDS] = {[Q8_0] = dot_q8_0, [Q4_0] = dot_q4_0, [Q
                                         [I8] = dot_i8, [Q4_1] = dot_q4_1, [Q5_0] = dot_q5_0, [Q5_1] = dot_q5_1,
                                         [Q5_K] = dot_q5_k};
 
-/* y [M, ldy] (dtype dt) = x [M, ldx] (dt) @ W^T, W [N, K] of `kind` (int8: w is q, scale [N]).
+/* y [M, ldy] (dtype dt) = x [M, ldx] (dt) @ W^T, W [N, K] of `kind` (int8: w is q, scale [N];
+ * F8: w is q, scale [N, K / 128]).
  * Returns 0; -1 for a kind not built, a K that is not whole blocks, or no memory. */
 int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scale, void *y, int64_t ldy,
                  int M, int N, int K, int kind, int dt, int nthreads) {
@@ -189,7 +208,7 @@ int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scal
     if (!omni_quant_supported(kind) || M <= 0 || N <= 0 || K <= 0 || K % qblock(kind) ||
         (kind != I8 && K % 16) || (q8 && K % 32))
         return -1;
-    if (kind == I8 && !scale) return -1;
+    if ((kind == I8 || kind == F8) && !scale) return -1;
     /* int8 activations: up to QGEMM_ROWS rows (int8 rows: I8_DOT_ROWS), and the X8 groups at any
      * row count (their grouped sums beat the float panels from 16 rows to prefills); they have no
      * float-activation path, and Q4_1, Q5_0, Q5_1, Q5_K have no int8 path but theirs */
@@ -232,8 +251,12 @@ int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scal
         for (int64_t n = n0; n < n1; n++)
             for (int m0 = 0; m0 < M; m0 += QMB) {
                 int mb = M - m0 < QMB ? M - m0 : QMB;
-                dot(w + (size_t)n * rb, xf + (size_t)m0 * K, (size_t)K, xs + (size_t)m0 * ldxs, (size_t)ldxs,
-                    K, mb, out);
+                if (kind == F8)
+                    dot_f8(w + (size_t)n * rb, scale + (size_t)n * (K / F8_BLOCK), xf + (size_t)m0 * K, (size_t)K,
+                           K, mb, out);
+                else
+                    dot(w + (size_t)n * rb, xf + (size_t)m0 * K, (size_t)K, xs + (size_t)m0 * ldxs,
+                        (size_t)ldxs, K, mb, out);
                 for (int m = 0; m < mb; m++)
                     st1(y, dt, (size_t)(m0 + m) * ldy + n, kind == I8 ? out[m] * scale[n] : out[m]);
             }

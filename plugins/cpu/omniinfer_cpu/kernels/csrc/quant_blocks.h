@@ -8,7 +8,11 @@
 
 enum { Q8_0 = 0, Q4_0 = 1, Q4_K = 2, Q6_K = 3, I8 = 4, Q4_0X8 = 5, Q8_0X8 = 6, Q4_KX8 = 7, Q6_KX8 = 8,
        Q4_1 = 9, Q5_0 = 10, Q5_1 = 11, Q5_K = 12, Q4_1X8 = 13, Q5_0X8 = 14, Q5_1X8 = 15, Q5_KX8 = 16,
-       IQ4_NLX8 = 17, IQ4_XSX8 = 18, Q2_KX8 = 19, Q3_KX8 = 20, NUM_KINDS = 21 };
+       IQ4_NLX8 = 17, IQ4_XSX8 = 18, Q2_KX8 = 19, Q3_KX8 = 20, F8 = 21, NUM_KINDS = 22 };
+/* F8: FP8 checkpoints' weights (omniinfer/quantization/fp8.py): a row of K float8 e4m3 bytes as
+ * the file holds them, and a float32 scale per 128 of its columns (scale [N, K / 128]: the CPU
+ * plugin spreads a coarser scale over them); float activations only. */
+#define F8_BLOCK 128
 /* Q4_0X8: Q4_0 rows repacked in groups of 8 for the int8-activation path (quant_x8.c). Group g
  * (rows 8g .. 8g + 7; a last group padded with zero rows) is K / 32 blocks of 144 bytes: the 8
  * rows' float16 d, then 4 chunks of 32 bytes; byte 4r + i of chunk c holds row r's weight
@@ -55,18 +59,18 @@ INLINE int qblock(int kind) {
     return kind == Q4_K || kind == Q5_K || kind == Q6_K || kind == Q4_KX8 || kind == Q5_KX8 || kind == Q6_KX8 ||
                    kind == IQ4_XSX8 || kind == Q2_KX8 || kind == Q3_KX8
                ? 256
-         : kind == I8 ? 1 : 32;
+         : kind == I8 ? 1 : kind == F8 ? F8_BLOCK : 32;
 }
 
 /* a block's bytes (X8: a row's share of its group's block) */
 INLINE int qblock_bytes(int kind) {
     static const int bytes[NUM_KINDS] = {34, 18, 144, 210, 0, 18, 34, 144, 210, 20, 22, 24, 176, 20, 22, 24, 176,
-                                         18, 136, 84, 110};
+                                         18, 136, 84, 110, F8_BLOCK};
     return bytes[kind];
 }
 
 INLINE size_t qrow_bytes(int kind, int K) {
-    return kind == I8 ? (size_t)K : (size_t)(K / qblock(kind)) * qblock_bytes(kind);
+    return kind == I8 || kind == F8 ? (size_t)K : (size_t)(K / qblock(kind)) * qblock_bytes(kind);
 }
 
 /* the kinds held in groups of 8 rows (quant_x8.c; int8 activations only) */
@@ -100,6 +104,36 @@ INLINE uint16_t u16_at(const uint8_t *p) {
     uint16_t v;
     memcpy(&v, p, 2);
     return v;
+}
+
+/* F8: VL float8 e4m3 bytes at p as float32, each exactly 2^-8 times its value (the caller
+ * multiplies by F8_UNIT, or folds it into a scale). A byte s.eeee.mmm shifted left by 7 in a
+ * 16-bit lane is the float16 with exponent field e and mantissa m << 7: 2^-8 times the e4m3
+ * value, subnormals (e = 0) included; its sign, landed on bit 14, is moved to bit 15 by adding
+ * that bit to itself. Then the CPU's float16 conversion (F16C, AVX-512, AArch64: exact, and
+ * untouched by a denormals-are-zero mode). Without one (the generic level), the float32's bits
+ * directly: exponent rebiased by 112, a subnormal as the normal formula at e = 1 less 2^-14.
+ * (A NaN byte, 0x7f / 0xff, reads as +-480; checkpoints hold none: their largest value is 448.) */
+#define F8_UNIT 256.0f
+INLINE vf f8_chunk(const uint8_t *p) {
+#if defined(__AVX512F__)
+    __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
+    return (vf)_mm512_cvtph_ps(_mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000))));
+#elif defined(__AVX2__) && defined(__F16C__)
+    __m128i t = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7);
+    return (vf)_mm256_cvtph_ps(_mm_add_epi16(t, _mm_and_si128(t, _mm_set1_epi16(0x4000))));
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+    uint32_t four;
+    memcpy(&four, p, 4);
+    uint16x4_t t = vshl_n_u16(vget_low_u16(vmovl_u8(vreinterpret_u8_u32(vdup_n_u32(four)))), 7);
+    return (vf)vcvt_f32_f16(vreinterpret_f16_u16(vadd_u16(t, vand_u16(t, vdup_n_u16(0x4000)))));
+#else
+    vu b = u8_widen(p), t = b & 0x7fu;
+    vu sub = (vu)(t < 8u);  /* all ones where subnormal */
+    vu bits = (t << 20) + (112u << 23) + (sub & (1u << 23));
+    vf v = (vf)bits - (vf)(sub & 0x38800000u);  /* (2^-14) */
+    return (vf)((vu)v | ((b & 0x80u) << 24));
+#endif
 }
 
 /* Q4_0: weights e .. e + VL of a block's 32 (0-15 the low nibbles of its 16 bytes, 16-31 the high) */

@@ -6,8 +6,12 @@
 #include "gemm_tiles.h"
 #include "quant_blocks.h"
 
-/* weight row w (of `kind`, K wide; int8: times scale) -> K floats */
-static void decode_row(int kind, const uint8_t *w, float scale, int K, float *out) {
+/* weight row w (of `kind`, K wide; int8: times scale[0]; F8: block b times scale[b]) -> K floats */
+static void decode_row(int kind, const uint8_t *w, const float *scale, int K, float *out) {
+    if (kind == F8) {
+        for (int k = 0; k < K; k += VL) *(vfu *)(out + k) = (scale[k / F8_BLOCK] * F8_UNIT) * f8_chunk(w + k);
+        return;
+    }
     for (int b = 0; b < K / qblock(kind); b++) {
         if (kind == Q4_0 || kind == Q4_1 || kind == Q5_0 || kind == Q5_1) {  /* d q + m, or d q - o d */
             const int has_min = kind == Q4_1 || kind == Q5_1, has_hi = kind == Q5_0 || kind == Q5_1;
@@ -48,8 +52,9 @@ static void decode_row(int kind, const uint8_t *w, float scale, int K, float *ou
         } else {  /* int8 */
             const int8_t *q = (const int8_t *)w;
             int k = 0;
-            for (; k + VL <= K; k += VL) *(vfu *)(out + k) = scale * s8_load(q + k);
-            for (; k < K; k++) out[k] = scale * (float)q[k];
+            float d = scale ? scale[0] : 1.f;
+            for (; k + VL <= K; k += VL) *(vfu *)(out + k) = d * s8_load(q + k);
+            for (; k < K; k++) out[k] = d * (float)q[k];
             return;
         }
     }
@@ -77,7 +82,9 @@ int omni_qgemm(const float *xf, const uint8_t *w, size_t row_bytes, const float 
             for (int64_t p = p0; p < p1; p++) {
                 for (int r = 0; r < GEMM_NR; r++) {  /* column r of the panel: weight row p NR + r */
                     int64_t n = p * GEMM_NR + r;
-                    if (n < N) decode_row(kind, w + (size_t)n * row_bytes, scale ? scale[n] : 1.f, K, row);
+                    if (n < N)
+                        decode_row(kind, w + (size_t)n * row_bytes,
+                                   scale ? scale + (size_t)n * (kind == F8 ? K / F8_BLOCK : 1) : NULL, K, row);
                     for (int k = 0; k < K; k++) panel[(size_t)k * GEMM_NR + r] = n < N ? row[k] : 0.f;
                 }
                 for (int m0 = 0; m0 < M; m0 += GEMM_MC) {  /* x in chunks (they stay in L2) */

@@ -144,6 +144,7 @@ NO_CONTRACT static void decode_row(const uint8_t *w, const float *scale, int kin
         for (int k = 0; k < K; k++) out[k] = (float)q[k] * scale[r];
         return;
     }
+
     if (is_x8(kind) && kind != Q8_0X8 && kind != Q6_KX8) {
         decode_x8_row(w, kind, r, K, out);
         return;
@@ -213,11 +214,27 @@ NO_CONTRACT static void decode_row(const uint8_t *w, const float *scale, int kin
 int omni_qrows(const uint8_t *w, const float *scale, int kind, int N, int K, const int64_t *ids, int n,
                void *out, int dt, int nthreads) {
     kind &= ~QACT_INT8;
-    if (!omni_quant_supported(kind) || K <= 0 || K % qblock(kind) || (kind == I8 && !scale)) return -1;
+    if (!omni_quant_supported(kind) || K <= 0 || K % qblock(kind) || ((kind == I8 || kind == F8) && !scale))
+        return -1;
     for (int i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= N) return -2;
     if (nthreads < 1) nthreads = 1;
     nthreads = threads_for((int64_t)n * K, nthreads);
+    if (kind == F8) {  /* a vector at a time, straight into out (the products that dequantise an FP8
+                        * weight for a prefill's matmul take this): (v F8_UNIT) is the e4m3 value,
+                        * exactly; the one product with the scale rounds, as the reference's */
+#pragma omp parallel num_threads(nthreads)
+        {
+            int64_t i0, i1;
+            thread_share(n, &i0, &i1);
+            for (int64_t i = i0; i < i1; i++) {
+                const uint8_t *q = w + (size_t)ids[i] * K;
+                const float *s = scale + (size_t)ids[i] * (K / F8_BLOCK);
+                for (int k = 0; k < K; k += VL) stv(out, dt, (size_t)i * K + k, (f8_chunk(q + k) * F8_UNIT) * s[k / F8_BLOCK]);
+            }
+        }
+        return 0;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(nthreads) reduction(| : failed)
     {
