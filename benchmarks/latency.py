@@ -2,6 +2,7 @@
 implies, next to the copy bandwidth this script measures first.
 
     python benchmarks/latency.py --shape medium --dtype float32 [--compare transformers]
+    python benchmarks/latency.py --shape medium --dtype bfloat16 --fp8   # its FP8 (e4m3, 128 x 128) copy
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ def main() -> None:
     parser.add_argument("--llama-cpp-bin", help="the directory of llama.cpp's tools (else $LLAMA_CPP_BIN, PATH)")
     parser.add_argument("--gguf", choices=GGUF_TYPES,
                         help="write the checkpoint as a GGUF file of this type and run that file")
+    parser.add_argument("--fp8", action="store_true",
+                        help="write the checkpoint as an FP8 one (e4m3, a scale per 128 x 128 block) and run that")
     parser.add_argument("--model", help="an existing checkpoint instead of a random one")
     parser.add_argument("--json", help="append the result to this JSON file")
     args = parser.parse_args()
@@ -40,7 +43,7 @@ def main() -> None:
     quiet()
     unwind_on_sigterm()
     result = latency(None if args.model else args.shape, args.dtype, args.input_len, args.output_len, args.repeats,
-                     args.compare, args.model, args.llama_cpp_bin, args.gguf)
+                     args.compare, args.model, args.llama_cpp_bin, args.gguf, args.fp8)
     print(latency_table(result))
     if args.json:
         append_json(args.json, result)

@@ -180,7 +180,7 @@ def throughput_table(r: dict) -> str:
 
 def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len: int = 64,
             repeats: int = 3, compare: str | None = None, model: str | None = None,
-            llama_cpp_bin: str | None = None, gguf: str | None = None) -> dict:
+            llama_cpp_bin: str | None = None, gguf: str | None = None, fp8: bool = False) -> dict:
     """One request at a time: TTFT, ms per output token, the weight bandwidth that implies and
     the copy/read bandwidth measured first; with compare="transformers", the same for it.
 
@@ -193,7 +193,12 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
 
     With gguf="q4_k_m" (a gguf_export file type), the checkpoint is written as that GGUF file and
     every engine runs the file (transformers would dequantise it to a float model: left out); the
-    weight bytes are then the file's tensors a token reads."""
+    weight bytes are then the file's tensors a token reads.
+
+    With fp8=True, the checkpoint is written as an FP8 one (quant_method fp8, e4m3 with a scale
+    per 128 x 128 block, as Qwen3-*-FP8) and omniinfer runs that; transformers, where compared,
+    reads the same files (it dequantises them on a CPU); the weight bytes are its tensors a token
+    reads. llama.cpp has no FP8 type: left out."""
     if output_len < 2:
         raise ValueError(f"output_len={output_len!r}: ms per output token needs at least 2 tokens")
     compare = comparisons(compare)
@@ -209,6 +214,16 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
                   "threads": torch.get_num_threads(), **bandwidth,
                   "weight_bytes": weight_bytes(shape, torch_dtype)}
         file = None
+        if fp8:
+            if gguf is not None:
+                raise ValueError("fp8=True with gguf: one quantised copy at a time")
+            from omniinfer.testing.quant_checkpoints import Scheme, write_quantized
+
+            float_path = path
+            path = write_quantized(path, os.path.join(tmp, "fp8"), Scheme("fp8", block=(128, 128)))
+            result["dtype"] = f"fp8 e4m3 b128, {dtype} activations"
+            result["weight_bytes"] = safetensors_bytes_per_token(path)
+            compare = [c for c in compare if c != "llama.cpp"]
         if gguf is not None:
             from omniinfer.benchmarks.gguf_export import export
 
@@ -218,8 +233,12 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
 
             result["memory"] = {**resident.measure(file), "file_bytes": os.path.getsize(file)}
         ours, close = omniinfer_latency_run(file or path, prompt, output_len, "float32" if file else dtype)
+        closers = [close]
         try:
             runs = {"omniinfer": ours}
+            if fp8:  # the float checkpoint it was made from, in the same dtype, in turns with it
+                runs["omniinfer float"], close_float = omniinfer_latency_run(float_path, prompt, output_len, dtype)
+                closers.append(close_float)
             if "transformers" in compare:
                 runs["transformers"] = (SkippedRun("transformers dequantises a GGUF file to a float model")
                                         if file else transformers_latency_run(path, prompt, output_len, torch_dtype))
@@ -230,29 +249,59 @@ def latency(shape_name: str | None, dtype: str, input_len: int = 128, output_len
             runs["read"] = read_bandwidth
             rounds = take_turns(runs, repeats)
         finally:
-            close()
+            for close in closers:
+                close()
     result["read_gbps_rounds"] = rounds.pop("read")
     # what reading the weights alone takes at the rounds' read bandwidth: batch-1 decode's floor
     result["read_bound_ms_per_token"] = result["weight_bytes"] / statistics.median(result["read_gbps_rounds"]) / 1e6
+    if fp8:
+        result["float_weight_bytes"] = weight_bytes(shape, torch_dtype)
     for name, times in list(rounds.items()):
         if isinstance(times, SkippedRun):
             result[name] = {"skipped": str(times)}
             del rounds[name]
             continue
+        nbytes = result["float_weight_bytes"] if name == "omniinfer float" else result["weight_bytes"]
         result[name] = {"ttft_ms": 1e3 * statistics.median(t for t, _ in times),
                         "ms_per_token": 1e3 * statistics.median(p for _, p in times),
                         "ms_per_token_rounds": [1e3 * p for _, p in times]}
-        result[name]["weight_gbps"] = result["weight_bytes"] / result[name]["ms_per_token"] / 1e6
+        result[name]["weight_gbps"] = nbytes / result[name]["ms_per_token"] / 1e6
         # its weight bandwidth against the sum's in the same round
         result[name]["read_fraction"] = statistics.median(
-            result["weight_bytes"] / p / 1e6 / read
+            nbytes / p / 1e6 / read
             for p, read in zip(result[name]["ms_per_token_rounds"], result["read_gbps_rounds"]))
-    for name in ("transformers", "llama.cpp"):
+    for name in ("transformers", "llama.cpp", "omniinfer float"):
         if name in rounds:
-            key = "speedup_rounds" if name == "transformers" else "speedup_rounds_llama_cpp"
+            key = {"transformers": "speedup_rounds", "llama.cpp": "speedup_rounds_llama_cpp",
+                   "omniinfer float": "speedup_rounds_float"}[name]
             result[key] = [t / o for t, o in zip(result[name]["ms_per_token_rounds"],
                                                  result["omniinfer"]["ms_per_token_rounds"])]
     return result
+
+
+def safetensors_bytes_per_token(path: str) -> int:
+    """The bytes of a checkpoint directory's tensors one decoded token reads: all but the
+    embedding table where the LM head has its own weight."""
+    import glob
+
+    from safetensors import safe_open
+
+    sizes = {}
+    for file in glob.glob(os.path.join(path, "*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (a safetensors file, not a dict)
+                t = f.get_slice(name)
+                sizes[name] = t.get_shape(), t.get_dtype()
+    bytes_of = {"F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4, "I32": 4, "I64": 8, "I8": 1, "U8": 1}
+    total = 0
+    for name, (shape, dtype) in sizes.items():
+        if name.endswith("embed_tokens.weight") and "lm_head.weight" in sizes:
+            continue
+        n = 1
+        for d in shape:
+            n *= d
+        total += n * bytes_of[dtype]
+    return total
 
 
 def gguf_bytes_per_token(path: str) -> int:
@@ -287,17 +336,18 @@ def latency_table(r: dict) -> str:
              f"{r['threads']}  copy {r['copy_gbps']:.1f} GB/s, read {r['read_gbps']:.1f} GB/s "
              f"(between runs {min(reads):.1f}-{max(reads):.1f}), weights {r['weight_bytes'] / 1e9:.2f} GB/token",
              machine_line(r.get("machine"))]
-    for name in ("omniinfer", "transformers", "llama.cpp"):
+    for name in ("omniinfer", "omniinfer float", "transformers", "llama.cpp"):
         if name in r and "skipped" in r[name]:
-            lines.append(f"  {name:<13} skipped: {r[name]['skipped']}")
+            lines.append(f"  {name:<15} skipped: {r[name]['skipped']}")
         elif name in r:
             x = r[name]
-            lines.append(f"  {name:<13} TTFT {x['ttft_ms']:8.1f} ms  {x['ms_per_token']:7.2f} ms/token  "
+            lines.append(f"  {name:<15} TTFT {x['ttft_ms']:8.1f} ms  {x['ms_per_token']:7.2f} ms/token  "
                          f"weights at {x['weight_gbps']:5.1f} GB/s ({100 * x['read_fraction']:.0f}% of the "
                          f"round's read)")
     bound = r["read_bound_ms_per_token"]
     lines.append(f"  the weights alone at the rounds' median read bandwidth: {bound:7.2f} ms/token")
-    for name, key in (("transformers", "speedup_rounds"), ("llama.cpp", "speedup_rounds_llama_cpp")):
+    for name, key in (("omniinfer float", "speedup_rounds_float"), ("transformers", "speedup_rounds"),
+                      ("llama.cpp", "speedup_rounds_llama_cpp")):
         if key in r:
             ratios = r[key]
             lines.append(f"  decode speed-up over {name}: "
