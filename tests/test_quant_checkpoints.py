@@ -219,6 +219,27 @@ def test_an_fp8_checkpoint_equals_transformers_loading_it(float_model):
     assert_transformers_run(got, path, "fp8 files, read by transformers")
 
 
+def test_an_fp8_checkpoint_with_kv_cache_scales_loads(float_model, tmp_path):
+    """FP8-KV checkpoints also hold attention's scales for an fp8 KV cache (`self_attn.k_scale`,
+    older ones `k_proj.output_scale`); the cache here is the model's dtype, so they are left
+    unread (as vLLM does with kv_cache_dtype 'auto'): the same tokens as without them."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = checkpoint(float_model, Scheme("fp8"))
+    edited = str(tmp_path / "fp8-kv")
+    shutil.copytree(path, edited)
+    state = load_file(os.path.join(edited, "model.safetensors"))
+    for i in range(2):
+        state[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.5)
+        state[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.5)
+        state[f"model.layers.{i}.self_attn.k_proj.output_scale"] = torch.tensor([0.5])
+    save_file(state, os.path.join(edited, "model.safetensors"), metadata={"format": "pt"})
+    with LLM(path, num_kv_blocks=64) as llm:
+        want = run(llm)
+    with LLM(edited, num_kv_blocks=64) as llm:
+        assert run(llm) == want
+
+
 def test_an_fp8_scale_of_the_wrong_shape_is_named(float_model, tmp_path):
     """A config whose block size does not match the scales the file holds fails at load, naming
     the layer, the shape found and the shape expected."""
@@ -313,7 +334,9 @@ def moe_model(tmp_path_factory):
 
 @pytest.mark.parametrize("scheme,kernel", [(Scheme("gptq", 4, 128, sym=True), "cpu"),
                                            (Scheme("awq", 4, 128, sym=False), "reference"),
-                                           (Scheme("ct", 8, -1, sym=True), "cpu")], ids=lambda s: getattr(s, "label", s))
+                                           (Scheme("ct", 8, -1, sym=True), "cpu"),
+                                           (Scheme("fp8", block=(128, 128)), "cpu")],
+                         ids=lambda s: getattr(s, "label", s))
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_quantized_moe_checkpoint_keeps_its_experts_quantized(moe_model, scheme, kernel, tp, monkeypatch):
     """A Qwen3-MoE checkpoint whose experts' gate/up/down are quantised (the router stays float):

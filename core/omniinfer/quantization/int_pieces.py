@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from omniinfer.logger import init_logger
 from omniinfer.models.layers.weights import WeightShapeError
 from omniinfer.quantization.base import QuantPiece, register_format
 from omniinfer.quantization.int_formats import parse_quantization_config
@@ -36,6 +37,7 @@ from omniinfer.quantization.int_layouts import (
 )
 from omniinfer.quantization.int_packing import pack_factor
 
+logger = init_logger(__name__)
 METHODS = ("gptq", "awq", "compressed-tensors", "fp8")  # quant_method values these checkpoints carry
 # every weight-only kind wint_kind() names (groups: int_formats.GROUP_SIZES; "gc" is one group)
 WINT_KINDS = tuple(f"wint{bits}:{group}{extra}" for bits in (4, 8) for group in ("g32", "g64", "g128", "gc")
@@ -245,8 +247,12 @@ def int_checkpoint(quantization_config: dict, files: list[str], progress: bool =
 
     def tensors():
         parts: dict[str, dict] = {prefix: {} for prefix in layers}
+        kv_scales = []
         for name, t in iterate_checkpoint(files, progress):
             prefix, _, suffix = name.rpartition(".")
+            if method == "fp8" and is_kv_scale(prefix, suffix):
+                kv_scales.append(name)
+                continue
             if prefix in layers and (suffix in _SUFFIXES or suffix == "weight"):
                 if isinstance(formats[prefix], GPTQFormat) and suffix == "g_idx" \
                         and not formats[prefix].config.desc_act:
@@ -258,8 +264,18 @@ def int_checkpoint(quantization_config: dict, files: list[str], progress: bool =
             name = f"{prefix}.weight"
             fmt, got = formats[prefix], parts.pop(prefix)
             yield name, IntCheckpointTensor(name, fmt, got, _features(fmt, got))
+        if kv_scales:
+            logger.info("%d KV-cache scales (%s, ...) left unread: they are for an fp8 KV cache; this one holds "
+                        "the model's dtype (kv_cache_dtype='auto')", len(kv_scales), kv_scales[0])
 
     return tensors(), {f"{prefix}.weight" for prefix in layers}
+
+
+def is_kv_scale(prefix: str, suffix: str) -> bool:
+    """An FP8 checkpoint's attention scales for an fp8 KV cache (`self_attn.k_scale`, older files'
+    `self_attn.k_proj.output_scale`), which vLLM reads only when its cache is fp8."""
+    return suffix in ("k_scale", "v_scale", "q_scale", "prob_scale") or (
+        suffix == "output_scale" and prefix.rpartition(".")[2] in ("q_proj", "k_proj", "v_proj"))
 
 
 class _Read:

@@ -168,13 +168,13 @@ class CpuDecoderStack:
         # a chunk of tokens (a prefill) goes through the experts in one call where each sparse layer
         # is in groups of 8 with int8 activations (omni_qmoe_tokens), else one token at a time
         self.chunks = all(t.experts.moe_method.step.tokens_kinds for t in specs if t.experts is not None)
-        # FP8 products of a bfloat16 model take more rows than F8_PANEL_ROWS (a prefill) through
-        # torch's matmul on the weight decoded (quant.py): such a step runs layer by layer
-        from omniinfer_cpu.quant import F8_CODE, F8_PANEL_ROWS
+        # FP8 products of a bfloat16 model may take a prefill through torch's matmul on the weight
+        # decoded (quant.py's fp8_prefill_rows): such a step runs layer by layer
+        from omniinfer_cpu.quant import F8_CODE, fp8_prefill_rows
 
         fp8 = any(k.code == F8_CODE for spec in specs for layer in _products(spec).values()
                   for k in quant_kernels(layer) or ())
-        self.max_tokens = F8_PANEL_ROWS if fp8 and self.dtype == torch.bfloat16 else 1 << 30
+        self.max_tokens = fp8_prefill_rows(self.dtype) if fp8 else 1 << 30
         q_size = s.attn.num_heads * s.attn.head_size
         qkv_size = s.qkv_proj.weight.shape[0]
         # omni_decoder_layers' work (the last part: q and k normed per head, where there are head norms)

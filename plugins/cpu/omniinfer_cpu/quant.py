@@ -24,6 +24,8 @@ scale a token), or float with the switch above."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from omniinfer.quantization.base import QuantKernel
@@ -59,12 +61,26 @@ TRANSCODED = {f"gguf:{k}": f"gguf:{v}" for k, v in REWRITES.items()}
 # spread over them); float activations only
 F8_CODE, F8_BLOCK = 21, 128
 FP8_KINDS = ("fp8", "fp8:b128", "fp8:b256", "fp8:b512")
-# bfloat16 x of more rows than this (quant.c's QGEMM_ROWS: where its float32 panels take over):
-# the FP8 weight is decoded to bfloat16 in slices of rows (omni_qrows) and multiplied by torch's
-# bfloat16 matmul, the reference's arithmetic; 2x faster than the panels from 16 rows (9728 x 896:
-# 2.7 against 4.9 ms at 16 rows, 8.2 against 14.3 at 128; Zen 4, avx512_bf16). With float32 x
-# the panels are as fast or faster: they stay.
+# bfloat16 x of more rows than this (quant.c's QGEMM_ROWS: where its float32 panels take over),
+# where oneDNN multiplies bfloat16 in hardware (bf16_matmul): the FP8 weight is decoded to
+# bfloat16 in slices of rows (omni_qrows) and multiplied by torch's bfloat16 matmul, the
+# reference's arithmetic; 2x faster than the panels from 16 rows (9728 x 896: 2.7 against 4.9 ms
+# at 16 rows, 8.2 against 14.3 at 128; Zen 4, avx512_bf16). Without bfloat16 hardware (AVX2)
+# torch's bfloat16 matmul is far slower than the panels (a 128-token prefill of the medium model
+# took 2.5 s, the panels 0.6), and with float32 x the panels are as fast or faster: they stay.
 F8_PANEL_ROWS = 8
+
+
+@functools.lru_cache(maxsize=1)
+def bf16_matmul() -> bool:
+    """Whether torch's bfloat16 matmul runs on bfloat16 hardware here (oneDNN says so)."""
+    return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def fp8_prefill_rows(dtype: torch.dtype) -> int:
+    """The most rows of `dtype` x an FP8 product takes through omni_qlinear (more: torch's matmul
+    on the weight decoded to bfloat16)."""
+    return F8_PANEL_ROWS if dtype == torch.bfloat16 and bf16_matmul() else 1 << 30
 
 
 def activation_mode() -> str:
@@ -164,7 +180,7 @@ class CpuQuantKernel(QuantKernel):
             from omniinfer.quantization.base import ReferenceKernel
 
             return ReferenceKernel(self.piece).apply(x)
-        if self.code == F8_CODE and x.dtype == torch.bfloat16 and x.shape[0] > F8_PANEL_ROWS:
+        if self.code == F8_CODE and x.shape[0] > fp8_prefill_rows(x.dtype):
             return self._dequantized_matmul(x)
         if x.stride(1) != 1:
             x = x.contiguous()

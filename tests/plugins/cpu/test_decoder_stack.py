@@ -159,12 +159,12 @@ def test_quantized_layers_run_in_the_stack_bit_for_bit(isa_level, checkpoint_dir
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_fp8_layers_run_in_the_stack_bit_for_bit(isa_level, tmp_path, dtype):
-    """An FP8 checkpoint's products run in the stack: every step in float32; in bfloat16 the
-    steps of up to F8_PANEL_ROWS tokens (a prefill's bfloat16 products decode the weight for
-    torch's matmul, layer by layer), to the last bit the layers one by one."""
+    """An FP8 checkpoint's products run in the stack: every step in float32, and without bfloat16
+    hardware; in bfloat16 with it the steps of up to F8_PANEL_ROWS tokens (a prefill's products
+    decode the weight for torch's matmul, layer by layer), to the last bit the layers one by one."""
     from omniinfer.testing.quant_checkpoints import Scheme, write_quantized
     from omniinfer.testing.tiny_models import build_tiny_checkpoint
-    from omniinfer_cpu.quant import F8_PANEL_ROWS
+    from omniinfer_cpu.quant import fp8_prefill_rows
 
     float_dir = build_tiny_checkpoint(str(tmp_path / "float"), "qwen2", dtype=dtype, hidden_size=256,
                                       intermediate_size=512, vocab_size=1000, seed=3)
@@ -177,7 +177,8 @@ def test_fp8_layers_run_in_the_stack_bit_for_bit(isa_level, tmp_path, dtype):
         batches = [PROMPTS[:1], PROMPTS]
         got = run(llm, batches)
         assert 1 in rows and 4 in rows
-        assert max(rows) <= F8_PANEL_ROWS if dtype == "bfloat16" else max(rows) >= 20
+        most = fp8_prefill_rows(getattr(torch, dtype))
+        assert max(rows) <= most if most < 20 else max(rows) >= 20
         model_of(llm).decoder_stack = None
         assert run(llm, batches) == got
 

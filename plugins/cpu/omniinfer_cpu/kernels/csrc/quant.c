@@ -155,6 +155,24 @@ static void dot_f8(const uint8_t *w, const float *srow, const float *x, size_t l
     for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]);
 }
 
+/* one x row (batch-1 decode): the block's chunks in two independent sums */
+static void dot_f8_1(const uint8_t *w, const float *srow, const float *x, int K, float *out) {
+    vf acc = (vf){0};
+    for (int b = 0; b < K / F8_BLOCK; b++) {
+        const uint8_t *blk = w + (size_t)b * F8_BLOCK;
+        const float *xb = x + b * F8_BLOCK;
+        prefetch_ahead(blk, F8_BLOCK);
+        vf p0 = (vf){0}, p1 = (vf){0};
+#pragma GCC unroll 8
+        for (int c = 0; c < F8_BLOCK / VL; c += 2) {
+            p0 += f8_chunk(blk + c * VL) * *(const vfu *)(xb + c * VL);
+            p1 += f8_chunk(blk + (c + 1) * VL) * *(const vfu *)(xb + (c + 1) * VL);
+        }
+        acc += (srow[b] * F8_UNIT) * (p0 + p1);
+    }
+    *out = hsum(acc);
+}
+
 /* Q4_0 (neither), Q4_1 (has_min), Q5_0 (has_hi), Q5_1 (both): Sum (d q + m) x = d Sum q x + m Sum x,
  * and Q4_0's and Q5_0's Sum d (q - o) x = d Sum q x - o d Sum x (o = 8, 16) */
 INLINE void dot_qn(const uint8_t *w, const float *x, size_t ldx, const float *xs, size_t ldxs, int K, int MB,
@@ -251,7 +269,9 @@ int omni_qlinear(const void *x, int64_t ldx, const uint8_t *w, const float *scal
         for (int64_t n = n0; n < n1; n++)
             for (int m0 = 0; m0 < M; m0 += QMB) {
                 int mb = M - m0 < QMB ? M - m0 : QMB;
-                if (kind == F8)
+                if (kind == F8 && mb == 1)
+                    dot_f8_1(w + (size_t)n * rb, scale + (size_t)n * (K / F8_BLOCK), xf + (size_t)m0 * K, K, out);
+                else if (kind == F8)
                     dot_f8(w + (size_t)n * rb, scale + (size_t)n * (K / F8_BLOCK), xf + (size_t)m0 * K, (size_t)K,
                            K, mb, out);
                 else
