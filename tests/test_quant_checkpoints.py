@@ -219,6 +219,34 @@ def test_an_fp8_checkpoint_equals_transformers_loading_it(float_model):
     assert_transformers_run(got, path, "fp8 files, read by transformers")
 
 
+def test_fp8_at_load(float_model):
+    """quantization="fp8" on a float checkpoint (vLLM's --quantization fp8): every linear layer as
+    e4m3 codes with a scale per output channel, on the CPU kernel; the embedding and LM head float;
+    transformers' tokens, log-probs within 1e-4, on the weights those codes stand for."""
+    from transformers import AutoModelForCausalLM
+
+    from omniinfer.quantization import fp8
+    from omniinfer.quantization.base import dequantize_piece
+
+    with LLM(float_model, num_kv_blocks=64, quantization="fp8") as llm:
+        assert llm.llm_engine.config.model.quantization == "fp8"
+        assert choices(llm) == {("fp8", "cpu")}
+        model = llm.llm_engine.executor.worker.model_runner.model
+        assert model.lm_head.qweight is None and not model.lm_head.weight.is_meta
+        got = run(llm)
+    ref = AutoModelForCausalLM.from_pretrained(float_model, dtype=torch.float32)
+    with torch.no_grad():
+        for name, module in ref.named_modules():
+            if isinstance(module, torch.nn.Linear) and name != "lm_head":
+                module.weight.copy_(dequantize_piece(fp8.quantize(module.weight)))
+        for (tokens, logprobs), prompt in zip(got, PROMPTS):
+            out = ref.generate(torch.tensor([prompt]), max_new_tokens=PARAMS.max_tokens, do_sample=False,
+                               output_scores=True, return_dict_in_generate=True)
+            assert tokens == out.sequences[0, len(prompt):].tolist()
+            want = [torch.log_softmax(s[0], -1)[t].item() for s, t in zip(out.scores, tokens)]
+            assert max(abs(a - b) for a, b in zip(logprobs, want)) < 1e-4
+
+
 def test_an_fp8_checkpoint_with_kv_cache_scales_loads(float_model, tmp_path):
     """FP8-KV checkpoints also hold attention's scales for an fp8 KV cache (`self_attn.k_scale`,
     older ones `k_proj.output_scale`); the cache here is the model's dtype, so they are left
@@ -286,8 +314,11 @@ def test_quantization_argument_must_match_the_checkpoint(float_model):
     path, _ = checkpoint(float_model, Scheme("awq", 4, 128, sym=False))
     with pytest.raises(ValueError, match=r"quantization='gptq'.*quantised with 'awq'"):
         LLM(path, num_kv_blocks=64, quantization="gptq")
-    with pytest.raises(ValueError, match=r"quantization='awq'.*no quantization_config"):
+    with pytest.raises(ValueError, match=r"quantization='awq'.*no quantization_config.*'int8' or 'fp8' quantises"):
         LLM(float_model, num_kv_blocks=64, quantization="awq")
+    fp8_path, _ = checkpoint(float_model, Scheme("fp8", block=(128, 128)))
+    with pytest.raises(ValueError, match=r"quantization='int8'.*quantised with 'fp8'"):
+        LLM(fp8_path, num_kv_blocks=64, quantization="int8")
 
 
 @pytest.mark.parametrize("scheme", [Scheme("gptq", 4, 64, sym=False, act_order=True), Scheme("awq", 4, 32, sym=False),

@@ -61,7 +61,7 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)  # from generation_config.json / config.json
     generation_config: dict = field(default_factory=dict)
     max_logprobs: int = 20  # most log-probabilities a request may ask for per token (<= vocab_size)
-    quantization: str | None = None  # "gguf", "gptq", "awq", "compressed-tensors" (the checkpoint), "int8" (made at load)
+    quantization: str | None = None  # "gguf", "gptq", "awq", "compressed-tensors", "fp8" (the checkpoint), "int8" / "fp8" (made at load)
     trust_remote_code: bool = False  # the tokenizer may run code shipped with the checkpoint
     dtype_is_auto: bool = False  # dtype="auto": the checkpoint's, which the platform may change
     # the checkpoint's own architecture when only its language model is served (a multimodal
@@ -263,7 +263,7 @@ class EngineArgs:
     speculative_config: dict | None = None
     num_scheduler_steps: int | None = None  # None: 1 (the offline LLM class picks 8)
     max_logprobs: int = 20  # a request's logprobs / prompt_logprobs at most; -1: the vocabulary
-    quantization: str | None = None  # "int8": quantise a float checkpoint at load; a .gguf is "gguf"
+    quantization: str | None = None  # "int8" / "fp8": quantise a float checkpoint at load; a .gguf is "gguf"
     gpu_memory_utilization: float | None = None  # accelerators' memory share (CacheConfig)
     trust_remote_code: bool = False  # let the tokenizer run the checkpoint's code (models are ours)
     # vLLM's, accepted for its launch lines at the one value served here

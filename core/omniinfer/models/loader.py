@@ -15,7 +15,7 @@ from omniinfer.config import ModelConfig
 from omniinfer.logger import init_logger
 from omniinfer.models.layers.weights import CheckpointTensor, FileTensor, WeightShapeError
 from omniinfer.models.registry import model_class
-from omniinfer.quantization.choice import CHECKPOINT_METHODS
+from omniinfer.quantization.choice import CHECKPOINT_METHODS, quantized_at_load
 
 logger = init_logger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
@@ -123,8 +123,8 @@ def _checkpoint(config: ModelConfig, progress: bool):
         quantized = {name for name, t in tensors if t.is_quantized}
         return iter(tensors), quantized
     files = checkpoint_files(config.model)
-    if config.quantization in CHECKPOINT_METHODS:  # GPTQ / AWQ / compressed-tensors
-        from omniinfer.quantization.int_pieces import int_checkpoint
+    if config.quantization in CHECKPOINT_METHODS and not quantized_at_load(config.quantization, config.hf_config):
+        from omniinfer.quantization.int_pieces import int_checkpoint  # GPTQ / AWQ / compressed-tensors / FP8
 
         return int_checkpoint(config.hf_config["quantization_config"], files, progress)
     return iterate_checkpoint(files, progress), set()
@@ -161,7 +161,8 @@ def load_model(config: ModelConfig, attn_backend, device: torch.device, progress
 
     config_file = config.model if config.quantization == "gguf" else os.path.join(config.model, "config.json")
     cls = model_class(config.architecture, config_file)
-    deferred = config.quantization == "gguf" or config.quantization in CHECKPOINT_METHODS
+    at_load = quantized_at_load(config.quantization, config.hf_config)  # (int8, fp8)
+    deferred = not at_load and (config.quantization == "gguf" or config.quantization in CHECKPOINT_METHODS)
     with _default_dtype(config.dtype), torch.device(device), \
             (deferred_weights() if deferred else contextlib.nullcontext()):
         model = cls(config, attn_backend)
@@ -193,9 +194,11 @@ def load_model(config: ModelConfig, attn_backend, device: torch.device, progress
         wanted = model.expected_checkpoint_names(missing[0])
         raise CheckpointError(f"tensor(s) {', '.join(map(repr, wanted))} missing from the checkpoint "
                               f"in {config.model} ({len(missing)} parameter(s) not loaded)")
-    if config.quantization == "int8":
-        int8.quantize_model(model)
-    if deferred or config.quantization == "int8":
+    if at_load:
+        from omniinfer.quantization import fp8
+
+        int8.quantize_model(model, int8.quantize if config.quantization == "int8" else fp8.quantize)
+    if deferred or at_load:
         loading.finish(model, device, quant_kernels or [])
     _drop_weight_loaders(model)
     return model.eval()

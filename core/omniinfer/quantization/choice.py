@@ -5,6 +5,13 @@ from __future__ import annotations
 CHECKPOINT_METHODS = ("gptq", "awq", "compressed-tensors", "fp8")  # a config.json's quantization_config
 # what `quantization=` takes (a .gguf file implies "gguf"; a quantization_config its method)
 QUANTIZATIONS = ("int8", "gguf", *CHECKPOINT_METHODS)
+# the ones a float checkpoint is quantised into as it loads (as vLLM's --quantization fp8)
+AT_LOAD = ("int8", "fp8")
+
+
+def quantized_at_load(quantization: str | None, hf_config: dict) -> bool:
+    """Whether the model's linear layers are quantised as they load (a float checkpoint)."""
+    return quantization in AT_LOAD and not hf_config.get("quantization_config")
 
 
 def resolve_quantization(model: str, cfg: dict, asked: str | None, is_gguf: bool) -> str | None:
@@ -22,9 +29,11 @@ def resolve_quantization(model: str, cfg: dict, asked: str | None, is_gguf: bool
         raise ValueError(f"quantization='gguf' needs a .gguf file; model={model!r} is a directory")
     qc = cfg.get("quantization_config")
     if qc is None:
+        if asked in AT_LOAD:  # (a float checkpoint quantised as it loads; "fp8" also names FP8 checkpoints)
+            return asked
         if asked in CHECKPOINT_METHODS:
             raise ValueError(f"quantization={asked!r}: model={model!r} has no quantization_config in its "
-                             "config.json (it is a float checkpoint; quantization='int8' quantises one at load)")
+                             "config.json (it is a float checkpoint; quantization='int8' or 'fp8' quantises one at load)")
         return asked
     if not isinstance(qc, dict):
         raise ValueError(f"model={model!r}: config.json's quantization_config must be an object, "

@@ -95,6 +95,20 @@ def piece_of(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] |
     return QuantPiece(FAMILY, (rows, cols), {"q": weight.view(torch.uint8), "scale": per_row})
 
 
+E4M3_MAX = 448.0  # e4m3's largest finite value
+
+
+def quantize(weight: torch.Tensor) -> QuantPiece:
+    """`quantization="fp8"` on a float checkpoint: row r as e4m3 codes times scale[r] = max |w[r]|
+    / 448 (float32; the codes round to nearest even, as torch's cast does). A scale per output
+    channel, where vLLM's dynamic FP8 keeps one a tensor: finer, the same bytes."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+    codes = torch.where(scale > 0, w / scale.clamp_min(torch.finfo(torch.float32).tiny), torch.zeros_like(w))
+    q = codes.clamp_(-E4M3_MAX, E4M3_MAX).to(E4M3)
+    return QuantPiece(FAMILY, tuple(weight.shape), {"q": q.view(torch.uint8).contiguous(), "scale": scale.contiguous()})
+
+
 # ---- the checkpoints' configs and tensors ---------------------------------------------------------
 def _block(value, method: str, name: str) -> tuple[int, int] | None:
     if value is None:

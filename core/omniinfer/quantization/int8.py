@@ -40,8 +40,9 @@ def _narrow(piece: QuantPiece, dim: int, start, length: int | None = None) -> Qu
 register_format(KIND, _dequantize, _narrow)
 
 
-def quantize_model(model: nn.Module) -> int:
-    """Every linear layer's loaded float weight -> an int8 slot (finished by loading.finish)."""
+def quantize_model(model: nn.Module, quantize=quantize) -> int:
+    """Every linear layer's loaded float weight -> a slot holding `quantize(weight)` (a QuantPiece;
+    finished by loading.finish); the float weight goes. Returns how many."""
     count = 0
     for name, module in model.named_modules():
         if not isinstance(module, LinearBase) or module.weight.is_meta:
