@@ -124,7 +124,9 @@ def _checkpoint(config: ModelConfig, progress: bool):
         return iter(tensors), quantized
     files = checkpoint_files(config.model)
     if config.quantization in CHECKPOINT_METHODS and not quantized_at_load(config.quantization, config.hf_config):
-        from omniinfer.quantization.int_pieces import int_checkpoint  # GPTQ / AWQ / compressed-tensors / FP8
+        from omniinfer.quantization.int_pieces import (
+            int_checkpoint,  # GPTQ / AWQ / compressed-tensors / FP8
+        )
 
         return int_checkpoint(config.hf_config["quantization_config"], files, progress)
     return iterate_checkpoint(files, progress), set()
