@@ -123,10 +123,9 @@ def _checkpoint(config: ModelConfig, progress: bool):
         quantized = {name for name, t in tensors if t.is_quantized}
         return iter(tensors), quantized
     files = checkpoint_files(config.model)
+    # GPTQ / AWQ / compressed-tensors / FP8 checkpoints (not a float one quantised as it loads)
     if config.quantization in CHECKPOINT_METHODS and not quantized_at_load(config.quantization, config.hf_config):
-        from omniinfer.quantization.int_pieces import (
-            int_checkpoint,  # GPTQ / AWQ / compressed-tensors / FP8
-        )
+        from omniinfer.quantization.int_pieces import int_checkpoint
 
         return int_checkpoint(config.hf_config["quantization_config"], files, progress)
     return iterate_checkpoint(files, progress), set()
