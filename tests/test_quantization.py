@@ -463,3 +463,4 @@ def test_the_env_report_says_the_lattice_types_are_rewritten():
     assert formats["gguf:IQ3_S"] == {"active": True, "why": "cpu (rewritten at load as Q6_K)"}
     assert formats["gguf:IQ2_XS"]["why"] == "cpu (rewritten at load as Q8_0)"
     assert formats["gguf:Q4_K"] == {"active": True, "why": "cpu"}
+    assert formats["fp8:b128"] == formats["fp8"] == {"active": True, "why": "cpu"}  # (FP8 checkpoints' layers)
