@@ -268,6 +268,20 @@ def test_an_fp8_checkpoint_with_kv_cache_scales_loads(float_model, tmp_path):
         assert run(llm) == want
 
 
+def test_fp8_codes_without_a_quantization_config_are_refused(float_model, tmp_path):
+    """An FP8 checkpoint whose config.json lost its quantization_config: its e4m3 codes copied into
+    float weights would run a model of wrong numbers; the load fails naming the tensor."""
+    path, _ = checkpoint(float_model, Scheme("fp8", block=(128, 128)))
+    stripped = tmp_path / "stripped"
+    shutil.copytree(path, stripped)
+    config = json.loads((stripped / "config.json").read_text())
+    del config["quantization_config"]
+    (stripped / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match=r"tensor 'model\.layers\.0\..*\.weight' in .*model\.safetensors: .*"
+                                        r"torch\.float8_e4m3fn codes, which need a scale.*quantization_config"):
+        LLM(str(stripped), num_kv_blocks=64)
+
+
 def test_an_fp8_scale_of_the_wrong_shape_is_named(float_model, tmp_path):
     """A config whose block size does not match the scales the file holds fails at load, naming
     the layer, the shape found and the shape expected."""

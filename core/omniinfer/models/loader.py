@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from omniinfer.config import ModelConfig
 from omniinfer.logger import init_logger
-from omniinfer.models.layers.weights import CheckpointTensor, FileTensor, WeightShapeError
+from omniinfer.models.layers.weights import CheckpointTensor, FileTensor, WeightShapeError, WeightValueError
 from omniinfer.models.registry import model_class
 from omniinfer.quantization.choice import CHECKPOINT_METHODS, quantized_at_load
 
@@ -186,6 +186,9 @@ def load_model(config: ModelConfig, attn_backend, device: torch.device, progress
     except WeightShapeError as e:
         name = next(reversed(where))
         raise CheckpointError(f"tensor {name!r} in {where[name]} has the wrong shape: {e}") from None
+    except WeightValueError as e:
+        name = next(reversed(where))
+        raise CheckpointError(f"tensor {name!r} in {where[name]}: {e}") from None
     except KeyError as e:
         name = e.args[0]
         raise CheckpointError(f"tensor {name!r} in {where.get(name, config.model)} does not belong "

@@ -21,21 +21,16 @@ are the dequantised weights' to float32 rounding, closer to the float model than
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from omniinfer.models.layers.weights import WeightShapeError
 from omniinfer.quantization.base import QuantPiece, register_format
+from omniinfer.quantization.int_formats import _names, _refuse, _skipped
 
 FAMILY = "fp8"
 E4M3 = torch.float8_e4m3fn
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _refuse(method: str, name: str, value: Any, allowed: Any) -> ValueError:
-    return ValueError(f"quantization_config ({method}): {name}={value!r} is not supported; "
-                      f"supported: {allowed}")
 
 
 def block_of(kind: str, cols: int) -> int:
@@ -128,8 +123,6 @@ class FP8Config:
 
     @classmethod
     def from_dict(cls, config: dict) -> FP8Config:
-        from omniinfer.quantization.int_formats import _names
-
         fmt = config.get("fmt", "e4m3")
         if fmt != "e4m3":
             raise _refuse("fp8", "fmt", fmt, ("e4m3",))
@@ -144,8 +137,6 @@ class FP8Config:
         return cls(_block(config.get("weight_block_size"), "fp8", "weight_block_size"), skipped)
 
     def layer_format(self, name: str):
-        from omniinfer.quantization.int_formats import _skipped
-
         return None if _skipped(name, self.skipped) else FP8Format(self.block, "fp8")
 
 
@@ -154,8 +145,6 @@ class FP8Format:
     (transformers, DeepSeek) or `weight_scale` (vLLM's per-tensor files, compressed-tensors),
     shaped by `block`, else per `strategy`: "tensor" ([] or [1]) or "channel" ([out, 1])."""
 
-    bits = 8
-    group_size = -1
     SCALE_NAMES = ("weight_scale_inv", "weight_scale")
 
     def __init__(self, block: tuple[int, int] | None, method: str, strategy: str = "tensor"):

@@ -132,9 +132,9 @@ class CpuQuantKernel(QuantKernel):
         if piece.kind in FP8_KINDS:
             super().__init__(piece)
             self.k, self.activations, self.code = build.load(), "float", F8_CODE
-            rows, cols = piece.shape
+            cols = piece.shape[1]
             self.w = piece.tensors["q"]
-            self.scale = spread_scales(piece.tensors["scale"], block_of(piece.kind, cols), rows, cols)
+            self.scale = spread_scales(piece.tensors["scale"], block_of(piece.kind, cols), cols)
             self.name = f"cpu ({self.k.level.name}, float activations)"
             return
         activations = activation_mode() if piece.shape[1] % 32 == 0 else "float"
@@ -234,7 +234,7 @@ class CpuQuantKernel(QuantKernel):
         return out
 
 
-def spread_scales(scale: torch.Tensor, block: int, rows: int, cols: int) -> torch.Tensor:
+def spread_scales(scale: torch.Tensor, block: int, cols: int) -> torch.Tensor:
     """An fp8 piece's scales (a `block` of columns each) as F8's: float32 [rows, cols / 128]."""
     per = cols // F8_BLOCK
     if block == F8_BLOCK:

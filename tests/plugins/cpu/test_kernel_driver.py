@@ -217,7 +217,7 @@ def quantized(gen, kind, rows, cols, scale=0.05):
 
         tensors, _ = fp8_tensors(w, (128, 128))
         piece = piece_of(tensors["weight"], tensors["weight_scale_inv"], (128, 128))
-        return (piece.tensors["q"], spread_scales(piece.tensors["scale"], 128, rows, cols),
+        return (piece.tensors["q"], spread_scales(piece.tensors["scale"], 128, cols),
                 dequantize_piece(piece))
     q = kquant.QUANTIZERS[kind](w.numpy()) if kind in kquant.QUANTIZERS else \
         gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind])

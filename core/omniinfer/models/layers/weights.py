@@ -80,10 +80,22 @@ class WeightShapeError(ValueError):
     pass
 
 
+class WeightValueError(ValueError):
+    """A checkpoint tensor whose values cannot be this parameter's as they are."""
+
+
+FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def copy_checked(param: torch.Tensor, value: torch.Tensor, what: str) -> None:
     if tuple(param.shape) != tuple(value.shape):
         raise WeightShapeError(f"{what}: expected shape {tuple(param.shape)}, "
                                f"checkpoint has {tuple(value.shape)}")
+    if getattr(value, "dtype", None) in FLOAT8 and param.dtype not in FLOAT8:
+        # (an FP8 checkpoint's weight is its codes times a scale: copied as it is, it is wrong)
+        raise WeightValueError(f"{what}: the checkpoint holds it as {value.dtype} codes, which need a scale: "
+                               "an FP8 checkpoint needs its quantization_config in config.json (quant_method fp8 "
+                               "or compressed-tensors) and a scale for each such tensor")
     param.data.copy_(value)
 
 
