@@ -13,7 +13,12 @@ from tqdm.auto import tqdm
 
 from omniinfer.config import ModelConfig
 from omniinfer.logger import init_logger
-from omniinfer.models.layers.weights import CheckpointTensor, FileTensor, WeightShapeError, WeightValueError
+from omniinfer.models.layers.weights import (
+    CheckpointTensor,
+    FileTensor,
+    WeightShapeError,
+    WeightValueError,
+)
 from omniinfer.models.registry import model_class
 from omniinfer.quantization.choice import CHECKPOINT_METHODS, quantized_at_load
 
