@@ -109,6 +109,18 @@ def test_latency_with_transformers_comparison(tmp_path):
     assert "the weights alone at the rounds' median read bandwidth" in text
 
 
+def test_latency_of_an_fp8_copy_against_its_float_checkpoint(tmp_path):
+    """--fp8: the checkpoint written as an FP8 one runs in turns with the float one; the weight
+    bytes are the FP8 files' (e4m3 linear weights, float embedding), the float run's its own."""
+    out = tmp_path / "l.json"
+    text = run("latency.py", "--shape", "tiny", "--input-len", "8", "--output-len", "4", "--repeats", "2",
+               "--fp8", "--json", str(out))
+    assert "fp8 e4m3 b128, float32 activations" in text and "speed-up over omniinfer float" in text
+    (result,) = json.loads(out.read_text())
+    assert len(result["speedup_rounds_float"]) == 2 and result["omniinfer float"]["ms_per_token"] > 0
+    assert 0 < result["weight_bytes"] < result["float_weight_bytes"]
+
+
 def test_host_overhead(tmp_path):
     out = tmp_path / "h.json"
     text = run("host_overhead.py", "--seqs", "4", "16", "--steps", "3", "--json", str(out))
@@ -349,7 +361,7 @@ def test_llama_cpp_comparison_without_its_tools_is_a_skipped_row(tmp_path):
                            if not os.path.exists(os.path.join(d, "llama-bench")))
     text = run("latency.py", "--shape", "tiny", "--input-len", "8", "--output-len", "4", "--repeats", "1",
                "--compare", "llama.cpp", LLAMA_CPP_BIN=str(tmp_path), PATH=path)
-    assert "llama.cpp     skipped: llama-bench not found" in text
+    assert "llama.cpp       skipped: llama-bench not found" in text
 
 
 
