@@ -80,12 +80,19 @@ def read_arrays(path, like) -> list[list[torch.Tensor | None]]:
 
 
 # ---- the drivers ---------------------------------------------------------------------------------
+# levels between the lowest and the highest x86 ones: their driver runs in the slow tier (~12 s
+# each; the kernels at those levels are also checked through Python in the default one)
+MIDDLE_LEVELS = ("avx512", "avx512_vbmi")
+
+
 def _driver_targets():
     out = []
     for level in isa.arch_levels():
         missing = isa.missing_flags(level)
-        out.append(pytest.param(level.name, id=level.name, marks=pytest.mark.skipif(
-            bool(missing), reason=f"this CPU lacks {', '.join(missing)}, which the {level.name} kernels need")))
+        marks = [pytest.mark.skipif(bool(missing), reason=f"this CPU lacks {', '.join(missing)}, which the "
+                                    f"{level.name} kernels need")]
+        out.append(pytest.param(level.name, id=level.name,
+                                marks=marks + ([pytest.mark.slow] if level.name in MIDDLE_LEVELS else [])))
     if isa.machine_arch() != "aarch64":
         why = None
         if shutil.which(CROSS_CC) is None:
