@@ -1,10 +1,11 @@
-"""Integer-quantized Hugging Face checkpoints: a model's ``quantization_config`` as data.
+"""Quantized Hugging Face checkpoints: a model's ``quantization_config`` as data.
 
 :func:`parse_quantization_config` turns the ``quantization_config`` of a config.json into a
-:class:`GPTQConfig`, :class:`AWQConfig` or :class:`CompressedTensorsConfig`, each validated in
-``__post_init__`` (a bad field is named with its value and what is supported). A config's
-``layer_format(name)`` says how one linear layer is stored (:mod:`.int_layouts`), or None
-where that layer is left in float.
+:class:`GPTQConfig`, :class:`AWQConfig`, :class:`CompressedTensorsConfig` (integer, or FP8
+float-quantized schemes) or an FP8 one (``quant_method: fp8``, :mod:`.fp8`), each validated as
+it is made (a bad field is named with its value and what is supported). A config's
+``layer_format(name)`` says how one linear layer is stored (:mod:`.int_layouts`, :mod:`.fp8`),
+or None where that layer is left in float.
 
 The fields are the ones the producing tools write: AutoGPTQ / GPTQModel (``quantize_config``),
 AutoAWQ (``quant_config``, through transformers' ``AwqConfig`` names) and compressed-tensors
