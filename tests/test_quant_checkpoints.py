@@ -268,15 +268,23 @@ def test_an_fp8_checkpoint_with_kv_cache_scales_loads(float_model, tmp_path):
         assert run(llm) == want
 
 
-def test_fp8_codes_without_a_quantization_config_are_refused(float_model, tmp_path):
-    """An FP8 checkpoint whose config.json lost its quantization_config: its e4m3 codes copied into
-    float weights would run a model of wrong numbers; the load fails naming the tensor."""
+@pytest.mark.parametrize("keep_scales", [True, False])
+def test_fp8_codes_without_a_quantization_config_are_refused(float_model, tmp_path, keep_scales):
+    """An FP8 checkpoint whose config.json lost its quantization_config: the load fails naming the
+    first e4m3 weight and why (with its scales still in the file the error was theirs, "does not
+    belong"; without them the codes loaded as float weights, a model of wrong numbers, silently)."""
+    from safetensors.torch import load_file, save_file
+
     path, _ = checkpoint(float_model, Scheme("fp8", block=(128, 128)))
     stripped = tmp_path / "stripped"
     shutil.copytree(path, stripped)
     config = json.loads((stripped / "config.json").read_text())
     del config["quantization_config"]
     (stripped / "config.json").write_text(json.dumps(config))
+    if not keep_scales:
+        state = load_file(str(stripped / "model.safetensors"))
+        save_file({k: v for k, v in state.items() if not k.endswith("weight_scale_inv")},
+                  str(stripped / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(Exception, match=r"tensor 'model\.layers\.0\..*\.weight' in .*model\.safetensors: .*"
                                         r"torch\.float8_e4m3fn codes, which need a scale.*quantization_config"):
         LLM(str(stripped), num_kv_blocks=64)
