@@ -286,16 +286,27 @@ class ReferenceKernel(QuantKernel):
     name = "reference"
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        rows, cols = self.piece.shape
-        step = max(1, REFERENCE_SLICE_BYTES // max(1, cols * 4))
-        if step >= rows:
-            return F.linear(x, dequantize_piece(self.piece).to(x.dtype))
-        out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
-        for r in range(0, rows, step):
-            n = min(step, rows - r)
-            w = dequantize_piece(narrow_piece(self.piece, 0, r, n)).to(x.dtype)
-            out[:, r:r + n] = F.linear(x, w)
-        return out
+        def weight_rows(r: int, n: int) -> torch.Tensor:  # (all of them: the piece as it is)
+            part = self.piece if n == self.piece.shape[0] else narrow_piece(self.piece, 0, r, n)
+            return dequantize_piece(part).to(x.dtype)
+
+        return sliced_linear(x, self.piece.shape, 4, weight_rows)
+
+
+def sliced_linear(x: torch.Tensor, shape: tuple[int, int], value_bytes: int,
+                  weight_rows: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """x @ W^T for a [rows, cols] weight made a slice of rows at a time (`weight_rows(r, n)`: rows
+    r .. r + n in x's dtype, `value_bytes` a value while they are made): at most
+    REFERENCE_SLICE_BYTES of float weight live at once."""
+    rows, cols = shape
+    step = max(1, REFERENCE_SLICE_BYTES // max(1, cols * value_bytes))
+    if step >= rows:
+        return F.linear(x, weight_rows(0, rows))
+    out = torch.empty(x.shape[0], rows, dtype=x.dtype, device=x.device)
+    for r in range(0, rows, step):
+        n = min(step, rows - r)
+        out[:, r:r + n] = F.linear(x, weight_rows(r, n))
+    return out
 
 
 def kernel_for(kind: str, shape: tuple[int, int], device_type: str,

@@ -194,21 +194,11 @@ class CpuQuantKernel(QuantKernel):
         return out
 
     def _dequantized_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W^T with W decoded to x's dtype a slice of rows at a time (the float copy lives for
-        its slice: REFERENCE_SLICE_BYTES at most)."""
-        import torch.nn.functional as F
+        """x @ W^T with W decoded to x's dtype (omni_qrows) a slice of rows at a time."""
+        from omniinfer.quantization.base import sliced_linear
 
-        from omniinfer.quantization.base import REFERENCE_SLICE_BYTES
-
-        rows, cols = self.piece.shape
-        step = max(1, REFERENCE_SLICE_BYTES // (cols * x.element_size()))
-        if step >= rows:
-            return F.linear(x, self.rows(torch.arange(rows), x.dtype))
-        out = torch.empty(x.shape[0], rows, dtype=x.dtype)
-        for r in range(0, rows, step):
-            n = min(step, rows - r)
-            out[:, r:r + n] = F.linear(x, self.rows(torch.arange(r, r + n), x.dtype))
-        return out
+        return sliced_linear(x, self.piece.shape, x.element_size(),
+                             lambda r, n: self.rows(torch.arange(r, r + n), x.dtype))
 
     @classmethod
     def experts_step(cls, w13: list, w2: list):
