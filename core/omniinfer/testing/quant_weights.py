@@ -106,7 +106,7 @@ def ct_int8_tensors(weight: torch.Tensor, static_input_scale: float | None = Non
     return tensors, codes.float() * scale.float()
 
 
-FP8_MAX = 448.0  # e4m3's largest finite value
+from omniinfer.quantization.fp8 import E4M3_MAX as FP8_MAX  # noqa: E402 (e4m3's largest finite value)
 
 
 def fp8_tensors(weight: torch.Tensor, block: tuple[int, int] | None, strategy: str = "tensor",
