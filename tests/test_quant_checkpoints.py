@@ -345,7 +345,8 @@ def test_quantization_argument_must_match_the_checkpoint(float_model):
 
 @pytest.mark.parametrize("scheme", [Scheme("gptq", 4, 64, sym=False, act_order=True), Scheme("awq", 4, 32, sym=False),
                                     Scheme("ct", 8, -1, sym=True), Scheme("ct-w8a8", 8, -1),
-                                    Scheme("ct-w8a8", 8, -1, static=True)], ids=lambda s: s.label)
+                                    Scheme("ct-w8a8", 8, -1, static=True), Scheme("fp8", block=(128, 128)),
+                                    Scheme("ct-fp8", group_size=-1)], ids=lambda s: s.label)
 def test_the_triton_kernel_runs_each_piece_as_the_reference(scheme):
     """The GPU plugins' kernel (interpreted here) on the pieces the loader makes, a decode-sized
     and a prefill-sized batch; W8A8 quantises its activations as the torch reference does."""

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from omniinfer.kernels import triton as triton_kernels
+from omniinfer.quantization import fp8 as fp8_format
+from omniinfer.quantization.base import QuantPiece
 from omniinfer.quantization.int_reference import int8_linear_reference, wn_linear_reference
 
 pytest.importorskip("triton")
@@ -42,8 +44,9 @@ def launches(monkeypatch):
     """Which product each call took: 'fused' or 'dequantised'."""
     seen = []
     for name, path in (("gguf_matmul", "fused"), ("wn_matmul", "fused"), ("int8_matmul", "fused"),
-                       ("gguf_dequantize", "dequantised"), ("wn_dequantize", "dequantised"),
-                       ("int8_dequantize", "dequantised")):
+                       ("fp8_matmul", "fused"), ("gguf_dequantize", "dequantised"),
+                       ("wn_dequantize", "dequantised"), ("int8_dequantize", "dequantised"),
+                       ("fp8_dequantize", "dequantised")):
         real = getattr(dl, name)
         monkeypatch.setattr(dl, name, lambda *a, _r=real, _p=path, **k: (seen.append(_p), _r(*a, **k))[1])
     return seen
@@ -186,3 +189,84 @@ def test_int8_bad_arguments_are_named():
         int8(torch.randn(300, 256), w)  # K=256 for a weight of K=200, on the dequantising path
     with pytest.raises(ValueError, match=r"weight_scale must be float32 \[72\]"):
         dl.int8_dequantize(w.weight, w.weight_scale.half(), torch.float16)
+
+
+# ---- FP8 (kernels/triton/fp8_gemm.py): e4m3 codes with a float32 scale a row and block -----------
+def fp8_weight(n=72, k=300, scale_cols=128, seed=8):
+    """Random e4m3 codes (every code but the two NaNs) [n, k] and scales [n, ceil(k / scale_cols)]
+    as quantization/fp8.py's piece holds them, and that piece's float32 weight."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int32)
+    q = torch.where(q & 0x7F == 0x7F, q - 1, q).to(torch.uint8)
+    scale = torch.rand(n, -(-k // scale_cols), generator=gen) * 0.02 + 2 ** -12
+    kind = fp8_format.fp8_kind(None if scale_cols >= k else scale_cols)
+    w = fp8_format._dequantize(QuantPiece(kind, (n, k), {"q": q, "scale": scale}))
+    return q, scale, w
+
+
+def fp8(x, q, scale, scale_cols, bias=None, **kw):
+    return dl.fp8_linear(on(x), on(q), on(scale), scale_cols, on(bias), **kw).cpu()
+
+
+@pytest.mark.parametrize("more", [-3, 0, 1, 5])
+def test_fp8_rows_take_the_fused_kernel_up_to_the_bound_then_the_dequantised_weight(more, launches):
+    """Up to 8 rows a program (9 rows: two row tiles); K 300, its last block ragged; K split."""
+    q, scale, w = fp8_weight()
+    m = dl.FP8_FUSED_MAX_M + more
+    x = torch.randn(m, 300, generator=torch.Generator().manual_seed(m))
+    close(fp8(x, q, scale, 128), torch.nn.functional.linear(x, w))
+    assert launches == ["fused" if more <= 0 else "dequantised"]
+
+
+@pytest.mark.parametrize("shape", [(64, 512, 128), (72, 300, 300), (72, 320, 32), (64, 256, 256)],
+                         ids=["even, blocks of 128", "one scale a row", "blocks of 32", "one block"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fused_max_m", [1 << 30, 0], ids=["fused", "dequantised"])
+def test_fp8_products_match_the_reference(shape, dtype, fused_max_m):
+    """Both paths, every activation dtype, with a bias: the GEMV's float32 sums of x times the
+    float32 weight, the dequantised path's the reference's weight rounded to x's dtype."""
+    n, k, scale_cols = shape
+    q, scale, w = fp8_weight(n, k, scale_cols, seed=k)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(9)).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    out = fp8(x, q, scale, scale_cols, bias, fused_max_m=fused_max_m)
+    close(out, torch.nn.functional.linear(x, w.to(dtype), bias))
+
+
+def test_fp8_dequantize_is_the_reference_weight_rounded_once():
+    """Bit for bit, every code in every position of a block (the NaN codes aside, which read as
+    +-480 x the scale: no checkpoint's weight holds them), outputs [5, 72)."""
+    q, scale, w = fp8_weight(72, 512, 128, seed=3)
+    q[:, :256] = torch.arange(256, dtype=torch.uint8)
+    nan = (q & 0x7F) == 0x7F
+    w = fp8_format._dequantize(QuantPiece("fp8:b128", (72, 512), {"q": q, "scale": scale}))
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        got = dl.fp8_dequantize(on(q), on(scale), 128, dtype, 5, 72).cpu()
+        assert got.dtype == dtype and got.shape == (67, 512)
+        ok = ~nan[5:]
+        assert torch.equal(got[ok], w[5:].to(dtype)[ok])
+        assert torch.equal(got[~ok].float().abs(), (480 * scale[5:].repeat_interleave(128, 1))[~ok].to(dtype).float())
+
+
+def test_fp8_wide_layers_are_dequantised_in_chunks_of_the_workspace(monkeypatch, launches):
+    monkeypatch.setattr(dl, "DEQUANT_WORKSPACE_BYTES", 64 * 300 * 4)
+    q, scale, w = fp8_weight()
+    x = torch.randn(6, 300, generator=torch.Generator().manual_seed(5))
+    bias = torch.randn(72)
+    close(fp8(x, q, scale, 128, bias), torch.nn.functional.linear(x, w, bias))
+    assert launches == ["dequantised"] * 2
+
+
+def test_fp8_bad_arguments_are_named():
+    q, scale, _ = fp8_weight()
+    with pytest.raises(ValueError, match=r"q must be uint8 \[N, 512\] with contiguous rows"):
+        fp8(torch.randn(2, 512), q, scale, 128)
+    with pytest.raises(ValueError, match=r"q must be uint8 \[N, 300\]"):
+        fp8(torch.randn(2, 300), q.view(torch.int8), scale, 128)
+    with pytest.raises(ValueError, match=r"scale must be float32 \[72, 3\] \(a scale per row and block of 128"):
+        fp8(torch.randn(9, 300), q, scale[:, :2], 128)
+    with pytest.raises(ValueError, match=r"scale_cols=80: the kernels take scale blocks of a multiple of 32"):
+        fp8(torch.randn(2, 300), q, torch.ones(72, 4), 80)
+    with pytest.raises(ValueError, match=r"outputs \[8, 80\) are not within the weight's 72"):
+        dl.fp8_dequantize(q, scale, 128, torch.float32, 8, 80)
+    assert fp8(torch.randn(0, 300), q, scale, 128).shape == (0, 72)

@@ -31,6 +31,9 @@ from omniinfer.quantization.int_formats import _names, _refuse, _skipped
 FAMILY = "fp8"
 E4M3 = torch.float8_e4m3fn
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# the kinds the kernels declare: one scale a row, or blocks of 128-512 columns (checkpoints'
+# weight_block_size is [128, 128]); a piece of another block width runs the reference
+KINDS = ("fp8", "fp8:b128", "fp8:b256", "fp8:b512")
 
 
 def block_of(kind: str, cols: int) -> int:

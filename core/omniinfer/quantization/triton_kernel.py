@@ -1,12 +1,11 @@
-"""The portable Triton products (kernels/triton/quant_gemm.py, gguf_gemm.py; for more than a
-few rows, the n-bit, GGUF and int8 weight-only weights dequantised then torch's matmul:
-dequant_linear.py) as a
-QuantKernel,
-for the GPU plugins to declare (CUDA, ROCm and XPU all run Triton): GPTQ / AWQ /
-compressed-tensors n-bit weights (every wint kind), compressed-tensors W8A8 (activations
-quantised to int8 per token, or with the checkpoint's static scale), omniinfer's int8 (W8A16)
-and every GGUF block type the loader takes, read as the file stores it (no repacking: the layer
-holds the file's bytes). Importing this module imports no Triton."""
+"""The portable Triton products (kernels/triton/quant_gemm.py, gguf_gemm.py, int8_gemm.py,
+fp8_gemm.py; for more than a few rows, the weight-only weights dequantised then torch's matmul:
+dequant_linear.py) as a QuantKernel, for the GPU plugins to declare (CUDA, ROCm and XPU all run
+Triton): GPTQ / AWQ / compressed-tensors n-bit weights (every wint kind), compressed-tensors W8A8
+(activations quantised to int8 per token, or with the checkpoint's static scale), omniinfer's
+int8 (W8A16), FP8 checkpoints' e4m3 weights (weight-only: activations stay float) and every GGUF
+block type the loader takes, read as the file stores it (no repacking: the layer holds the
+file's bytes). Importing this module imports no Triton."""
 
 from __future__ import annotations
 
@@ -15,6 +14,7 @@ import importlib.util
 import torch
 
 from omniinfer.quantization.base import QuantKernel
+from omniinfer.quantization.fp8 import KINDS as FP8_KINDS
 from omniinfer.quantization.gguf_blocks import QUANTIZED
 from omniinfer.quantization.gguf_transcode import LATTICE_AS
 from omniinfer.quantization.int_pieces import WINT_KINDS
@@ -27,7 +27,7 @@ GGUF_KINDS = tuple(f"gguf:{t}" for t in QUANTIZED)
 class TritonQuantKernel(QuantKernel):
     name = "triton"
     device_types = ("cuda", "xpu")  # (ROCm's torch device type is "cuda")
-    kinds = (*WINT_KINDS, "w8a8", "w8a8:static", "int8", *GGUF_KINDS)
+    kinds = (*WINT_KINDS, "w8a8", "w8a8:static", "int8", *GGUF_KINDS, *FP8_KINDS)
 
     @classmethod
     def unavailable(cls, kind: str, shape: tuple[int, int]) -> str | None:
@@ -53,6 +53,13 @@ class TritonQuantKernel(QuantKernel):
 
             w = self.weight = piece.tensors["blocks"]  # the file's bytes, as the layer holds them
             self._product = lambda x: gguf_linear(x, w, gguf_type)
+        elif family == "fp8":
+            from omniinfer.kernels.triton.dequant_linear import fp8_linear
+            from omniinfer.quantization.fp8 import block_of
+
+            q, scale = self.weight = piece.tensors["q"], piece.tensors["scale"]
+            cols = block_of(piece.kind, piece.shape[1])
+            self._product = lambda x: fp8_linear(x, q, scale, cols)
         elif family.startswith("wint"):
             from omniinfer.kernels.triton.dequant_linear import wn_linear
             from omniinfer.quantization.int_pieces import packed_weight

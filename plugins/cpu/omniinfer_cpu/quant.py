@@ -29,6 +29,7 @@ import functools
 import torch
 
 from omniinfer.quantization.base import QuantKernel
+from omniinfer.quantization.fp8 import KINDS as FP8_KINDS
 from omniinfer.quantization.fp8 import block_of
 from omniinfer.quantization.gguf_blocks import BY_NAME
 from omniinfer.quantization.gguf_transcode import LATTICE_AS, REWRITES
@@ -60,7 +61,6 @@ TRANSCODED = {f"gguf:{k}": f"gguf:{v}" for k, v in REWRITES.items()}
 # FP8 checkpoints' e4m3 rows (quant_blocks.h's F8: a float32 scale a 128 columns; a coarser scale is
 # spread over them); float activations only
 F8_CODE, F8_BLOCK = 21, 128
-FP8_KINDS = ("fp8", "fp8:b128", "fp8:b256", "fp8:b512")
 # bfloat16 x of more rows than this (quant.c's QGEMM_ROWS: where its float32 panels take over),
 # where oneDNN multiplies bfloat16 in hardware (bf16_matmul): the FP8 weight is decoded to
 # bfloat16 in slices of rows (omni_qrows) and multiplied by torch's bfloat16 matmul, the

@@ -5,8 +5,8 @@ Importing this package does not import triton; :func:`unavailable_reasons` answe
 kernels can run on a device type, and the kernels live in :mod:`.reshape_and_cache`,
 :mod:`.paged_attention`, :mod:`.quant_gemm` (with :mod:`.wn_gemv`), :mod:`.int8_gemm` (with
 :mod:`.int8_gemv`), :mod:`.gguf_gemm` (with :mod:`.gguf_gemv` and :mod:`.gguf_kgemv`),
-:mod:`.dequant_linear` (the quantized layers' products by rows) and :mod:`.fused_moe` (importing
-those imports triton).
+:mod:`.fp8_gemm`, :mod:`.dequant_linear` (the quantized layers' products by rows) and
+:mod:`.fused_moe` (importing those imports triton).
 
 Triton decides between compiling for a GPU and interpreting on the CPU when a kernel is
 *defined*, from ``TRITON_INTERPRET``: set ``TRITON_INTERPRET=1`` before the first import of the
@@ -30,6 +30,7 @@ _KERNEL_MODULES = ("omniinfer.kernels.triton.paged_attention",
                    "omniinfer.kernels.triton.gguf_gemv",
                    "omniinfer.kernels.triton.gguf_kgemv",
                    "omniinfer.kernels.triton.gguf_gemm",
+                   "omniinfer.kernels.triton.fp8_gemm",
                    "omniinfer.kernels.triton.dequant_linear",
                    "omniinfer.kernels.triton.fused_moe")
 

@@ -341,6 +341,55 @@ def gguf_launches() -> list[KernelLaunch]:
                          shape.label(), shape, partial(_gguf_launch, shape)) for shape in _GGUF]
 
 
+# ---- FP8 weights (kernels/triton/fp8_gemm.py) ---------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class FP8Shape:
+    """One FP8 linear layer as `fp8_linear` sees it: e4m3 codes [n, k], a float32 scale a row and
+    block of `scale_cols` inputs (k: one a row)."""
+
+    model: str
+    dtype: torch.dtype  # activations
+    m: int
+    n: int
+    k: int
+    scale_cols: int = 128
+
+    def label(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.").replace("bfloat", "bf").replace("float", "fp")
+        scales = "a row" if self.scale_cols >= self.k else f"b{self.scale_cols}"
+        return f"{dtype} fp8 {scales} m{self.m} {self.n}x{self.k} ({self.model})"
+
+
+# Qwen3-8B-FP8's per-rank projections (blocks of 128 x 128; gate_up 24576 x 4096, down 4096 x
+# 12288) at decode (the GEMV, 1 and 4 rows) and at a 512-token prefill chunk (dequantised), and a
+# compressed-tensors FP8 file's per-channel scales in float32 (a scale a row).
+_FP8: tuple[FP8Shape, ...] = (
+    FP8Shape("qwen3-8b gate_up", torch.bfloat16, 1, 24576, 4096),
+    FP8Shape("qwen3-8b down", torch.float16, 4, 4096, 12288),
+    FP8Shape("qwen3-8b down", torch.bfloat16, 512, 4096, 12288),
+    FP8Shape("llama-3-8b qkv", torch.float32, 1, 6144, 4096, scale_cols=4096),
+    FP8Shape("llama-3-8b qkv", torch.float32, 512, 6144, 4096, scale_cols=4096),
+)
+
+
+def _fp8_launch(shape: FP8Shape) -> None:
+    from omniinfer.kernels.triton.dequant_linear import fp8_linear
+
+    meta = dict(device="meta")
+    fp8_linear(torch.empty(shape.m, shape.k, dtype=shape.dtype, **meta),
+               torch.empty(shape.n, shape.k, dtype=torch.uint8, **meta),
+               torch.empty(shape.n, -(-shape.k // shape.scale_cols), **meta), shape.scale_cols)
+
+
+def fp8_launches() -> list[KernelLaunch]:
+    """What FP8 layers launch on a GPU through `fp8_linear`: the split-K GEMV (fp8_gemv) for a
+    few rows, `fp8_dequantize` (then torch's matmul) for more."""
+    from omniinfer.kernels.triton.dequant_linear import FP8_FUSED_MAX_M
+
+    return [KernelLaunch("fp8_gemv" if shape.m <= FP8_FUSED_MAX_M else "fp8_dequantize",
+                         shape.label(), shape, partial(_fp8_launch, shape)) for shape in _FP8]
+
+
 # ---- mixture of experts (kernels/triton/fused_moe.py) -------------------------------------------
 @dataclass(frozen=True, slots=True)
 class MoEShape:
@@ -395,7 +444,7 @@ def moe_launches() -> list[KernelLaunch]:
 
 # Every source of catalogued launches; a new kernel family appends its function here.
 SOURCES: tuple[Callable[[], list[KernelLaunch]], ...] = (attention_launches, quant_launches,
-                                                          gguf_launches, moe_launches)
+                                                          gguf_launches, fp8_launches, moe_launches)
 
 
 def catalogue() -> list[KernelLaunch]:

@@ -1,7 +1,7 @@
 """Quantized linear layers as the layers run them: a fused kernel for a few rows, the weight
 dequantised then torch's matmul for more.
 
-A fused kernel (gguf_gemm.py, quant_gemm.py, int8_gemm.py) decodes every weight in registers
+A fused kernel (gguf_gemm.py, quant_gemm.py, int8_gemm.py, fp8_gemm.py) decodes every weight in registers
 for each tile of rows; past a few rows that decode, repeated per row tile and done on the cores
 that should be multiplying, costs more than writing the weight out once in the activation dtype
 and handing it to the vendor's GEMM (cuBLAS, hipBLASLt, oneDNN), which runs at the device's
@@ -9,7 +9,7 @@ peak. Measured on an H200 (benchmarks/gguf_tiles.py, scripts/gpu_check.sh;
 docs/quantization.md): Llama-3-8B's gate_up as Q4_K at 512 rows, fused 1,481 us, dequantised +
 F.linear 322 us, dense bf16 F.linear 161 us; at 1 row the fused GEMV wins (163 us against 208).
 
-``gguf_linear``, ``wn_linear`` and ``int8_linear`` (weight-only int8) pick between them by the
+``gguf_linear``, ``wn_linear``, ``int8_linear`` (weight-only int8) and ``fp8_linear`` pick between them by the
 rows (the bounds below). The
 dequantised weight is transient: at most ``DEQUANT_WORKSPACE_BYTES`` live at a time (wider
 layers go in output chunks; each chunk is two more launches, whose host time showed on the
@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from omniinfer.kernels.triton.fp8_gemm import check_fp8_weight, fp8_dequantize, fp8_matmul
 from omniinfer.kernels.triton.gguf_gemm import gguf_dequantize, gguf_matmul
 from omniinfer.kernels.triton.int8_gemm import check_int8_weight, int8_matmul
 from omniinfer.kernels.triton.quant_gemm import (
@@ -59,6 +60,9 @@ WN_G_IDX_FUSED_MAX_M = 0
 # the rows' tiles together (quant_gemm.program_tile), which may move the crossover up: gpu_check
 # times both at 64-512 rows. W8A8 keeps its int8 product.
 INT8_FUSED_MAX_M = 128
+# FP8 weight-only: the GEMV up to GGUF's bound (its decode, two integer ops and a conversion a
+# weight, is cheaper than any GGUF type's; not yet timed on a GPU: gpu_check times both paths)
+FP8_FUSED_MAX_M = 4
 
 
 def gguf_fused_max_m(type_name: str) -> int:
@@ -113,6 +117,20 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     return _dequantized_product(
         x, x2, weight.shape[0], bias,
         lambda n0, n1: int8_dequantize(weight[n0:n1], weight_scale[n0:n1], x.dtype), n_major=True)
+
+
+def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_cols: int,
+               bias: torch.Tensor | None = None, fused_max_m: int | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for an FP8 weight (fp8_gemm.fp8_matmul's arguments): `fp8_matmul`
+    for up to `fused_max_m` rows (default FP8_FUSED_MAX_M), else W dequantised (fp8_dequantize)
+    in chunks of outputs and multiplied by torch."""
+    x2 = matrix_rows(x)
+    if x2.shape[0] <= (FP8_FUSED_MAX_M if fused_max_m is None else fused_max_m):
+        return fp8_matmul(x, q, scale, scale_cols, bias)
+    check_fp8_weight(q, scale, x2.shape[1], scale_cols)
+    return _dequantized_product(
+        x, x2, q.shape[0], bias,
+        lambda n0, n1: fp8_dequantize(q, scale, scale_cols, x.dtype, n0, n1), n_major=True)
 
 
 def _dequantized_product(x: torch.Tensor, x2: torch.Tensor, n: int, bias: torch.Tensor | None,
