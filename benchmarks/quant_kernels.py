@@ -15,7 +15,8 @@ accelerators, at 1 and 8 rows (decode: weight bytes per second is the measure) a
 (--include-interpreted sets TRITON_INTERPRET=1 for this process; slow: for dry runs).
 Weights are random codes, scales and zeros (their values do not change the time); GGUF formats
 are random blocks of the type (testing/kquant.random_blocks), Q4_K and Q6_K as a Q4_K_M file
-holds them, Q8_0, and Q5_0 (a narrow model's fallback). Exit
+holds them, Q8_0, and Q5_0 (a narrow model's fallback); FP8 as Qwen3-*-FP8 holds it (e4m3
+codes, a float32 scale per 128 x 128 block, spread over the rows). Exit
 status 1 when a kernel fails or disagrees with the reference.
 """
 
@@ -36,7 +37,7 @@ CPU_LAYERS = [("tiny", 72, 256)]
 GPU_ROWS, CPU_ROWS = (1, 8, 512), (1, 17)
 FORMATS = ("int4-g128", "int4-g128-zeros", "int4-g32-g_idx", "int8-w8a16", "int8-w8a8",
            "gguf-q4_k", "gguf-q6_k", "gguf-q8_0", "gguf-q5_0", "gguf-q4_0", "gguf-q5_k",
-           "gguf-iq4_xs")
+           "gguf-iq4_xs", "fp8-b128")
 # outputs agree to the output dtype's rounding, relative to the largest output (two units)
 TOLERANCE = {torch.float16: 2 ** -9, torch.bfloat16: 2 ** -6, torch.float32: 1e-5}
 
@@ -55,6 +56,24 @@ class GGUFWeight:
         return dequantize(self.blocks, BY_NAME[self.type_name], self.k)
 
 
+@dataclass(frozen=True)
+class FP8Weight:
+    """An FP8 checkpoint's weight as the layers hold it (quantization/fp8.py's piece): e4m3 codes
+    [n, k] and float32 scales [n, ceil(k / scale_cols)]."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    scale_cols: int
+
+    def dequantize(self) -> torch.Tensor:
+        from omniinfer.quantization.base import QuantPiece
+        from omniinfer.quantization.fp8 import _dequantize, fp8_kind
+
+        n, k = self.q.shape
+        kind = fp8_kind(None if self.scale_cols >= k else self.scale_cols)
+        return _dequantize(QuantPiece(kind, (n, k), {"q": self.q, "scale": self.scale}))
+
+
 def make_weight(fmt: str, n: int, k: int, dtype, device, gen):
     """A random weight of `fmt` in the kernels' layout."""
     from omniinfer.quantization.int_layouts import Int8Weight, PackedIntWeight
@@ -69,6 +88,11 @@ def make_weight(fmt: str, n: int, k: int, dtype, device, gen):
         seed = int(torch.randint(0, 2 ** 31, (1,), generator=gen))
         blocks = random_blocks(BY_NAME[name], n, k, np.random.default_rng(seed))
         return GGUFWeight(torch.from_numpy(blocks).to(device), name, k)
+    if fmt.startswith("fp8"):
+        codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.int32)
+        codes = torch.where(codes & 0x7F == 0x7F, codes - 1, codes).to(torch.uint8)  # (no NaNs)
+        scale = torch.rand(n, -(-k // 128), generator=gen) * 0.01 + 1e-3
+        return FP8Weight(codes.to(device), scale.to(device), 128)
     if fmt.startswith("int8"):
         codes = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
         scale = torch.rand(n, generator=gen) * 0.01 + 1e-3
@@ -94,6 +118,8 @@ def kernel_call(weight, path: str = "auto"):
     bound = {"auto": {}, "fused": {"fused_max_m": 1 << 62}, "dequant": {"fused_max_m": -1}}[path]
     if isinstance(weight, GGUFWeight):
         return lambda x: dl.gguf_linear(x, weight.blocks, weight.type_name, **bound)
+    if isinstance(weight, FP8Weight):
+        return lambda x: dl.fp8_linear(x, weight.q, weight.scale, weight.scale_cols, **bound)
     if isinstance(weight, Int8Weight):
         return lambda x: dl.int8_linear(x, weight.weight, weight.weight_scale, weight.input_scale,
                                         weight.quantize_activations, **bound)
@@ -105,7 +131,7 @@ def reference(weight, x):
     from omniinfer.quantization.int_layouts import Int8Weight
     from omniinfer.quantization.int_reference import int8_linear_reference, wn_linear_reference
 
-    if isinstance(weight, GGUFWeight):  # the ReferenceKernel's product
+    if isinstance(weight, (GGUFWeight, FP8Weight)):  # the ReferenceKernel's product
         return torch.nn.functional.linear(x, weight.dequantize().to(x.dtype))
     return (int8_linear_reference if isinstance(weight, Int8Weight) else wn_linear_reference)(
         x, weight)
@@ -114,7 +140,7 @@ def reference(weight, x):
 def weight_bytes(weight) -> int:
     return sum(t.numel() * t.element_size() for t in
                (getattr(weight, f) for f in ("qweight", "scales", "zeros", "g_idx", "weight",
-                                             "weight_scale", "blocks")
+                                             "weight_scale", "blocks", "q", "scale")
                 if hasattr(weight, f)) if t is not None)
 
 

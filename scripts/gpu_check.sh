@@ -15,7 +15,7 @@
 # quantized kernels' times and models, and the kernels' table (registers, spills, shared memory
 # per configuration and target), and time the Sampler (benchmarks/sampler.py: each sampling
 # setting at 1 and 32 rows, and a 2048-token prompt's log-probs). Time limits: kit 5 min,
-# attention benchmark 2.5, quantized benchmark 3.3 (12 formats since 2026-12-07), int8
+# attention benchmark 2.5, quantized benchmark 3.3 (13 formats since 2026-12-08: FP8 too), int8
 # weight-only at 64-512 rows both ways 1, tile sweep 4 (it stops itself at 220 s), the Sampler
 # 1.5; the kernel compiles, the quantized models and the kernel tests
 # run beside the kit, within its 5. On an H200 (2026-12-04) the whole check took 180 s
@@ -152,7 +152,7 @@ timeout 280 "$PYTHON" -m omniinfer.testing.quant_models --platform "$PLATFORM" \
   --json "$OUT/quant_models.json" "${qmodel_args[@]}" >"$OUT/quant_models.log" 2>&1 &
 qmodel_pid=$!
 
-test_k=${GPU_CHECK_TEST_K:-one_row or iq4_polynomial or odd_address or decoder_is or w8a8_split}
+test_k=${GPU_CHECK_TEST_K:-one_row or iq4_polynomial or odd_address or decoder_is or w8a8_split or fp8}
 test_pid=
 if [[ $PLATFORM == xpu ]]; then
   say "Triton kernel tests: not on xpu (the tests put their tensors on cuda, else interpret them)"
