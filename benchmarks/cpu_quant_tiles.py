@@ -67,6 +67,13 @@ def main() -> int:
     parser.add_argument("--rows", nargs="+", type=int, default=[8, 16, 32, 512])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
+    from omniinfer.quantization.gguf_blocks import BY_NAME
+
+    ragged = [f"{kind} (blocks of {BY_NAME[kind].block})" for kind in args.kinds
+              if kind != "int8" and args.shape[1] % BY_NAME[kind].block]
+    if ragged:  # (the kernel would refuse each such weight with no word of why)
+        parser.error(f"--shape {args.shape[0]} {args.shape[1]}: K={args.shape[1]} is not whole blocks of "
+                     f"{', '.join(ragged)}")
 
     import torch
     import torch.nn.functional as F
