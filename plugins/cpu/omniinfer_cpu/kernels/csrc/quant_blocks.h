@@ -115,13 +115,24 @@ INLINE uint16_t u16_at(const uint8_t *p) {
  * directly: exponent rebiased by 112, a subnormal as the normal formula at e = 1 less 2^-14.
  * (A NaN byte, 0x7f / 0xff, reads as +-480; checkpoints hold none: their largest value is 448.) */
 #define F8_UNIT 256.0f
+#if defined(__AVX2__) && defined(__F16C__) && !defined(__AVX512F__)
+/* AVX2: e4m3 bytes sign-extended to 16-bit lanes as float16 bits, 2^-8 times their values: shifted
+ * left by 7, the extension puts the sign on bits 14 and 15, and clearing bit 14 (one AND, where
+ * the zero-extended byte needs an AND and an ADD to move it) leaves the float16. Zen 3's float16
+ * conversion bounds these products, so the ALU work around it counts. */
+INLINE __m128i f8_halves(__m128i sx) {
+    return _mm_and_si128(_mm_slli_epi16(sx, 7), _mm_set1_epi16((short)0xBFFF));
+}
+INLINE __m256i f8_halves16(__m256i sx) {
+    return _mm256_and_si256(_mm256_slli_epi16(sx, 7), _mm256_set1_epi16((short)0xBFFF));
+}
+#endif
 INLINE vf f8_chunk(const uint8_t *p) {
 #if defined(__AVX512F__)
     __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)), 7);
     return (vf)_mm512_cvtph_ps(_mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000))));
 #elif defined(__AVX2__) && defined(__F16C__)
-    __m128i t = _mm_slli_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p)), 7);
-    return (vf)_mm256_cvtph_ps(_mm_add_epi16(t, _mm_and_si128(t, _mm_set1_epi16(0x4000))));
+    return (vf)_mm256_cvtph_ps(f8_halves(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p))));
 #elif defined(__aarch64__) && defined(__ARM_NEON)
     uint32_t four;
     memcpy(&four, p, 4);
