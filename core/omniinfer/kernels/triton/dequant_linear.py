@@ -60,8 +60,9 @@ WN_G_IDX_FUSED_MAX_M = 0
 # the rows' tiles together (quant_gemm.program_tile), which may move the crossover up: gpu_check
 # times both at 64-512 rows. W8A8 keeps its int8 product.
 INT8_FUSED_MAX_M = 128
-# FP8 weight-only: the GEMV up to GGUF's bound (its decode, two integer ops and a conversion a
-# weight, is cheaper than any GGUF type's; not yet timed on a GPU: gpu_check times both paths)
+# FP8 weight-only: the GEMV up to GGUF's bound (its decode, a few integer ops and a float16
+# conversion a weight, is cheaper than any GGUF type's; not yet timed on a GPU: gpu_check times
+# both paths)
 FP8_FUSED_MAX_M = 4
 
 

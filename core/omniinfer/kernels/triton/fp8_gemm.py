@@ -4,11 +4,13 @@ output and block of `scale_cols` inputs (128 for ``weight_block_size`` [128, 128
 scale a row). Activations stay float (weight-only: what vLLM runs on GPUs without FP8 arithmetic,
 and what the reference and the CPU kernel compute; no GPU's FP8 units are used).
 
-A code becomes its value in registers with no conversion instruction and no table: its sign moved
+A code becomes its value in registers with a few integer operations and no table: its sign moved
 to bit 15 and its exponent and mantissa to bits 7-14 make a float16 whose exponent bias (15)
 exceeds e4m3's (7) by 8, so that float16 is the e4m3 value times 2**-8 exactly, subnormals
-included (e4m3's subnormals land on float16's). The 2**8 goes into the scale (exact), so each
-weight is ``value * scale`` rounded once in float32: the reference's weight bit for bit. The two
+included (e4m3's subnormals land on float16's); its conversion to float32 is exact and needs
+no FP8 conversion instruction (sm_80 and gfx90a have none). The 2**8 goes into the scale
+(exact), so each weight is ``value * scale`` rounded once in float32: the reference's weight bit
+for bit. The two
 NaN codes (0x7F, 0xFF), which no checkpoint's weights hold, read as +-480 (the CPU kernel reads
 them the same way).
 
