@@ -10,9 +10,8 @@ exceeds e4m3's (7) by 8, so that float16 is the e4m3 value times 2**-8 exactly, 
 included (e4m3's subnormals land on float16's); its conversion to float32 is exact and needs
 no FP8 conversion instruction (sm_80 and gfx90a have none). The 2**8 goes into the scale
 (exact), so each weight is ``value * scale`` rounded once in float32: the reference's weight bit
-for bit. The two
-NaN codes (0x7F, 0xFF), which no checkpoint's weights hold, read as +-480 (the CPU kernel reads
-them the same way).
+for bit. The two NaN codes (0x7F, 0xFF), which no checkpoint's weights hold, read as +-480 (the
+CPU kernel reads them the same way).
 
 `fp8_matmul` is the split-K GEMV of quant_gemm.py's protocol (``launch_weight_only``): a program
 a tile of 64 outputs x up to 8 rows x one K split, 64 inputs a step, one scale column a step (a
