@@ -15,6 +15,7 @@ import torch
 
 from omniinfer.quantization.base import QuantKernel
 from omniinfer.quantization.fp8 import KINDS as FP8_KINDS
+from omniinfer.quantization.fp8 import block_of
 from omniinfer.quantization.gguf_blocks import QUANTIZED
 from omniinfer.quantization.gguf_transcode import LATTICE_AS
 from omniinfer.quantization.int_pieces import WINT_KINDS
@@ -55,7 +56,6 @@ class TritonQuantKernel(QuantKernel):
             self._product = lambda x: gguf_linear(x, w, gguf_type)
         elif family == "fp8":
             from omniinfer.kernels.triton.dequant_linear import fp8_linear
-            from omniinfer.quantization.fp8 import block_of
 
             q, scale = self.weight = piece.tensors["q"], piece.tensors["scale"]
             cols = block_of(piece.kind, piece.shape[1])
